@@ -1,0 +1,1 @@
+"""Triton kernels for the ATOM runtime, each beside a plain torch reference."""

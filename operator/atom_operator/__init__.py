@@ -1,0 +1,1 @@
+"""The ATOM Kubernetes operator: kopf handlers and pure manifest rendering."""

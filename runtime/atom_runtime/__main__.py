@@ -1,0 +1,5 @@
+import sys
+
+from atom_runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Shared test configuration: GPU-only tests skip with a reason when no GPU is present."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
