@@ -1,0 +1,227 @@
+"""The one interface the runtime calls for its custom kernels.
+
+Every op runs the Triton kernel when its tensors are on a GPU (CUDA or ROCm) and Triton
+imports, and the torch reference (`atom_kernels.reference`) otherwise. The environment
+variable `ATOM_KERNEL_BACKEND=torch|triton` forces one backend for every op; it is read
+once at import (and again by `refresh_backend()`), never per call. Forcing `triton` on
+CPU tensors only works under `TRITON_INTERPRET=1` (that is how the CPU tests run).
+
+The Triton modules are imported on first use, so a CPU-only process never pays for
+importing Triton.
+
+KV cache layout (per layer): `k_cache`, `v_cache` are
+`[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last dim; a token's
+slot is `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import torch
+
+from atom_kernels import reference
+
+BACKEND_ENV = "ATOM_KERNEL_BACKEND"
+_BACKENDS = ("torch", "triton")
+
+_forced_backend: str | None = None
+_triton_installed: bool = False
+_triton_impls: SimpleNamespace | None = None
+
+
+def refresh_backend() -> None:
+    """Re-read `ATOM_KERNEL_BACKEND` and forget the loaded Triton launchers (for tests)."""
+    global _forced_backend, _triton_installed, _triton_impls
+    value = os.environ.get(BACKEND_ENV, "").strip().lower() or None
+    if value is not None and value not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {', '.join(_BACKENDS)}")
+    _forced_backend = value
+    _triton_installed = importlib.util.find_spec("triton") is not None
+    _triton_impls = None
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """The backend an op on tensor `t` dispatches to: "triton" or "torch"."""
+    return "triton" if _use_triton(t) else "torch"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _forced_backend is not None:
+        return _forced_backend == "triton"
+    return t.is_cuda and _triton_installed  # is_cuda is also true on ROCm builds
+
+
+def _triton() -> SimpleNamespace:
+    global _triton_impls
+    if _triton_impls is None:
+        from atom_kernels import decode_attention, kv_cache, norm, prefill_attention, rotary
+
+        _triton_impls = SimpleNamespace(
+            store_kvcache=kv_cache.store_kvcache,
+            paged_attention_decode=decode_attention.paged_attention_decode,
+            paged_attention_prefill=prefill_attention.paged_attention_prefill,
+            rms_norm=norm.rms_norm,
+            fused_add_rms_norm=norm.fused_add_rms_norm,
+            rotary_embedding_=rotary.rotary_embedding_,
+        )
+    return _triton_impls
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key[i]`/`value[i]` (`[num_tokens, num_kv_heads, head_dim]`) into cache slot
+    `slot_mapping[i]` (int64); slot -1 marks a padding token and is skipped. In place."""
+    _check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match the cache's "
+            f"[*, {k_cache.shape[2]}, {k_cache.shape[3]}]"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != [{key.shape[0]}]")
+    if _use_triton(key):
+        _triton().store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged KV cache.
+
+    q: `[B, num_heads, head_dim]`, the token at position `context_lens[b] - 1` whose K/V are
+    already stored. block_tables: int32 `[B, max_blocks_per_seq]` (entries past the used
+    blocks are ignored). context_lens: int32 `[B]`; 0 gives a zero output row. Returns
+    `[B, num_heads, head_dim]` (written into `out` when given). CUDA-graph capturable on
+    the Triton path: no host syncs, launch sizes depend on shapes only.
+    """
+    _check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} must be [B, num_heads, {k_cache.shape[3]}] with num_heads "
+            f"a multiple of num_kv_heads={k_cache.shape[2]}"
+        )
+    if _use_triton(q):
+        return _triton().paged_attention_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out
+        )
+    return reference.paged_attention_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out
+    )
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for a batch of variable-length query chunks packed back to back.
+
+    q: `[T, num_heads, head_dim]`; chunk b is `q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`.
+    seq_lens[b]: tokens in the cache for sequence b including this chunk (already stored).
+    Query i of chunk b sits at position `seq_lens[b] - q_len_b + i` and attends to cache
+    positions `0..` that position. A chunk of length 1 is a decode step. max_seqlen_q is
+    an upper bound on the chunk lengths (it sizes the launch). Returns `[T, num_heads,
+    head_dim]` (written into `out` when given).
+    """
+    _check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)} must be [T, num_heads, {k_cache.shape[3]}] with num_heads "
+            f"a multiple of num_kv_heads={k_cache.shape[2]}"
+        )
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected len(seq_lens) + 1"
+        )
+    if _use_triton(q):
+        return _triton().paged_attention_prefill(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out
+        )
+    return reference.paged_attention_prefill(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (`[T, H]`), computed in fp32; returns x.dtype."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree")
+    if _use_triton(x):
+        return _triton().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual = x + residual`; `out = rms_norm(residual)`; returns `(out, residual)`.
+
+    Both backends overwrite `residual` in place with the sum (rounded to its dtype) and
+    return that same tensor; `out` is a new tensor; `x` is left untouched.
+    """
+    if x.shape != residual.shape or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
+            f"{tuple(weight.shape)} disagree"
+        )
+    if _use_triton(x):
+        return _triton().fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    """Apply rotary position embedding to q (`[T, num_heads, head_dim]`) and k
+    (`[T, num_kv_heads, head_dim]`) in place; both may be strided views (e.g. slices of a
+    fused qkv output). positions: int64 `[T]`. cos_sin_cache: fp32 `[max_position,
+    rotary_dim]`, cos in the first half of the last dim, sin in the second; channels past
+    rotary_dim are left alone. `is_neox=True` rotates halves (HF Llama/Qwen),
+    False rotates interleaved pairs (GPT-J)."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    if rotary_dim % 2 or rotary_dim > q.shape[-1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"rotary_dim {rotary_dim} must be even and <= head_dim; q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}"
+        )
+    if _use_triton(q):
+        _triton().rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
+    else:
+        reference.rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
+
+
+refresh_backend()
