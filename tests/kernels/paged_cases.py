@@ -48,10 +48,11 @@ def make_paged_case(
     for b, (n, nb) in enumerate(zip(seq_lens, blocks_needed, strict=True)):
         mine = [order.pop() for _ in range(nb)]
         block_tables[b, :nb] = torch.tensor(mine, dtype=torch.int32)
-        for pos in range(n):
-            blk, off = mine[pos // block_size], pos % block_size
-            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=generator)
-            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=generator)
+        for i, blk in enumerate(mine):
+            used = min(block_size, n - i * block_size)
+            rows = (used, num_kv_heads, head_dim)
+            k_cache[blk, :used] = torch.randn(rows, generator=generator).to(dtype)
+            v_cache[blk, :used] = torch.randn(rows, generator=generator).to(dtype)
     return PagedCase(k_cache, v_cache, block_tables, list(seq_lens))
 
 

@@ -1,0 +1,301 @@
+"""Triton paged attention for decode: one query token per sequence, split-K over the context.
+
+Grid of the main kernel: (sequence, kv head, split). One program loads the GROUP query
+heads that share a KV head as the rows of one tile, so each K/V row is read from memory
+once for the whole group, and walks its split's token range BLOCK_N tokens at a time with
+an online (running max / running sum) softmax. Tokens are gathered through the block
+table one row at a time, so any page size works (not only powers of two) and a tile may
+straddle pages.
+
+Split-K: when batch * kv_heads programs would not fill the GPU, the context is cut into
+NUM_SPLITS contiguous ranges processed by separate programs; each writes an unnormalised
+partial output with its running max and sum, and a second kernel merges them
+(log-sum-exp). The split count depends only on shapes (batch, kv heads,
+max_blocks_per_seq) and the device, never on context_lens values, so a CUDA graph
+captured once stays valid; splits past a sequence's length do no work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# Fewest tokens a split should cover: below this the merge costs more than it saves.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    scale_log2,
+    q_stride_b,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_off,
+    cache_stride_h,
+    bt_stride_b,
+    out_stride_b,
+    out_stride_h,
+    tokens_per_split,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    ctx = tl.load(context_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(ctx, start + tokens_per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    q_ptrs = q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
+    head_off = kv_head.to(tl.int64) * cache_stride_h
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n
+        valid = pos < end
+        block = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off + head_off
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # Every tile holds at least one valid token, so m_new is finite.
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / denom[:, None]
+        o_ptrs = (
+            out_ptr
+            + seq.to(tl.int64) * out_stride_b
+            + heads[:, None] * out_stride_h
+            + offs_d[None, :]
+        )
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous. Splits
+        # starting past the context write nothing; the merge never reads them.
+        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        live = g_mask & ((start + offs_g * 0) < ctx)
+        tl.store(part_max_ptr + row, m_i, mask=live)
+        tl.store(part_sum_ptr + row, l_i, mask=live)
+        acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=live[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    context_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_stride_b,
+    out_stride_h,
+    tokens_per_split,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    ctx = tl.load(context_lens_ptr + seq)
+    live_splits = tl.cdiv(ctx, tokens_per_split)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < live_splits
+    d_mask = offs_d < HEAD_DIM
+    row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
+    acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no live split (context_len 0)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(l_part * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    o = o / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # CPU under TRITON_INTERPRET: any small number; tests pick splits themselves
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device
+) -> int:
+    """Split count for a decode launch, from shapes and the device only.
+
+    Aim for about four programs per multiprocessor in total, but give each split at least
+    _MIN_TOKENS_PER_SPLIT tokens of the longest possible context.
+    """
+    programs = max(1, batch * num_kv_heads)
+    wanted = math.ceil(4 * _multiprocessor_count(device) / programs)
+    useful = max(1, max_context // max(_MIN_TOKENS_PER_SPLIT, block_n))
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+def decode_config(head_dim: int) -> dict[str, int]:
+    """Tile sizes by head_dim: BLOCK_N tokens per step, kept so a K and a V tile fit in
+    registers with the fp32 accumulator."""
+    block_d = triton.next_power_of_2(head_dim)
+    if block_d <= 64:
+        return {"block_n": 64, "num_warps": 4}
+    if block_d <= 128:
+        return {"block_n": 64, "num_warps": 4}
+    return {"block_n": 32, "num_warps": 8}
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.paged_attention_decode`. `num_splits` and `block_n` override
+    the automatic choices (tests use them to engage split-K on small shapes)."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("q and the caches need a contiguous head_dim; caches share strides")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    if batch == 0:
+        return out
+
+    config = decode_config(head_dim)
+    block_n = block_n or config["block_n"]
+    max_context = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
+    tokens_per_split = math.ceil(math.ceil(max_context / num_splits) / block_n) * block_n
+    tokens_per_split = max(tokens_per_split, block_n)
+
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused by the single-split path
+
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        tokens_per_split,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=config["num_warps"],
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            context_lens,
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            out.stride(0),
+            out.stride(1),
+            tokens_per_split,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 128 else 2,
+        )
+    return out

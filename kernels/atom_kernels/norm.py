@@ -1,0 +1,84 @@
+"""Triton RMSNorm and fused residual-add + RMSNorm, one program per row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    hidden,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r_ptrs = residual_ptr + row * residual_stride + offs
+        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the residual's dtype first so the norm sees exactly what is
+        # stored (what the torch reference and HF models compute).
+        total = (x + r).to(residual_ptr.dtype.element_ty)
+        tl.store(r_ptrs, total, mask=mask)
+        x = total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * inv_rms * w
+    tl.store(out_ptr + row * out_stride + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("rms_norm needs a contiguous last dim")
+    if not weight.is_contiguous():
+        raise ValueError("rms_norm needs a contiguous weight")
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)  # a view for the [T, H] inputs the runtime passes
+    r2 = residual.reshape(-1, hidden) if residual is not None else x2
+    if residual is not None and r2.data_ptr() != residual.data_ptr():
+        raise ValueError("residual must be viewable as [T, H] to be updated in place")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            hidden,
+            eps,
+            ADD_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See `atom_kernels.ops.rms_norm`."""
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.fused_add_rms_norm`: `residual` is overwritten with x + residual."""
+    return _launch(x, residual, weight, eps), residual
