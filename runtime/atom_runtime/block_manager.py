@@ -1,0 +1,95 @@
+"""BlockManager: a sequence's view of the block pool.
+
+It finds a sequence's prefix hits, grows its block table as tokens are scheduled, publishes the
+hashes of blocks once the forward pass has computed them (prompt and generated text alike, so a
+follow-up turn reuses both), and frees the table. It never touches tensors.
+"""
+
+from __future__ import annotations
+
+from atom_runtime.block_hash import hash_block_tokens
+from atom_runtime.block_pool import BlockPool
+from atom_runtime.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix_hit(self, seq: Sequence) -> list[int]:
+        """Blocks serving the leading run of seq's full blocks already in the cache.
+
+        The block holding the last token is never a hit: its logits must be computed."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._ensure_hashes(seq, max_blocks)
+        hits = []
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(seq.block_hashes[i], self._block_tokens(seq, i))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hit: list[int] = ()) -> bool:
+        """Grow seq's block table to hold its computed tokens plus num_new_tokens, claiming the
+        prefix-hit blocks first (a fresh sequence only). All or nothing: False leaves no trace."""
+        if prefix_hit and seq.block_table:
+            raise RuntimeError("prefix hits apply only to a sequence holding no blocks")
+        have = len(seq.block_table) + len(prefix_hit)
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - have
+        # A hit on a block nobody holds takes it off the free list: count it against the budget.
+        idle_hits = sum(1 for b in prefix_hit if self.pool.blocks[b].ref_count == 0)
+        if max(need, 0) + idle_hits > self.pool.num_free_blocks:
+            return False
+        for block_id in prefix_hit:
+            self.pool.claim(block_id)
+        if prefix_hit:
+            seq.block_table.extend(prefix_hit)
+            seq.num_hashed_blocks = len(prefix_hit)
+            seq.num_computed_tokens = len(prefix_hit) * self.block_size
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, tail first, so the head of a shared prefix is evicted last."""
+        self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def publish_computed_blocks(self, seq: Sequence) -> None:
+        """Hash every full block the forward pass has now computed, in chain order."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = seq.num_hashed_blocks
+        if num_full <= start:
+            return
+        # Never hash over an unhashed parent: a gap in the chain stops hashing for this sequence.
+        if start > 0 and self.pool.blocks[seq.block_table[start - 1]].hash is None:
+            return
+        self._ensure_hashes(seq, num_full)
+        self.pool.publish_hashes(
+            seq.block_table[start:num_full],
+            seq.block_hashes[start:num_full],
+            [self._block_tokens(seq, i) for i in range(start, num_full)],
+            parent=seq.block_hashes[start - 1] if start > 0 else None,
+        )
+        seq.num_hashed_blocks = num_full
+
+    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, self._block_tokens(seq, i)))
+
+    def _block_tokens(self, seq: Sequence, i: int):
+        return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

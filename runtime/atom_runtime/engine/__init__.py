@@ -1,0 +1,1 @@
+"""The engine: EngineCore (scheduler + model runner busy loop) and the messages it speaks."""

@@ -1,0 +1,223 @@
+"""EngineCore: the scheduler and the model runner in one loop.
+
+One step: `schedule()` -> `ModelRunner.execute(batch)` -> append samples and check stops ->
+`Scheduler.finish_step` (publish computed blocks, free finished) -> publish KV events -> outputs.
+The same class runs in-process under `LLM` and in its own process under `atom serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from atom_runtime.block_manager import BlockManager
+from atom_runtime.block_pool import BlockPool
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
+from atom_runtime.kv_events import KVEventsConfig, make_publisher
+from atom_runtime.model_runner import ModelRunner
+from atom_runtime.models.loader import load_model_config, resolve_model_path
+from atom_runtime.scheduler import Scheduler
+from atom_runtime.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = load_model_config(self.model_path)
+        self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
+        self.runner = ModelRunner(config, self.model_config, self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
+        self.runner.eos_token_ids = self.eos_token_ids
+        self.block_size = config.block_size
+        self.max_model_len = self._decide_max_model_len()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(
+            8192, min(self.max_model_len, 16384)
+        )
+        self.pool = BlockPool(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+        )
+        self.scheduler = Scheduler(
+            BlockManager(self.pool, config.enable_prefix_caching),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+        self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
+        self.requests: dict[str, Sequence] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _decide_max_model_len(self) -> int:
+        cache_tokens = self.runner.num_blocks * self.block_size
+        model_len = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if wanted > model_len:
+                raise ValueError(
+                    f"max_model_len: {wanted} exceeds the model's context length {model_len}"
+                )
+            if wanted > cache_tokens:
+                raise ValueError(
+                    f"max_model_len: {wanted} tokens do not fit the KV cache ({cache_tokens} "
+                    "tokens); lower it or give the cache more memory"
+                )
+            return wanted
+        if model_len > cache_tokens:
+            log.warning("max_model_len capped to %d tokens by the KV cache size", cache_tokens)
+        return min(model_len, cache_tokens)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Validate and queue a request. Bad input raises ValueError naming the field; nothing
+        is queued then."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens leave no room to generate within the context "
+                f"length of {self.max_model_len} tokens"
+            )
+        params = request.sampling_params
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceed the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids) -> list[EngineOutput]:
+        aborted = self.scheduler.abort(set(request_ids))
+        for seq in aborted:
+            self.requests.pop(seq.request_id, None)
+        self.runner.release(seq.request_id for seq in aborted)
+        return [self._output(seq, []) for seq in aborted]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+        samplers, sampled = self.runner.execute(batch)
+        outputs = []
+        if samplers:
+            token_ids = sampled.token_ids.tolist()
+            logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+            now = time.time()
+            for row, seq in enumerate(samplers):
+                token = token_ids[row]
+                want = seq.sampling_params.logprobs
+                seq.append_token(token, logprobs[row] if want is not None else None)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._check_stop(seq, token)
+                out = self._output(seq, [token])
+                if want is not None:
+                    out.new_logprobs = [logprobs[row]]
+                    if want > 0:
+                        out.new_top_ids = [top_ids[row][:want]]
+                        out.new_top_logprobs = [top_lps[row][:want]]
+                outputs.append(out)
+            self.generation_tokens_total += len(samplers)
+        finished = self.scheduler.finish_step(batch)
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+        self.runner.release(seq.request_id for seq in finished)
+        self.publisher.publish(self.pool.drain_events())
+        self.publisher.raise_if_failed()
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish(FinishReason.STOP)
+                return
+            if p.stop_token_ids and token in p.stop_token_ids:
+                seq.finish(FinishReason.STOP, token)
+                return
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            seq.finish(FinishReason.LENGTH)
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish(FinishReason.LENGTH)
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
+        return EngineOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self.pool.usage,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+            prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            kv_events_published=self.publisher.published_total,
+            kv_events_dropped=self.publisher.dropped_total,
+        )
+
+    def cached_block_hashes(self) -> list[int]:
+        return sorted(self.pool.cached)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            self.publisher.publish(self.pool.drain_events())
+        return ok
+
+    def shutdown(self) -> None:
+        self.publisher.shutdown()
+
+
+def _eos_token_ids(model_path: Path, from_config: list[int]) -> list[int]:
+    """EOS ids from config.json, plus generation_config.json's when the folder has one."""
+    ids = set(from_config)
+    folder = model_path if model_path.is_dir() else model_path.parent
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return sorted(ids)

@@ -1,0 +1,35 @@
+"""The attention metadata of the step being run, set by the model runner around each forward.
+
+Layers read it instead of threading it through every module signature; CUDA-graph replay works
+because the runner fills the same tensors in place before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token (-1: padding)
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]: tokens in cache per sequence, this step's included
+    decode_only: bool  # every sequence runs exactly one new token
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [B+1], for mixed/prefill batches
+    max_seqlen_q: int = 1
+
+
+_current: AttentionMetadata | None = None
+
+
+def set_attention_metadata(meta: AttentionMetadata | None) -> None:
+    global _current
+    _current = meta
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("no attention metadata: forward called outside the model runner")
+    return _current

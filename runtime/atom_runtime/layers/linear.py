@@ -1,0 +1,124 @@
+"""Linear layers that know how they are split across tensor-parallel ranks.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's part
+of a checkpoint tensor into place, so loading never materializes more than one checkpoint tensor
+and a rank never holds the full model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_runtime.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy(param.data, loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication in forward."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.out_per_rank = _divide(out_features, tp_size(), "output features")
+        super().__init__(in_features, self.out_per_rank, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.data.shape[0]
+        _copy(param.data, loaded.narrow(0, tp_rank() * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one (gate_up): shard i is output_sizes[i]."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matrix. KV heads are split across ranks, or replicated when
+    there are fewer KV heads than ranks."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "attention heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp, num_kv_heads, "ranks per KV head")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out * tp, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            dst, src_index = param.data.narrow(0, 0, q_size), tp_rank()
+            size = q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            dst, size = param.data.narrow(0, offset, kv_size), kv_size
+            src_index = tp_rank() // self.kv_replicas
+        _copy(dst, loaded.narrow(0, src_index * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; one all-reduce of the output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.in_per_rank = _divide(in_features, tp_size(), "input features")
+        super().__init__(self.in_per_rank, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.data.dim() == 1:  # bias: added once, after the reduce
+            _copy(param.data, loaded)
+            return
+        n = param.data.shape[1]
+        _copy(param.data, loaded.narrow(1, tp_rank() * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
+        return all_reduce(y) if tp_size() > 1 else y
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(src)

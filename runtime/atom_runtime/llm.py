@@ -1,0 +1,116 @@
+"""The offline API, shaped like vLLM's so users' scripts carry over:
+
+from atom_runtime import LLM, SamplingParams
+llm = LLM(model="path/to/model")
+for out in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+    print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine.core import EngineCore
+from atom_runtime.output_processor import OutputProcessor, RequestOutput
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.tokenizer import Tokenizer
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = Tokenizer.from_path(self.engine.model_path, self.engine.eos_token_ids)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; a prompt is a string or {"prompt_token_ids": [...]}.
+        Returns one RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            ids.append(self._submit(text, token_ids, p))
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        params = sampling_params or SamplingParams()
+        ids = []
+        for conv in conversations:
+            token_ids = self.tokenizer.encode_chat(conv, **template_kwargs)
+            ids.append(self._submit(None, token_ids, params))
+        return self._run(ids, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompt: must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _submit(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        for req in self.processor.add_request(request_id, text, token_ids, params):
+            try:
+                self.engine.add_request(req)
+            except ValueError:
+                self.engine.abort_requests(self.processor.abort(request_id))
+                raise
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2
+        )
+        try:
+            while len(results) < len(request_ids):
+                outputs, to_abort = self.processor.process(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for out in outputs:
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(request_ids):
+                    raise RuntimeError("engine went idle with requests unfinished")
+        finally:
+            bar.close()
+        return [results[rid] for rid in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

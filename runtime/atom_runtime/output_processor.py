@@ -1,0 +1,240 @@
+"""Frontend bookkeeping shared by `LLM` and the API server: fan-out of `n`, incremental
+detokenization, stop strings, and the vLLM-shaped RequestOutput.
+
+Stop strings live here, not in the engine core: only text knows them. When one matches, the
+request is finished here and its id is handed back so the caller aborts it in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from atom_runtime.engine.messages import EngineOutput, EngineRequest
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+class SequenceText:
+    """One completion's growing text: detokenized token by token, checked for stop strings."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer) -> None:
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.text = ""
+        self.token_ids = array("i")
+        self.logprobs = array("f")
+        self.top: list[dict[int, float]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.stop = params.stop or []
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def streamable_text(self) -> str:
+        """Text safe to show now: the tail that could still begin a stop string is held back."""
+        if self.finished or not self.hold:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.hold)]
+
+    def append(self, out: EngineOutput) -> bool:
+        """Add one engine output. Returns True when a stop string finished this completion."""
+        for i, token in enumerate(out.new_token_ids):
+            self.token_ids.append(token)
+            if out.new_logprobs is not None:
+                self.logprobs.append(out.new_logprobs[i])
+                top = {token: out.new_logprobs[i]}
+                if out.new_top_ids is not None:
+                    top.update(zip(out.new_top_ids[i], out.new_top_logprobs[i], strict=True))
+                self.top.append(top)
+            piece = self.stream.step(self.tokenizer.hf, token)
+            if piece:
+                before = len(self.text)
+                self.text += piece
+                if self.stop and self._check_stop(before):
+                    return True
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+        return False
+
+    def _check_stop(self, new_from: int) -> bool:
+        start = max(0, new_from - self.hold)
+        best = None
+        for s in self.stop:
+            at = self.text.find(s, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return False
+        at, s = best
+        self.text = (
+            self.text[: at + len(s)] if self.params.include_stop_str_in_output else self.text[:at]
+        )
+        self.finish_reason = "stop"
+        self.stop_reason = s
+        return True
+
+    def completion(self) -> CompletionOutput:
+        want = self.params.logprobs is not None
+        return CompletionOutput(
+            index=self.index,
+            text=self.text if self.finished else self.streamable_text,
+            token_ids=self.token_ids.tolist(),
+            cumulative_logprob=float(sum(self.logprobs)) if want else None,
+            logprobs=list(self.top) if want else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.children = {
+            child_id(request_id, i, params.n): SequenceText(i, params, tokenizer)
+            for i in range(params.n)
+        }
+        self.num_cached_tokens = 0
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children.values())
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.completion() for c in self.children.values()],
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._parent: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> list[EngineRequest]:
+        """Track a request; returns the engine requests to submit (n of them for n > 1; seeded
+        children get seed + index so their samples differ but stay reproducible)."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        self.requests[request_id] = state
+        out = []
+        for i, cid in enumerate(state.children):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = params.clone(n=1, seed=seed)
+            self._parent[cid] = request_id
+            out.append(
+                EngineRequest(
+                    cid, prompt_token_ids, child_params, state.arrival_time, kv_transfer_params
+                )
+            )
+        return out
+
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply engine outputs. Returns the updated requests' outputs and the engine request ids
+        that a stop string finished (to abort in the engine)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent = self._parent.get(out.request_id)
+            if parent is None:
+                continue  # already finished here (e.g. a stop string), engine still catching up
+            state = self.requests[parent]
+            child = state.children[out.request_id]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.first_token_time and state.first_token_time is None:
+                state.first_token_time = out.first_token_time
+            if out.first_scheduled_time and state.first_scheduled_time is None:
+                state.first_scheduled_time = out.first_scheduled_time
+            if child.append(out) and out.finish_reason is None:
+                to_abort.append(out.request_id)
+            if child.finished:
+                del self._parent[out.request_id]
+            touched[parent] = state
+        results = []
+        for rid, state in touched.items():
+            results.append(state.output())
+            if state.finished:
+                del self.requests[rid]
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its engine request ids to abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [cid for cid in state.children if cid in self._parent]
+        for cid in ids:
+            del self._parent[cid]
+        return ids
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [] if state is None else list(state.children)

@@ -1,0 +1,131 @@
+"""SamplingParams: how one request samples, with vLLM's field names and validation.
+
+A msgspec Struct so it crosses the API-server/engine-core socket as msgpack, never pickle. Every
+invalid value raises ValueError naming the field; the server turns that into a 400 with `param`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k filtering
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per output token (0: the sampled token's only)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(
+            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int),
+            "seed",
+            f"must be an integer, got {self.seed!r}",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        if self.stop is not None:
+            _check(
+                isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "must be a non-empty string or a list of non-empty strings",
+            )
+        if self.stop_token_ids is not None:
+            _check(
+                isinstance(self.stop_token_ids, list)
+                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be a list of non-negative integers",
+            )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}"
+            )
+        _check(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {message}")
