@@ -1,0 +1,108 @@
+"""`atom render` through the real console script, as a user runs it."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ATOM = pathlib.Path(sys.executable).parent / "atom"
+CPU_EXAMPLE = REPO / "examples" / "cpu-smollm2.yaml"
+
+
+def atom_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(ATOM), "render", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_renders_a_file_as_multi_document_yaml():
+    result = atom_render("-f", str(CPU_EXAMPLE))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("---\n")
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Deployment", "smollm2-decode"),
+        ("Service", "smollm2-decode"),
+        ("PodDisruptionBudget", "smollm2-decode"),
+        ("Service", "smollm2"),
+    ]
+    assert {d["metadata"]["namespace"] for d in docs} == {"default"}
+    assert "ownerReferences" not in docs[0]["metadata"]  # no uid outside a cluster
+
+
+def test_reads_several_documents_from_stdin_with_a_default_namespace():
+    two = """
+apiVersion: serving.atom.dev/v1alpha1
+kind: AtomDeployment
+metadata: {name: one}
+spec: {accelerator: {vendor: cpu}}
+---
+apiVersion: serving.atom.dev/v1alpha1
+kind: AtomDeployment
+metadata: {name: two, namespace: team-b}
+spec: {accelerator: {vendor: nvidia}, prefill: {}}
+"""
+    result = atom_render("-f", "-", "--namespace", "team-a", stdin=two)
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs] == [
+        ("Deployment", "team-a", "one-decode"),
+        ("Service", "team-a", "one-decode"),
+        ("PodDisruptionBudget", "team-a", "one-decode"),
+        ("Service", "team-a", "one"),
+        ("Deployment", "team-b", "two-decode"),
+        ("Service", "team-b", "two-decode"),
+        ("PodDisruptionBudget", "team-b", "two-decode"),
+        ("Deployment", "team-b", "two-prefill"),
+        ("Service", "team-b", "two-prefill"),
+        ("PodDisruptionBudget", "team-b", "two-prefill"),
+        ("Deployment", "team-b", "two-router"),
+        ("Service", "team-b", "two"),
+    ]
+
+
+def test_invalid_spec_exits_1_naming_the_field():
+    result = atom_render(
+        "-f", str(REPO / "examples" / "invalid" / "state-checkpoint-interval.yaml")
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr == (
+        "error: spec.stateCheckpoint.intervalTokens: must be a multiple of spec.engine.blockSize "
+        "(16), got 100\n"
+    )
+
+
+def test_one_invalid_document_prints_nothing():
+    text = (
+        CPU_EXAMPLE.read_text()
+        + "\n---\n"
+        + (REPO / "examples" / "invalid" / "vendor-unknown.yaml").read_text()
+    )
+    result = atom_render("-f", "-", stdin=text)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith(
+        "error: spec.accelerator.vendor: must be one of amd, nvidia, cpu"
+    )
+
+
+def test_other_kinds_and_missing_files_are_errors():
+    result = atom_render("-f", "-", stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert (result.returncode, result.stderr) == (
+        1,
+        "error: document 1 is a ConfigMap, not an AtomDeployment\n",
+    )
+    missing = atom_render("-f", "/nonexistent/atomd.yaml")
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: ")
+    assert "/nonexistent/atomd.yaml" in missing.stderr
