@@ -1,0 +1,183 @@
+"""Compiled-kernel checks that need a GPU: bf16, realistic shapes, CUDA-graph capture, and
+automatic dispatch. Skipped (with a reason, by tests/conftest.py) when there is no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from atom_kernels import ops, reference
+from paged_cases import make_paged_case
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = dict(atol=1.5e-2, rtol=1.5e-2)
+
+
+def _cuda_case(seq_lens, *, num_kv_heads, head_dim, block_size, dtype, seed):
+    case = make_paged_case(
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    case.k_cache = case.k_cache.cuda()
+    case.v_cache = case.v_cache.cuda()
+    case.block_tables = case.block_tables.cuda()
+    return case
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (16, 16, 64)])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_decode_realistic_shapes(kernels, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(20)
+    seq_lens = torch.randint(1, 3000, (24,), generator=g).tolist()
+    seq_lens[5] = 0
+    seq_lens[7] = 4100  # longest: several splits when the batch is small
+    case = _cuda_case(
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=21,
+    )
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, head_dim**-0.5)
+    want = reference.paged_attention_decode(*args)
+    for splits in (None, 1, 8):
+        got = kernels["decode_attention"].paged_attention_decode(*args, num_splits=splits)
+        torch.testing.assert_close(got, want, **BF16_TOL)
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_prefill_realistic_shapes(kernels, dtype, head_dim):
+    shapes = [(0, 1000), (517, 300), (2000, 1), (33, 129)]
+    seq_lens = [p + c for p, c in shapes]
+    q_lens = [c for _, c in shapes]
+    case = _cuda_case(
+        seq_lens, num_kv_heads=4, head_dim=head_dim, block_size=16, dtype=dtype, seed=22
+    )
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(sum(q_lens), 16, head_dim, generator=g).to(dtype).cuda()
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    args = (
+        q,
+        case.k_cache,
+        case.v_cache,
+        cu,
+        torch.tensor(seq_lens, dtype=torch.int32).cuda(),
+        case.block_tables,
+        head_dim**-0.5,
+        max(q_lens),
+    )
+    want = reference.paged_attention_prefill(*args)
+    got = kernels["prefill_attention"].paged_attention_prefill(*args)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_decode_other_head_dims(kernels, head_dim):
+    seq_lens = [1, 700, 33, 0, 2048]
+    case = _cuda_case(
+        seq_lens, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.float16, seed=24
+    )
+    q = torch.randn(5, 8, head_dim, generator=torch.Generator().manual_seed(25)).half().cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, head_dim**-0.5)
+    got = kernels["decode_attention"].paged_attention_decode(*args)
+    torch.testing.assert_close(got, reference.paged_attention_decode(*args), **BF16_TOL)
+
+
+def test_decode_replays_in_a_cuda_graph_with_new_lengths(kernels, monkeypatch):
+    """Captured once with static buffers, the graph stays correct when the lengths and
+    block tables change between replays (including a padded row of length 0)."""
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+    ops.refresh_backend()
+    seq_lens = [300, 1, 1025, 77]
+    case = _cuda_case(
+        seq_lens, num_kv_heads=2, head_dim=128, block_size=16, dtype=torch.bfloat16, seed=26
+    )
+    g = torch.Generator().manual_seed(27)
+    q = torch.randn(4, 8, 128, generator=g).bfloat16().cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    tables = case.block_tables.clone()
+    out = torch.empty_like(q)
+
+    def step():
+        ops.paged_attention_decode(q, case.k_cache, case.v_cache, tables, lens, 0.088, out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for new_lens in ([300, 1, 1025, 77], [12, 0, 1024, 200], [1025, 1025, 1, 0]):
+        # Rows rotate through the sequences' block tables to change the gathers too.
+        shift = new_lens[0] % 4
+        tables.copy_(case.block_tables.roll(shift, 0))
+        # Row i now holds sequence (i - shift)'s blocks: cap its length at what is stored.
+        usable = [min(n, seq_lens[(i - shift) % 4]) for i, n in enumerate(new_lens)]
+        lens.copy_(torch.tensor(usable, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.paged_attention_decode(q, case.k_cache, case.v_cache, tables, lens, 0.088)
+        torch.testing.assert_close(out, want, **BF16_TOL)
+
+
+def test_ops_dispatch_to_triton_on_gpu_tensors(kernels, monkeypatch):
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+    ops.refresh_backend()
+    assert ops.backend_for(torch.zeros(1, device="cuda")) == "triton"
+    assert ops.backend_for(torch.zeros(1)) == "torch"
+
+
+def test_small_ops_bf16(kernels):
+    g = torch.Generator().manual_seed(28)
+    x = torch.randn(300, 4096, generator=g).bfloat16().cuda()
+    res = torch.randn(300, 4096, generator=g).bfloat16().cuda()
+    w = torch.randn(4096, generator=g).bfloat16().cuda()
+    torch.testing.assert_close(
+        kernels["norm"].rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), **BF16_TOL
+    )
+    ref_res = res.clone()
+    want, _ = reference.fused_add_rms_norm(x, ref_res, w, 1e-6)
+    got, _ = kernels["norm"].fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **BF16_TOL)
+
+    qkv = torch.randn(300, (32 + 16) * 128, generator=g).bfloat16().cuda()
+    q = qkv[:, : 32 * 128].view(300, 32, 128)
+    k = qkv[:, 32 * 128 : 40 * 128].view(300, 8, 128)
+    positions = torch.randint(0, 8192, (300,), generator=g).cuda()
+    inv_freq = 1e6 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    angles = torch.arange(8192, dtype=torch.float64)[:, None] * inv_freq
+    cache = torch.cat((angles.cos(), angles.sin()), -1).float().cuda()
+    want = qkv.clone()
+    reference.rotary_embedding_(
+        positions,
+        want[:, : 32 * 128].view(300, 32, 128),
+        want[:, 32 * 128 : 40 * 128].view(300, 8, 128),
+        cache,
+    )
+    kernels["rotary"].rotary_embedding_(positions, q, k, cache)
+    torch.testing.assert_close(qkv, want, **BF16_TOL)
+
+    slots = torch.randperm(64 * 16, generator=g)[:300].cuda()
+    slots[::7] = -1
+    kc = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    kw, vw = kc.clone(), vc.clone()
+    reference.store_kvcache(k, k, kw, vw, slots)
+    kernels["kv_cache"].store_kvcache(k, k, kc, vc, slots)
+    assert torch.equal(kc, kw) and torch.equal(vc, vw)
