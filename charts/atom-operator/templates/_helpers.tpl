@@ -1,0 +1,64 @@
+{{- define "atom-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "atom-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "atom-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "atom-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "atom-operator.labels" -}}
+{{ include "atom-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}
+
+{{- define "atom-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "atom-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* What the operator reconciles, in every namespace or in the watched ones. */}}
+{{- define "atom-operator.rules" -}}
+- apiGroups: ["serving.atom.dev"]
+  resources: ["atomdeployments"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["serving.atom.dev"]
+  resources: ["atomdeployments/status"]
+  verbs: ["get", "patch", "update"]
+# ownerReferences with blockOwnerDeletion need this where OwnerReferencesPermissionEnforcement
+# is enabled.
+- apiGroups: ["serving.atom.dev"]
+  resources: ["atomdeployments/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
