@@ -16,6 +16,7 @@ from atom_runtime.kv_events.events import (
     decode_batch,
     encode_batch,
 )
+from atom_runtime.kv_events.index import PrefixIndex
 from atom_runtime.kv_events.publisher import (
     EventPublisher,
     KVEventPublisherError,
@@ -23,6 +24,7 @@ from atom_runtime.kv_events.publisher import (
     ZmqEventPublisher,
     make_publisher,
 )
+from atom_runtime.kv_events.subscriber import KVEventSubscriber
 
 __all__ = [
     "AllBlocksCleared",
@@ -33,9 +35,11 @@ __all__ = [
     "KVCacheEvent",
     "KVEventDecodeError",
     "KVEventPublisherError",
+    "KVEventSubscriber",
     "KVEventsConfig",
     "KVEventsConfigError",
     "NullEventPublisher",
+    "PrefixIndex",
     "ZmqEventPublisher",
     "decode_batch",
     "encode_batch",
