@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Folders of small random models by kind: llama, llama3, qwen2, qwen3 (built once)."""
+    from tests.model_factory import CONFIGS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {kind: make_tiny_model(root / kind, kind) for kind in CONFIGS}

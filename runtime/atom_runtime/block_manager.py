@@ -43,7 +43,8 @@ class BlockManager:
         if prefix_hit and seq.block_table:
             raise RuntimeError("prefix hits apply only to a sequence holding no blocks")
         have = len(seq.block_table) + len(prefix_hit)
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - have
+        computed = len(prefix_hit) * self.block_size if prefix_hit else seq.num_computed_tokens
+        need = self.blocks_needed(computed + num_new_tokens) - have
         # A hit on a block nobody holds takes it off the free list: count it against the budget.
         idle_hits = sum(1 for b in prefix_hit if self.pool.blocks[b].ref_count == 0)
         if max(need, 0) + idle_hits > self.pool.num_free_blocks:
