@@ -1,0 +1,422 @@
+"""kopf handlers for AtomDeployment: validate, render, apply, report.
+
+Importing this module registers the handlers with kopf's default registry, so
+`kopf run -m atom_operator.handlers` runs the operator (as does `atom operator run`, which
+imports it). Importing the `atom_operator` package alone registers nothing: `atom render`
+must not need kopf.
+
+What runs when:
+
+- create / resume / update (any change other than a replica count): validate and render
+  every child first, then create-or-patch each one (`apply.apply_children`), delete the
+  children the spec no longer renders (`apply.prune_children`), then write status with
+  `observedGeneration`. An invalid spec writes `SpecValid=False` naming the field and
+  `observedGeneration`, emits a warning event, touches no child, and fails permanently for
+  that generation (the next edit is handled afresh).
+- a change of `spec.decode.replicas` or `spec.prefill.replicas` alone: patch only
+  `spec.replicas` of that role's Deployment (`apply.scale_deployment`); nothing for a role
+  whose HPA owns the replica count.
+- every `ATOM_OPERATOR_STATUS_INTERVAL` seconds (default 10): fold the owned Deployments'
+  status (kept current by a kopf index over Deployments labelled
+  `serving.atom.dev/deployment`) into the AtomDeployment's status; written only when it
+  changed.
+
+Deletion needs no handler: every child carries an ownerReference to the AtomDeployment
+(controller=true, blockOwnerDeletion=true), so Kubernetes' garbage collector removes the
+children; the operator adds no finalizer.
+
+API errors: a 409 conflict retries soon with exponential backoff, other API errors and
+unreachable API servers retry with a longer backoff (`kopf.TemporaryError`); a child whose
+name is taken by an object this AtomDeployment does not control is reported as a warning
+event and retried (the garbage collector may still be removing an older owner's object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import kopf
+
+from atom_operator import apply, status
+from atom_operator.render import endpoint_url, render_children
+from atom_operator.schema import GROUP, PLURAL, VERSION
+from atom_operator.spec import SpecError, apply_defaults
+
+STATUS_INTERVAL = float(os.environ.get("ATOM_OPERATOR_STATUS_INTERVAL", "10"))
+REPLICA_FIELDS = {("spec", "decode", "replicas"), ("spec", "prefill", "replicas")}
+ANNOTATION_PREFIX = GROUP  # kopf's bookkeeping annotations live under serving.atom.dev/
+
+
+# --- operator-level setup ---------------------------------------------------------------------
+
+
+class KubeConnection:
+    """The credentials kopf logged in with, turned into one `apply.KubeAPI` on first use.
+
+    Kept in the operator's memo (shared by every object's memo) because kopf logs in after
+    the startup handlers run and again whenever its credentials stop working.
+    """
+
+    def __init__(self) -> None:
+        self.info: kopf.ConnectionInfo | None = None
+        self._api: apply.KubeAPI | None = None
+        self._retired: list[apply.KubeAPI] = []  # built from older credentials; closed at exit
+
+    def set_info(self, info: kopf.ConnectionInfo | None) -> None:
+        if info is not self.info:
+            self.info = info
+            if self._api is not None:
+                self._retired.append(self._api)
+            self._api = None
+
+    def api(self) -> apply.KubeAPI:
+        if self._api is None:
+            if self.info is None:
+                raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=1)
+            self._api = apply.KubeAPI.from_connection_info(self.info)
+        return self._api
+
+    async def close(self) -> None:
+        for api in [*self._retired, self._api]:
+            if api is not None:
+                await api.close()
+        self._api, self._retired = None, []
+
+
+def _connection(memo: kopf.Memo) -> KubeConnection:
+    return memo.setdefault("kube", KubeConnection())
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Keep kopf's bookkeeping in serving.atom.dev/ annotations, out of our status."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/kopf-finalizer"
+    # Only our own events (kopf.info/warn) and kopf's warnings become Kubernetes events.
+    settings.posting.level = logging.WARNING
+    _connection(memo)
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account, else kubeconfig (as kopf's default), shared with apply."""
+    info = await asyncio.to_thread(kopf.login_via_client, memo=memo, **kwargs)
+    _connection(memo).set_info(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close_api(memo: kopf.Memo, **_: Any) -> None:
+    await _connection(memo).close()
+
+
+# --- the children's state, kept current by watching Deployments -------------------------------
+
+
+@kopf.index(
+    "apps",
+    "v1",
+    "deployments",
+    labels={status.DEPLOYMENT_LABEL: kopf.PRESENT, status.ROLE_LABEL: kopf.PRESENT},
+)
+def role_deployments(
+    body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any
+) -> dict[tuple[str, str], status.RoleDeployment] | None:
+    """(namespace, AtomDeployment name) -> summary of each role Deployment."""
+    summary = status.summarize_deployment(body)
+    if summary is None:
+        return None
+    return {(namespace, labels[status.DEPLOYMENT_LABEL]): summary}
+
+
+def _owned(index: kopf.Index, namespace: str, name: str) -> list[status.RoleDeployment]:
+    return list(index.get((namespace, name), []))
+
+
+# --- helpers the handlers share ---------------------------------------------------------------
+
+
+def retry_delay(retry: int, *, conflict: bool) -> float:
+    """Backoff for a failed apply: conflicts retry from 1 s, other errors from 5 s."""
+    base, cap = (1.0, 30.0) if conflict else (5.0, 300.0)
+    return min(cap, base * 2 ** min(retry, 10))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def plan(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Validate the spec and render every child, all before the first write (or SpecError)."""
+    return render_children(_plain(body))
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain-dict copy of a kopf Body (the renderer may not accept kopf's mapping views)."""
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "generation": meta.get("generation"),
+            "labels": dict(meta.get("labels") or {}),
+            "annotations": dict(meta.get("annotations") or {}),
+        },
+        "spec": _thaw(body.get("spec") or {}),
+    }
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def write_status(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    deployments: Iterable[status.RoleDeployment],
+    *,
+    applied_generation: int | None,
+    with_generation: bool,
+) -> dict[str, Any]:
+    """Fold status and put the changed keys into kopf's patch; returns the folded status."""
+    try:
+        endpoint: str | None = endpoint_url(_plain(body))
+    except (SpecError, ValueError, KeyError):
+        endpoint = None
+    folded = status.fold_status(
+        body, deployments, applied_generation=applied_generation, endpoint=endpoint, now=_now()
+    )
+    current = dict(body.get("status") or {})
+    changes = status.status_changes(current, folded)
+    if with_generation and current.get("observedGeneration") != applied_generation:
+        changes["observedGeneration"] = applied_generation
+    if changes:
+        patch.status.update(changes)
+    return folded
+
+
+def _refuse_invalid(
+    body: kopf.Body, patch: kopf.Patch, index: kopf.Index, error: SpecError
+) -> kopf.PermanentError:
+    """Report an invalid spec and return the error that ends handling of this generation."""
+    meta = body.get("metadata") or {}
+    write_status(
+        body,
+        patch,
+        _owned(index, meta.get("namespace"), meta.get("name")),
+        applied_generation=meta.get("generation"),
+        with_generation=True,
+    )
+    kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
+    return kopf.PermanentError(f"invalid spec, nothing applied: {error}")
+
+
+def _api_failure(body: kopf.Body, error: Exception, retry: int) -> kopf.TemporaryError:
+    if isinstance(error, apply.OwnershipError):
+        kopf.warn(body, reason="ChildConflict", message=str(error))
+        return kopf.TemporaryError(str(error), delay=retry_delay(retry, conflict=False))
+    conflict = isinstance(error, apply.ApiError) and error.is_conflict
+    return kopf.TemporaryError(str(error), delay=retry_delay(retry, conflict=conflict))
+
+
+def _report(body: kopf.Body, results: Iterable[apply.Applied]) -> None:
+    changed = [r for r in results if r.action != "unchanged"]
+    if changed:
+        kopf.info(body, reason="Applied", message=", ".join(str(r) for r in changed))
+
+
+# --- change handlers --------------------------------------------------------------------------
+
+
+async def reconcile(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """Render everything, then create-or-patch each child, then write status."""
+    meta = body.get("metadata") or {}
+    try:
+        children = plan(body)
+    except SpecError as error:
+        raise _refuse_invalid(body, patch, role_deployments, error) from error
+    api = _connection(memo).api()
+    selector = (
+        f"{status.DEPLOYMENT_LABEL}={children[0]['metadata']['labels'][status.DEPLOYMENT_LABEL]}"
+    )
+    try:
+        results = await apply.apply_children(api, children, meta["uid"])
+        results += await apply.prune_children(
+            api, children, namespace=meta["namespace"], selector=selector, uid=meta["uid"]
+        )
+    except (apply.ApiError, apply.OwnershipError) as error:
+        raise _api_failure(body, error, retry) from error
+    _report(body, results)
+    logger.info("applied: %s", ", ".join(str(r) for r in results))
+    write_status(
+        body,
+        patch,
+        _owned(role_deployments, meta["namespace"], meta["name"]),
+        applied_generation=meta.get("generation"),
+        with_generation=True,
+    )
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+async def on_create(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    await reconcile(body, patch, memo, retry, role_deployments, logger)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def on_resume(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    await reconcile(body, patch, memo, retry, role_deployments, logger)
+
+
+def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
+    """Whether every change is to spec.decode.replicas or spec.prefill.replicas."""
+    paths = [tuple(change[1]) for change in diff]
+    return bool(paths) and all(path in REPLICA_FIELDS for path in paths)
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL, when=lambda diff, **_: not only_replicas_changed(diff))
+async def on_update(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    await reconcile(body, patch, memo, retry, role_deployments, logger)
+
+
+async def scale(
+    role: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> None:
+    """Patch only spec.replicas of the role's Deployment (whole reconcile if it is missing)."""
+    meta = body.get("metadata") or {}
+    try:
+        children = plan(body)
+    except SpecError as error:
+        raise _refuse_invalid(body, patch, role_deployments, error) from error
+    spec = apply_defaults(dict(body.get("spec") or {}))
+    if role not in spec:
+        return  # the role was removed in the same edit; on_update handles that
+    if spec[role]["autoscaling"]["enabled"]:
+        logger.info("spec.%s.replicas ignored: the role's HorizontalPodAutoscaler owns it", role)
+        return
+    deployment = next(
+        c
+        for c in children
+        if c["kind"] == "Deployment"
+        and c["metadata"].get("labels", {}).get(status.ROLE_LABEL) == role
+    )
+    api = _connection(memo).api()
+    try:
+        result = await apply.scale_deployment(api, deployment, meta["uid"])
+        results = (
+            [result]
+            if result is not None
+            else await apply.apply_children(api, children, meta["uid"])
+        )
+    except (apply.ApiError, apply.OwnershipError) as error:
+        raise _api_failure(body, error, retry) from error
+    _report(body, results)
+    write_status(
+        body,
+        patch,
+        _owned(role_deployments, meta["namespace"], meta["name"]),
+        applied_generation=meta.get("generation"),
+        with_generation=True,
+    )
+
+
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.decode.replicas")
+async def on_decode_replicas(
+    reason: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    if reason == "update":  # creation and resumption are whole reconciles already
+        await scale("decode", body, patch, memo, retry, role_deployments, logger)
+
+
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.prefill.replicas")
+async def on_prefill_replicas(
+    reason: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    if reason == "update":
+        await scale("prefill", body, patch, memo, retry, role_deployments, logger)
+
+
+# --- status -----------------------------------------------------------------------------------
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=STATUS_INTERVAL)
+async def fold_children_status(
+    body: kopf.Body, patch: kopf.Patch, role_deployments: kopf.Index, **_: Any
+) -> None:
+    """Fold the children's status into the AtomDeployment's; write only what changed."""
+    meta = body.get("metadata") or {}
+    current = body.get("status") or {}
+    write_status(
+        body,
+        patch,
+        _owned(role_deployments, meta.get("namespace"), meta.get("name")),
+        applied_generation=current.get("observedGeneration"),
+        with_generation=False,
+    )
