@@ -134,28 +134,41 @@ def _fill_schema_defaults(value: Any, schema: dict[str, Any]) -> None:
             _fill_schema_defaults(item, schema["items"])
 
 
+def _section(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    """spec[name] when it is an object; a throwaway {} otherwise (validate_spec reports it)."""
+    value = spec.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
-    """A new spec with every default filled: the CRD's static ones, then DERIVED_DEFAULTS."""
+    """A new spec with every default filled: the CRD's static ones, then DERIVED_DEFAULTS.
+
+    Pure, and safe on an invalid spec (a field of the wrong type is left as it is, for
+    validate_spec to report); the input is never modified.
+    """
+    if not isinstance(spec, dict):
+        raise TypeError(f"spec must be a dict, got {type(spec).__name__}")
     out = copy.deepcopy(spec)
     _fill_schema_defaults(out, SPEC_SCHEMA)
-    vendor = out["accelerator"]["vendor"]
-    vendor_known = vendor in VENDORS
-    model = out["model"]
+    model, engine = _section(out, "model"), _section(out, "engine")
+    accelerator, router = _section(out, "accelerator"), _section(out, "router")
+    vendor = accelerator.get("vendor")
+    vendor_known = isinstance(vendor, str) and vendor in VENDORS
     if "name" not in model:
         try:
             model["name"] = default_model_name(model.get("uri"))
         except SpecError:
             pass  # validate_spec reports the uri; leave the name unset
-    if "image" not in out["engine"] and vendor_known:
-        out["engine"]["image"] = DEFAULT_IMAGES[vendor]
-    if "tolerations" not in out["accelerator"] and vendor_known:
-        out["accelerator"]["tolerations"] = vendor_tolerations(vendor)
-    if "supplementalGroups" not in out["accelerator"]:
-        out["accelerator"]["supplementalGroups"] = [AMD_VIDEO_GID] if vendor == "amd" else []
+    if "image" not in engine and vendor_known:
+        engine["image"] = DEFAULT_IMAGES[vendor]
+    if "tolerations" not in accelerator and vendor_known:
+        accelerator["tolerations"] = vendor_tolerations(vendor)
+    if "supplementalGroups" not in accelerator and vendor_known:
+        accelerator["supplementalGroups"] = [AMD_VIDEO_GID] if vendor == "amd" else []
     if "prefill" in out and "kvTransfer" not in out:
         out["kvTransfer"] = {"connector": DEFAULT_CONNECTOR, "config": {}}
-    if "image" not in out["router"] and "image" in out["engine"]:
-        out["router"]["image"] = out["engine"]["image"]
+    if "image" not in router and "image" in engine:
+        router["image"] = engine["image"]
     return out
 
 
