@@ -15,6 +15,7 @@ torch's scaled_dot_product_attention (flash) on the same problem laid out densel
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -76,7 +77,11 @@ def bench_decode(model: str, batch: int, context: int, block_size: int, quick: b
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size()
     auto = decode_attention.choose_num_splits(
-        batch, num_kv_heads, tables.shape[1] * block_size, 64, q.device
+        batch,
+        num_kv_heads,
+        tables.shape[1] * block_size,
+        decode_attention.decode_config(head_dim)["block_n"],
+        torch.cuda.get_device_properties(q.device).multi_processor_count,
     )
     rows = []
     for splits in [None] + ([1, 2, 4, 8] if not quick else []):
@@ -145,6 +150,71 @@ def bench_prefill(model: str, num_seqs: int, seq_len: int, block_size: int) -> l
     ]
 
 
+def sweep() -> list[dict]:
+    """Launch settings around the defaults, to retune `decode_config`/`prefill_config`."""
+    from atom_kernels import decode_attention, prefill_attention
+
+    rows = []
+    num_heads, num_kv_heads, head_dim = MODELS["llama3-8b"]
+    dtype = torch.bfloat16
+    for batch, context, splits_list in ((64, 4096, [1]), (4, 32768, [1, 4, 8, 16, 32, None])):
+        k_cache, v_cache, tables = _paged_cache(
+            [context] * batch, num_kv_heads, head_dim, 16, dtype
+        )
+        q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
+        configs = [
+            (64, 4, 2),
+            (32, 4, 2),
+            (64, 4, 3),
+            (128, 4, 2),
+            (64, 8, 2),
+            (128, 8, 3),
+            (32, 2, 3),
+        ]
+        for splits in splits_list:
+            for block_n, warps, stages in configs if batch == 64 else configs[:1]:
+                ms = _time_ms(
+                    functools.partial(
+                        decode_attention.paged_attention_decode,
+                        q, k_cache, v_cache, tables, lens, 0.1, num_splits=splits,
+                        block_n=block_n, num_warps=warps, num_stages=stages,
+                    )
+                )  # fmt: skip
+                rows.append(
+                    {"op": "decode", "batch": batch, "context": context, "splits": str(splits),
+                     "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
+                     "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
+                )  # fmt: skip
+    seq_len = 8192
+    k_cache, v_cache, tables = _paged_cache([seq_len], num_kv_heads, head_dim, 16, dtype)
+    q = torch.randn(seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
+    cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
+    flops = 4 * seq_len * (seq_len + 1) // 2 * num_heads * head_dim
+    for bm, bn, warps, stages in [
+        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+        (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 4, 2),
+    ]:  # fmt: skip
+        try:
+            ms = _time_ms(
+                functools.partial(
+                    prefill_attention.paged_attention_prefill,
+                    q, k_cache, v_cache, cu, lens, tables, 0.1, seq_len, block_m=bm,
+                    block_n=bn, num_warps=warps, num_stages=stages,
+                )
+            )  # fmt: skip
+        except Exception as e:  # e.g. out of shared memory for this tiling
+            print(f"prefill {bm}x{bn} w{warps} s{stages}: {type(e).__name__}", file=sys.stderr)
+            continue
+        rows.append(
+            {"op": "prefill", "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
+             "ms": round(ms, 4), "TFLOP_per_s": round(flops / (ms * 1e-3) / 1e12, 1)}
+        )  # fmt: skip
+    return rows
+
+
 def _print_table(rows: list[dict]) -> None:
     keys: list[str] = []
     for row in rows:
@@ -160,10 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernels_bench.json", help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="small shapes, a smoke test")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch settings")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels_bench needs a CUDA or ROCm GPU; none is present", file=sys.stderr)
         return 2
+    sweep_rows = sweep() if args.sweep else []
+    if sweep_rows:
+        _print_table([r for r in sweep_rows if r["op"] == "decode"])
+        _print_table([r for r in sweep_rows if r["op"] == "prefill"])
 
     batch, context, prefill_len = (4, 512, 1024) if args.quick else (64, 4096, 8192)
     decode_rows, prefill_rows = [], []
@@ -186,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_ceiling_GB_per_s": COPY_CEILING_BYTES_PER_S / 1e9,
         "decode": decode_rows,
         "prefill": prefill_rows,
+        "sweep": sweep_rows,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

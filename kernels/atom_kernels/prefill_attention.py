@@ -207,9 +207,12 @@ def paged_attention_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """See `atom_kernels.ops.paged_attention_prefill`. `block_m`/`block_n` override the
-    tile sizes (tests use small tiles to cross tile boundaries on small shapes)."""
+    """See `atom_kernels.ops.paged_attention_prefill`. The keyword-only arguments override
+    the tuned launch settings (tests use small tiles to cross tile boundaries on small
+    shapes; the benchmark sweeps them)."""
     _, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
@@ -250,7 +253,7 @@ def paged_attention_prefill(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         IEEE_DOT=q.dtype == torch.float32,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
     )
     return out

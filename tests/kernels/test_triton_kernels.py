@@ -145,10 +145,12 @@ def test_decode_writes_into_out_and_ignores_block_table_padding(kernels, device)
 
 def test_choose_num_splits_depends_on_shapes_only(kernels):
     choose = kernels["decode_attention"].choose_num_splits
-    cpu = torch.device("cpu")
-    assert choose(1, 8, 32768, 64, cpu) > 1  # one long sequence: split
-    assert choose(1, 8, 64, 64, cpu) == 1  # too short to be worth a merge
-    assert choose(512, 8, 32768, 64, cpu) == 1  # the batch alone fills the device
+    h200 = 132  # multiprocessors
+    assert choose(1, 8, 32768, 64, h200) == 32  # one long sequence: split to the cap
+    assert choose(4, 8, 4096, 64, h200) == 9  # ~2 programs per multiprocessor
+    assert choose(4, 8, 512, 64, h200) == 2  # but no split shorter than 256 tokens
+    assert choose(1, 8, 64, 64, h200) == 1  # too short to be worth a merge
+    assert choose(64, 8, 32768, 64, h200) == 1  # the batch alone fills the device
 
 
 PREFILL_CASES = [
