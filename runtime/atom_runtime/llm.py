@@ -26,11 +26,22 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config)
-        self.tokenizer = Tokenizer.from_path(self.engine.model_path, self.engine.eos_token_ids)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer.from_path(
+                self.engine.model_path, self.engine.eos_token_ids
+            )
+        except FileNotFoundError:
+            # A bare config.json (dummy weights for benchmarks): token-id prompts only.
+            self.tokenizer = None
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _require_tokenizer(self, field: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: this model has no tokenizer; pass prompt_token_ids")
         return self.tokenizer
 
     def generate(
@@ -66,17 +77,17 @@ class LLM:
         params = sampling_params or SamplingParams()
         ids = []
         for conv in conversations:
-            token_ids = self.tokenizer.encode_chat(conv, **template_kwargs)
+            token_ids = self._require_tokenizer("messages").encode_chat(conv, **template_kwargs)
             ids.append(self._submit(None, token_ids, params))
         return self._run(ids, use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._require_tokenizer("prompt").encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], self._require_tokenizer("prompt").encode(prompt["prompt"])
         raise ValueError("prompt: must be a string or a dict with 'prompt' or 'prompt_token_ids'")
 
     def _submit(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:

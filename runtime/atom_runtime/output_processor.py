@@ -46,7 +46,7 @@ class RequestOutput:
 class SequenceText:
     """One completion's growing text: detokenized token by token, checked for stop strings."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer) -> None:
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
@@ -81,7 +81,7 @@ class SequenceText:
                 if out.new_top_ids is not None:
                     top.update(zip(out.new_top_ids[i], out.new_top_logprobs[i], strict=True))
                 self.top.append(top)
-            piece = self.stream.step(self.tokenizer.hf, token)
+            piece = self.stream.step(self.tokenizer.hf, token) if self.tokenizer else None
             if piece:
                 before = len(self.text)
                 self.text += piece
@@ -129,7 +129,7 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -164,7 +164,8 @@ def child_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        # None: no tokenizer (dummy weights from a bare config); completions carry token ids only.
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._parent: dict[str, str] = {}
