@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 import transformers
+
 from atom_runtime import LLM, SamplingParams
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]

@@ -8,9 +8,9 @@ is a decode there too, so mixed batches are correct).
 from __future__ import annotations
 
 import torch
-from atom_kernels import ops
 from torch import nn
 
+from atom_kernels import ops
 from atom_runtime.forward_context import get_attention_metadata
 
 

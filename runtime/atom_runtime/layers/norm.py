@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import torch
-from atom_kernels import ops
 from torch import nn
+
+from atom_kernels import ops
 
 
 class RMSNorm(nn.Module):

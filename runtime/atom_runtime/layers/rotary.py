@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
-from atom_kernels import ops
 from torch import nn
+
+from atom_kernels import ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
