@@ -8,6 +8,7 @@ import pathlib
 import kubernetes_validate
 import pytest
 import yaml
+
 from atom_operator.render import CHILD_KINDS
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders and lints the chart")

@@ -17,6 +17,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from atom_operator import schema
 from atom_operator.spec import DERIVED_DEFAULTS, SpecError, apply_defaults, validate_spec
 

@@ -8,6 +8,7 @@ import pathlib
 import kubernetes_validate
 import pytest
 import yaml
+
 from atom_operator.render import endpoint_url, render_children
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+
 from atom_operator import render
 from atom_operator.render import (
     child_name,
