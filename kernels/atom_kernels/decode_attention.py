@@ -199,13 +199,17 @@ def choose_num_splits(
 
 
 def decode_config(head_dim: int) -> dict[str, int]:
-    """Tile sizes by head_dim: BLOCK_N tokens per step, kept so a K and a V tile fit in
-    registers with the fp32 accumulator."""
+    """Launch settings by head_dim: BLOCK_N tokens per step, sized so a K and a V tile fit
+    in registers beside the fp32 accumulator.
+
+    head_dim 128 on an H200 (bf16, batch 64 x 4k context, unsplit): BLOCK_N 64 with 4
+    warps and 3 stages read ~3.7 TB/s (~88% of the copy ceiling); 2 stages ~3.4, BLOCK_N
+    32 or 128 ~3.2-3.3. ROCm gets 2 stages (its stream pipeliner's sweet spot).
+    """
     block_d = triton.next_power_of_2(head_dim)
-    if block_d <= 64:
-        return {"block_n": 64, "num_warps": 4, "num_stages": 2}
+    stages = 2 if torch.version.hip is not None else 3
     if block_d <= 128:
-        return {"block_n": 64, "num_warps": 4, "num_stages": 2}
+        return {"block_n": 64, "num_warps": 4, "num_stages": stages}
     return {"block_n": 32, "num_warps": 8, "num_stages": 2}
 
 
