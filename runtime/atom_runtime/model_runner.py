@@ -35,6 +35,15 @@ _DTYPES = {
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
 
 
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (capped at 512), as vLLM does."""
+    top = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,6 +74,9 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self._allocate_kv_cache()
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_inputs: dict[str, torch.Tensor] = {}
+        self.graph_sizes: list[int] = []
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -127,6 +139,72 @@ class ModelRunner:
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
+    # -- CUDA graphs for decode ------------------------------------------------------------------
+
+    def capture_cudagraphs(self, max_model_len: int) -> None:
+        """Capture one graph per decode batch size (model forward and logits); a decode step of
+        n sequences replays the smallest graph of at least n rows, padded."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sizes = sorted(
+            set(
+                self.config.cudagraph_capture_sizes
+                or default_capture_sizes(self.config.max_num_seqs)
+            )
+        )
+        max_bs = sizes[-1]
+        max_blocks = -(-max_model_len // self.block_size)
+        dev = self.device
+        bufs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+        }
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(sizes):
+                meta = AttentionMetadata(
+                    slot_mapping=bufs["slot_mapping"][:bs],
+                    block_tables=bufs["block_tables"][:bs],
+                    seq_lens=bufs["seq_lens"][:bs],
+                    decode_only=True,
+                )
+                set_attention_metadata(meta)
+                ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
+                for _ in range(2):  # warm up: Triton compiles and autotunes outside capture
+                    self.model.compute_logits(self.model(ids, pos)).float()
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(ids, pos)).float()
+                self.graphs[bs] = (graph, logits)
+                set_attention_metadata(None)
+        torch.cuda.synchronize(dev)
+        self.graph_inputs = bufs
+        self.graph_sizes = sizes
+        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _replay_decode(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits of a decode-only batch through a captured graph, or None if none fits."""
+        n = input_ids.shape[0]
+        bs = next((s for s in self.graph_sizes if s >= n), None) if self.graphs else None
+        if bs is None:
+            return None
+        b = self.graph_inputs
+        b["input_ids"][:n].copy_(input_ids)
+        b["positions"][:n].copy_(positions)
+        b["slot_mapping"][:n].copy_(meta.slot_mapping)
+        b["slot_mapping"][n:bs].fill_(-1)
+        width = meta.block_tables.shape[1]
+        b["block_tables"][:n, :width].copy_(meta.block_tables)
+        b["seq_lens"][:n].copy_(meta.seq_lens)
+        b["seq_lens"][n:bs].zero_()
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        return logits[:n]
+
     @property
     def max_num_batched_tokens(self) -> int:
         return self.config.max_num_batched_tokens or 8192
@@ -137,6 +215,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run the batch; returns the sequences that sample this step and their samples."""
         input_ids, positions, meta, sample_rows, samplers = self._prepare(batch)
+        if meta.decode_only and self.graphs:
+            logits = self._replay_decode(input_ids, positions, meta)
+            if logits is not None:
+                return samplers, sample(logits, self._sampling_tensors(samplers))
         set_attention_metadata(meta)
         try:
             hidden = self.model(input_ids, positions)

@@ -36,9 +36,8 @@ class EngineCore:
         self.runner.eos_token_ids = self.eos_token_ids
         self.block_size = config.block_size
         self.max_model_len = self._decide_max_model_len()
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(
-            8192, min(self.max_model_len, 16384)
-        )
+        self.runner.capture_cudagraphs(self.max_model_len)
+        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.pool = BlockPool(
             self.runner.num_blocks,
             config.block_size,

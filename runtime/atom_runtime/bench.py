@@ -1,0 +1,263 @@
+"""`atom bench throughput|latency`: the workloads of shared/BENCHMARKS.md, with an optional peer
+(Hugging Face transformers) measured in the same run.
+
+    atom bench throughput --load-format dummy --model benchmarks/configs/qwen3-0.6b   # W1
+    atom bench latency --load-format dummy --model benchmarks/configs/llama-3.1-8b    # W2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from atom_runtime.config import EngineConfig, add_engine_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="workload", required=True)
+    tp = sub.add_parser("throughput", help="W1: offline throughput (output tokens/s)")
+    tp.add_argument("--num-prompts", type=int, default=256)
+    tp.add_argument("--input-len-min", type=int, default=100)
+    tp.add_argument("--input-len-max", type=int, default=1024)
+    tp.add_argument("--output-len", type=int, default=512)
+    tp.add_argument("--peer-batch-size", type=int, default=64)
+    tp.add_argument(
+        "--peer-num-prompts",
+        type=int,
+        default=None,
+        help="prompts for the peer (default: all; the peer is slow)",
+    )
+    lat = sub.add_parser("latency", help="W2: single-stream decode latency (ms/token)")
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--iters", type=int, default=3)
+    for p in (tp, lat):
+        p.add_argument("--peer", choices=["none", "transformers"], default="none")
+        p.add_argument("--output-json", default=None)
+        add_engine_arguments(p)
+
+
+def w1_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """W1's prompts: lengths uniform in [lo, hi], token ids in [100, 150000), Random(seed)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(lo, hi)
+        prompts.append([rng.randrange(100, 150000) for _ in range(length)])
+    return prompts
+
+
+def _clip_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
+    return [[t % vocab for t in p] for p in prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from atom_runtime.llm import LLM
+    from atom_runtime.sampling_params import SamplingParams
+
+    config = EngineConfig.from_args(args)
+    kwargs = {k: v for k, v in vars(config).items() if k != "model"}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result: dict = {
+        "workload": args.workload,
+        "model": config.model,
+        "device": device,
+        "date": time.strftime("%Y-%m-%d"),
+        "argv": sys.argv[1:],
+    }
+    llm = LLM(config.model, **kwargs)
+    vocab = llm.engine.model_config.vocab_size
+    if args.workload == "throughput":
+        prompts = _clip_vocab(
+            w1_prompts(args.num_prompts, args.input_len_min, args.input_len_max), vocab
+        )
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(
+            [{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False
+        )  # warm-up
+        _sync()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        _sync()
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        result.update(
+            num_prompts=len(prompts),
+            output_tokens=tokens,
+            seconds=elapsed,
+            output_tokens_per_s=tokens / elapsed,
+            preemptions=llm.engine.scheduler.num_preemptions,
+        )
+        print(f"atom  W1: {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:,.0f} tok/s")
+        if args.peer == "transformers":
+            llm.shutdown()
+            del llm
+            _free()
+            n = args.peer_num_prompts or len(prompts)
+            peer = peer_throughput(
+                llm_model_path(config), prompts[:n], args.output_len, args.peer_batch_size
+            )
+            result["peer"] = peer
+            result["ratio"] = result["output_tokens_per_s"] / peer["output_tokens_per_s"]
+            print(
+                f"peer W1: {peer['output_tokens_per_s']:,.0f} tok/s ({n} prompts, static "
+                f"batches of {args.peer_batch_size}); atom/peer = {result['ratio']:.1f}x"
+            )
+    else:
+        prompt = _clip_vocab(w1_prompts(1, args.input_len, args.input_len, seed=1), vocab)[0]
+        ms = [decode_ms_per_token(llm, prompt, args.output_len) for _ in range(args.iters)]
+        result.update(
+            input_len=args.input_len,
+            output_len=args.output_len,
+            ms_per_token=min(ms),
+            ms_per_token_runs=ms,
+        )
+        print(f"atom  W2: {min(ms):.3f} ms/token (runs: {', '.join(f'{m:.3f}' for m in ms)})")
+        if args.peer == "transformers":
+            llm.shutdown()
+            del llm
+            _free()
+            peer = peer_latency(llm_model_path(config), prompt, args.output_len)
+            result["peer"] = peer
+            result["ratio"] = peer["ms_per_token"] / result["ms_per_token"]
+            print(
+                f"peer W2: {peer['ms_per_token']:.3f} ms/token (static cache, compiled); "
+                f"peer/atom = {result['ratio']:.2f}x"
+            )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def decode_ms_per_token(llm, prompt: list[int], output_len: int) -> float:
+    """Steady-state decode time per token for one request: first token to last, per token."""
+    from atom_runtime.engine.messages import EngineRequest
+    from atom_runtime.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rid = f"lat-{time.monotonic_ns()}"
+    engine.add_request(EngineRequest(rid, prompt, params))
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
+
+
+def llm_model_path(config: EngineConfig):
+    from atom_runtime.models.loader import resolve_model_path
+
+    return resolve_model_path(config.model)
+
+
+def _peer_model(path):
+    import torch
+    import transformers
+
+    folder = path if path.is_dir() else path.parent
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            cfg,
+            dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+            attn_implementation="sdpa",
+        )
+    return model.eval()
+
+
+def peer_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
+    """transformers `generate` over static batches (left-padded), greedy, EOS ignored."""
+    import torch
+
+    model = _peer_model(path)
+    dev = next(model.parameters()).device
+    tokens = 0
+    _sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, p in enumerate(chunk):
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            out = model.generate(
+                ids.to(dev),
+                attention_mask=mask.to(dev),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=0,
+            )
+            tokens += (out.shape[1] - width) * len(chunk)
+    _sync()
+    elapsed = time.perf_counter() - start
+    return {
+        "system": "transformers generate, static batches, sdpa",
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "num_prompts": len(prompts),
+        "batch_size": batch_size,
+    }
+
+
+def peer_latency(path, prompt: list[int], output_len: int) -> dict:
+    """transformers' fastest single-stream path: a static cache with compiled decode."""
+    import torch
+
+    model = _peer_model(path)
+    dev = next(model.parameters()).device
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.tensor([prompt], device=dev)
+
+    def timed(n: int) -> float:
+        _sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
+        _sync()
+        return time.perf_counter() - t
+
+    for _ in range(2):  # compile and warm up
+        timed(output_len)
+    full = min(timed(output_len) for _ in range(3))
+    one = min(timed(1) for _ in range(3))
+    return {
+        "system": "transformers generate, static cache, torch.compile reduce-overhead",
+        "ms_per_token": (full - one) / (output_len - 1) * 1000,
+    }
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
