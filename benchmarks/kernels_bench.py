@@ -30,7 +30,7 @@ MODELS = {
 }
 
 
-def _time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
+def _time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     """Median milliseconds per call, timed with CUDA events."""
     for _ in range(warmup):
         fn()

@@ -35,8 +35,9 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def kernels():
     """The kernel modules, guaranteed to interpret on CPU and to compile on a GPU."""
-    from atom_kernels import ops
     from triton.runtime.interpreter import InterpretedFunction
+
+    from atom_kernels import ops
 
     modules = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in KERNEL_MODULES}
     probe = modules["decode_attention"]._decode_split_kernel

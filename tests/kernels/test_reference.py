@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from atom_kernels import ops, reference
 from paged_cases import make_paged_case, naive_attention
+
+from atom_kernels import ops, reference
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

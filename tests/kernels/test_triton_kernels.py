@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from atom_kernels import ops, reference
 from paged_cases import make_paged_case
+
+from atom_kernels import ops, reference
 
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from atom_kernels import ops, reference
 from paged_cases import make_paged_case
+
+from atom_kernels import ops, reference
 
 pytestmark = pytest.mark.gpu
 
