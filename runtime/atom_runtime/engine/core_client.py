@@ -1,0 +1,303 @@
+"""The API server's side of the EngineCore process: spawn it, talk to it, notice when it dies.
+
+One reader task receives every engine message. Step outputs go through the shared
+OutputProcessor (n fan-out, detokenization, stop strings) and the resulting RequestOutputs are
+handed to per-request `RequestStream`s; stop-string finishes are aborted in the engine. The
+process sentinel is watched on the event loop: when the engine core dies, every open stream
+fails with EngineDeadError at once and `on_death` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine.core_proc import (
+    AbortRequests,
+    AddRequests,
+    AddResult,
+    EngineMessage,
+    Outputs,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+    run_engine_core,
+)
+from atom_runtime.engine.messages import EngineRequest, EngineStats
+from atom_runtime.output_processor import OutputProcessor, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; no request can be served any more."""
+
+
+class EngineStartupError(RuntimeError):
+    """The EngineCore process could not load the engine (the message says why)."""
+
+
+class RequestStream:
+    """The latest RequestOutput of one request. Outputs are cumulative (full text and tokens so
+    far), so a slow reader skips intermediate ones instead of queueing them."""
+
+    def __init__(self) -> None:
+        # Engine-side wall-clock time (time.time) the request was first scheduled: queue time.
+        self.first_scheduled_time: float | None = None
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    async def get(self) -> RequestOutput:
+        await self._event.wait()
+        self._event.clear()
+        if self._error is not None:
+            raise self._error
+        out, self._latest = self._latest, None
+        if out is None:
+            raise RuntimeError("RequestStream woke with nothing to deliver")
+        return out
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self.config = config
+        self.log_level = log_level
+        self.ready: Ready | None = None
+        self.stats: EngineStats | None = None
+        self.processor: OutputProcessor | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.dead = False
+        self.on_death: Callable[[], None] | None = None
+        self.on_outputs: Callable[[Outputs, list[RequestOutput]], None] | None = None
+        self._ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._closing = False
+        self._ctx = zmq.asyncio.Context()
+        self._dir = Path(tempfile.mkdtemp(prefix="atom-engine-"))
+        self._inbox_addr = f"ipc://{self._dir}/input"
+        self._outbox_addr = f"ipc://{self._dir}/output"
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._to_engine.bind(self._inbox_addr)
+        self._from_engine.bind(self._outbox_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._reader: asyncio.Task | None = None
+        self.proc: multiprocessing.process.BaseProcess | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> Ready:
+        """Spawn the engine core and wait until it has loaded the model."""
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(asdict(self.config), self._inbox_addr, self._outbox_addr, self.log_level),
+            name="EngineCore",
+        )
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        died = loop.create_future()
+        loop.add_reader(self.proc.sentinel, lambda: died.done() or died.set_result(None))
+        first = asyncio.ensure_future(self._from_engine.recv())
+        await asyncio.wait([first, died], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            self._watch_stop()
+            raise EngineStartupError(f"the engine core exited with code {self._exitcode()}")
+        msg = self._decoder.decode(first.result())
+        if isinstance(msg, StartupFailed):
+            self._watch_stop()
+            raise EngineStartupError(msg.message)
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"engine core handshake: expected Ready, got {type(msg).__name__}")
+        self.ready = msg
+        loop.remove_reader(self.proc.sentinel)
+        loop.add_reader(self.proc.sentinel, self._engine_died)
+        self._reader = asyncio.ensure_future(self._read_loop())
+        return msg
+
+    def attach_processor(self, processor: OutputProcessor) -> None:
+        self.processor = processor
+
+    def _exitcode(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.join(timeout=1)
+        return self.proc.exitcode
+
+    def _watch_stop(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+
+    def _engine_died(self) -> None:
+        self._watch_stop()
+        if self._closing:
+            return
+        self.dead = True
+        log.error("the engine core process died (exit code %s)", self._exitcode())
+        error = EngineDeadError("the engine core process died")
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._calls.clear()
+        if self.on_death is not None:
+            self.on_death()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the engine core to stop, then wait for it (terminate, then kill, if it hangs)."""
+        self._closing = True
+        self._watch_stop()
+        if self.proc is not None and self.proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._to_engine.send(self._encoder.encode(Shutdown()))
+            await asyncio.to_thread(self.proc.join, timeout)
+            if self.proc.is_alive():
+                log.warning("engine core did not stop in %.0fs; terminating it", timeout)
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 2)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 2)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        for name in ("input", "output"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._dir / name)
+        with contextlib.suppress(OSError):
+            self._dir.rmdir()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params,
+        kv_transfer_params: dict | None = None,
+    ) -> RequestStream:
+        """Submit one API request (fanned out to n engine requests). Raises ValueError
+        ("field: message") when the engine refuses it, EngineDeadError when it is gone."""
+        if self.dead or self.processor is None:
+            raise EngineDeadError("the engine core is not running")
+        reqs: list[EngineRequest] = self.processor.add_request(
+            request_id, prompt, prompt_token_ids, params, kv_transfer_params
+        )
+        stream = RequestStream()
+        self.streams[request_id] = stream
+        try:
+            result: AddResult = await self._call(AddRequests(0, reqs))
+        except BaseException:
+            self._forget(request_id)
+            raise
+        if result.error is not None:
+            self._forget(request_id)
+            raise ValueError(result.error)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone, server stopping); frees its blocks in the engine.
+        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks."""
+        ids = self._forget(request_id)
+        if ids and not self.dead and not self._closing:
+            self._to_engine.send(self._encoder.encode(AbortRequests(ids)))
+
+    def _forget(self, request_id: str) -> list[str]:
+        self.streams.pop(request_id, None)
+        return self.processor.abort(request_id) if self.processor is not None else []
+
+    async def utility(self, method: str):
+        result: UtilityResult = await self._call(UtilityCall(0, method))
+        if result.error is not None:
+            raise ValueError(result.error)
+        return result.result
+
+    async def _call(self, msg: AddRequests | UtilityCall):
+        if self.dead:
+            raise EngineDeadError("the engine core is not running")
+        msg.call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[msg.call_id] = fut
+        try:
+            await self._to_engine.send(self._encoder.encode(msg))
+            return await fut
+        finally:
+            self._calls.pop(msg.call_id, None)
+
+    # -- the reader ------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._from_engine.recv(copy=False)
+                msg = self._decoder.decode(frame.buffer)
+                if isinstance(msg, Outputs):
+                    self._on_outputs(msg)
+                elif isinstance(msg, (AddResult, UtilityResult)):
+                    fut = self._calls.get(msg.call_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                else:
+                    raise RuntimeError(f"unexpected engine message {type(msg).__name__}")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A frontend that cannot follow the engine is as good as a dead engine: fail loudly.
+            log.exception("engine output reader failed")
+            if self.proc is not None and self.proc.is_alive():
+                self.proc.kill()
+
+    def _on_outputs(self, msg: Outputs) -> None:
+        self.stats = msg.stats
+        if not msg.outputs:
+            return
+        for out in msg.outputs:
+            if out.first_scheduled_time is not None:
+                # Engine ids are the API id, or "<id>#<i>" for the i-th of n (output_processor).
+                stream = self.streams.get(out.request_id.partition("#")[0])
+                if stream is not None and stream.first_scheduled_time is None:
+                    stream.first_scheduled_time = out.first_scheduled_time
+        results, to_abort = self.processor.process(msg.outputs)
+        if to_abort:
+            self._to_engine.send(self._encoder.encode(AbortRequests(to_abort)))
+        for out in results:
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+                if out.finished:
+                    del self.streams[out.request_id]
+        if self.on_outputs is not None:
+            self.on_outputs(msg, results)

@@ -1,0 +1,254 @@
+"""The EngineCore process: the engine's busy loop behind two ZMQ sockets.
+
+    API server ── PUSH ─(ClientMessage)──> PULL ┐
+                                               EngineCore: drain inputs -> step() -> push outputs
+    API server <─ PULL ─(EngineMessage)── PUSH ┘
+
+The API server binds both sockets and spawns this process (multiprocessing spawn: no fork after
+torch is imported; the only pickled thing is the spawn call's arguments, a plain dict of the
+EngineConfig fields and two addresses). Everything on the sockets is msgspec msgpack, never
+pickle: the tagged unions below are the whole wire protocol.
+
+Startup: load the engine, apply the GC policy, then send `Ready` (or `StartupFailed` with the
+reason, and exit 1). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
+if its parent died. `Shutdown` aborts what is left, shuts the engine down and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import msgspec
+
+from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+
+
+# -- API server -> engine ------------------------------------------------------------------------
+
+
+class AddRequests(msgspec.Struct, tag="add", array_like=True):
+    """Queue these engine requests (the n children of one API request) all or none; answered
+    by one AddResult carrying `call_id`."""
+
+    call_id: int
+    requests: list[EngineRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    """Call one of UTILITY_METHODS on the engine; answered by a UtilityResult."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+ClientMessage = AddRequests | AbortRequests | UtilityCall | Shutdown
+
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "cached_block_hashes"})
+
+
+# -- engine -> API server ------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    model_path: str
+    eos_token_ids: list[int]
+    max_model_len: int
+    device: str
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    """One step's outputs (empty for a heartbeat) and the engine's stats after it."""
+
+    outputs: list[EngineOutput]
+    stats: EngineStats
+
+
+class AddResult(msgspec.Struct, tag="added", array_like=True):
+    call_id: int
+    error: str | None = None  # "field: message" from EngineCore.add_request
+
+
+class UtilityResult(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+EngineMessage = Ready | StartupFailed | Outputs | AddResult | UtilityResult
+
+
+# -- the process ---------------------------------------------------------------------------------
+
+
+def run_engine_core(
+    config: dict, input_address: str, output_address: str, log_level: str = "INFO"
+) -> None:
+    """Entry point of the EngineCore process (a multiprocessing spawn target)."""
+    import zmq
+
+    from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+
+    set_process_title("EngineCore", config.get("data_parallel_rank") or None)
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    # Ctrl+C reaches the whole process group; the API server decides how we stop (Shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    parent = os.getppid()
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    outbox = ctx.socket(zmq.PUSH)
+    for sock in (inbox, outbox):
+        sock.setsockopt(zmq.LINGER, 2000)
+    inbox.connect(input_address)
+    outbox.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    engine = None
+    try:
+        try:
+            engine = _build_engine(config)
+        except Exception as e:  # any load failure is reported, then this process exits 1
+            log.exception("engine core failed to start")
+            outbox.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+            raise SystemExit(1) from e
+        apply_gc_policy()
+        outbox.send(
+            encoder.encode(
+                Ready(
+                    model_path=str(engine.model_path),
+                    eos_token_ids=list(engine.eos_token_ids),
+                    max_model_len=engine.max_model_len,
+                    device=str(engine.runner.device),
+                    num_blocks=engine.pool.num_blocks,
+                    block_size=engine.block_size,
+                    vocab_size=engine.model_config.vocab_size,
+                )
+            )
+        )
+        EngineLoop(engine, inbox, outbox, parent).run()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        inbox.close(linger=0)
+        outbox.close()
+        ctx.term()
+        release_gc_policy()
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _build_engine(config: dict):
+    from atom_runtime.config import EngineConfig
+    from atom_runtime.engine.core import EngineCore
+
+    return EngineCore(EngineConfig(**config))
+
+
+class EngineLoop:
+    """Drain the inbox, step, push outputs; block on the inbox only while idle."""
+
+    def __init__(self, engine, inbox, outbox, parent_pid: int) -> None:
+        import zmq
+
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.running = True
+        self._zmq = zmq
+
+    def run(self) -> None:
+        last_sent = time.monotonic()
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
+            pending: list[EngineOutput] = []
+            if self.poller.poll(timeout_ms):
+                pending += self._drain_inbox()
+            if not self.running:
+                break
+            if self.engine.has_unfinished_requests():
+                pending += self.engine.step()
+            now = time.monotonic()
+            if pending or now - last_sent >= HEARTBEAT_S:
+                self._send(Outputs(pending, self.engine.stats()))
+                last_sent = now
+                if os.getppid() != self.parent_pid:
+                    log.error("the API server (pid %d) is gone; exiting", self.parent_pid)
+                    break
+        self._abort_all()
+
+    def _drain_inbox(self) -> list[EngineOutput]:
+        aborted: list[EngineOutput] = []
+        while True:
+            try:
+                frame = self.inbox.recv(self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:
+                return aborted
+            msg = self.decoder.decode(frame.buffer)
+            if isinstance(msg, AddRequests):
+                self._send(self._add(msg))
+            elif isinstance(msg, AbortRequests):
+                aborted += self.engine.abort_requests(msg.request_ids)
+            elif isinstance(msg, UtilityCall):
+                self._send(self._utility(msg))
+            elif isinstance(msg, Shutdown):
+                self.running = False
+                return aborted
+
+    def _add(self, msg: AddRequests) -> AddResult:
+        added: list[str] = []
+        for req in msg.requests:
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:
+                self.engine.abort_requests(added)
+                return AddResult(msg.call_id, str(e))
+            added.append(req.request_id)
+        return AddResult(msg.call_id)
+
+    def _utility(self, msg: UtilityCall) -> UtilityResult:
+        if msg.method not in UTILITY_METHODS:
+            return UtilityResult(msg.call_id, error=f"method: unknown utility {msg.method!r}")
+        return UtilityResult(msg.call_id, getattr(self.engine, msg.method)())
+
+    def _abort_all(self) -> None:
+        ids = list(self.engine.requests)
+        if ids:
+            log.info("aborting %d unfinished requests at shutdown", len(ids))
+            self.engine.abort_requests(ids)
+
+    def _send(self, msg: Any) -> None:
+        self.outbox.send(self.encoder.encode(msg), copy=False)

@@ -1,0 +1,1 @@
+"""`atom serve`: the OpenAI-compatible API server (FastAPI) in front of the EngineCore process."""

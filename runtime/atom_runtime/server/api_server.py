@@ -1,0 +1,310 @@
+"""The API server process: FastAPI on uvicorn in front of an EngineCore process.
+
+Lifecycle, in order:
+1. `serve` titles the process, binds the port (a busy port fails at once) and starts uvicorn;
+   `/health` answers 503 while the engine core loads in the background.
+2. The engine core says Ready; the tokenizer loads; the GC policy is applied; `/health` is 200.
+3. SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get `--shutdown-grace-period`
+   seconds to finish, then are cancelled (their `finally` aborts them in the engine); the engine
+   core is stopped, the GC unfrozen, and the process exits 0.
+4. If the engine core dies: in-flight requests fail with 503, `/health` turns 503, and the server
+   exits 1 after ENGINE_DEATH_EXIT_DELAY_S (long enough for a probe to see the 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import atom_runtime
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
+from atom_runtime.output_processor import OutputProcessor
+from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.server import responses as R
+from atom_runtime.server.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    error_body,
+    invalid_api_key,
+)
+from atom_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from atom_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from atom_runtime.server.serving import ClientGone, OpenAIServing, json_response, parse_body
+from atom_runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("atom_runtime.server")
+
+ENGINE_DEATH_EXIT_DELAY_S = 1.0
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    log_requests: bool = True
+    shutdown_grace_period: float = 10.0
+
+
+class ServerState:
+    """Everything the routes read: the engine client, and the serving layer once ready."""
+
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.client = EngineCoreClient(engine_config, config.log_level)
+        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.serving: OpenAIServing | None = None
+        self.server: uvicorn.Server | None = None
+        self.exit_code = 0
+        self.started = time.time()
+        self.model_names = [config.served_model_name or engine_config.served_model_name or
+                            engine_config.model or _default_model_name()]  # fmt: skip
+
+    @property
+    def healthy(self) -> bool:
+        return self.serving is not None and not self.client.dead and not self._stopping
+
+    @property
+    def _stopping(self) -> bool:
+        return self.server is not None and self.server.should_exit
+
+    def require_serving(self) -> OpenAIServing:
+        if self.client.dead:
+            raise engine_unavailable("the engine core died; the server is exiting")
+        if self.serving is None:
+            raise engine_unavailable("the model is still loading")
+        return self.serving
+
+    def exit(self, code: int) -> None:
+        self.exit_code = code
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def start_engine(self) -> None:
+        """Warm-up: load the engine core and the tokenizer, then apply the GC policy."""
+        try:
+            ready = await self.client.start()
+            tokenizer = await asyncio.to_thread(
+                Tokenizer.from_path, Path(ready.model_path), ready.eos_token_ids
+            )
+        except (EngineStartupError, OSError, ValueError) as e:
+            log.error("atom serve: the engine failed to start: %s", e)
+            self.exit(1)
+            return
+        self.client.attach_processor(OutputProcessor(tokenizer))
+        self.client.on_death = self.on_engine_death
+        self.serving = OpenAIServing(
+            self.client, tokenizer, self.model_names, self.metrics, self.config.log_requests
+        )
+        apply_gc_policy()
+        c = self.config
+        log.info(
+            "serving %s (%s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+            self.model_names[0],
+            ready.model_path,
+            ready.device,
+            ready.num_blocks,
+            ready.block_size,
+            ready.max_model_len,
+        )
+        log.info("OpenAI-compatible API ready at http://%s:%d/v1", c.host, c.port)
+
+    def on_engine_death(self) -> None:
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, self.exit, 1)
+
+
+def _default_model_name() -> str:
+    from atom_runtime.models.loader import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.ensure_future(state.start_engine())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            await state.client.shutdown()
+            release_gc_policy()
+
+    app = FastAPI(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
+
+    async def require_api_key(request: Request) -> None:
+        key = state.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise invalid_api_key()
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.get("/models")
+    async def models() -> Response:
+        serving = state.require_serving()
+        ready = state.client.ready
+        return json_response(
+            R.model_list(
+                serving.model_names, int(state.started), ready.model_path, ready.max_model_len
+            )  # fmt: skip
+        )
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await state.require_serving().completions(request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state.require_serving().chat(request)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy:
+            return json_response({"status": "ok"})
+        if state.client.dead:
+            reason = "the engine core died"
+        elif state.serving is None:
+            reason = "the model is still loading"
+        else:
+            reason = "the server is shutting down"
+        return json_response(engine_unavailable(reason).body(), 503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": atom_runtime.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        serving = state.require_serving()
+        req: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            try:
+                ids = serving.tokenizer.encode_chat(
+                    [m.template_dict() for m in req.messages],
+                    add_generation_prompt=req.add_generation_prompt,
+                )
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+        return json_response(
+            {"count": len(ids), "max_model_len": state.client.ready.max_model_len, "tokens": ids}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        serving = state.require_serving()
+        req: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        vocab = state.client.ready.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise bad_request(
+                    f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})", "tokens"
+                )
+        return json_response({"prompt": serving.tokenizer.decode(req.tokens)})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        state.require_serving()
+        return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
+
+    @app.get("/debug/kv_cache")
+    async def debug_kv_cache() -> Response:
+        state.require_serving()
+        hashes = await state.client.utility("cached_block_hashes")
+        return json_response(
+            {"block_hashes": list(hashes), "num_blocks": state.client.ready.num_blocks}
+        )
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's code for the log
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return json_response(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return json_response(
+            error_body(f"internal error: {type(exc).__name__}", "internal_server_error"), 500
+        )
+
+    return app
+
+
+async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Run `atom serve` until SIGTERM/SIGINT or engine death; returns the exit code."""
+    set_process_title("APIServer")
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        log.error("atom serve: cannot listen on %s:%d: %s", config.host, config.port, e)
+        sock.close()
+        return 2
+    state = ServerState(config, engine_config)
+    app = build_app(state)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=config.log_level,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=config.shutdown_grace_period,
+            lifespan="on",
+        )
+    )
+    state.server = server
+    # uvicorn re-raises the signal that stopped it once it is done; catch it here so a SIGTERM
+    # ends in a clean exit code instead of the default action.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _note_signal)
+    await server.serve(sockets=[sock])
+    return state.exit_code
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    log.info("%s handled; exiting", signal.Signals(signum).name)

@@ -1,0 +1,71 @@
+"""`atom serve`: the OpenAI-compatible server over a separate EngineCore process.
+
+atom serve                                   # the default model on http://127.0.0.1:8000/v1
+atom serve --model ./my-model --port 9000 --api-key secret
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from atom_runtime.config import EngineConfig, add_engine_arguments
+
+API_KEY_ENV = "ATOM_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log one line per finished request",
+    )
+    g.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from atom_runtime.engine.core_proc import LOG_FORMAT
+    from atom_runtime.server.api_server import ServerConfig, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if not 0 < args.port < 65536:
+        print(f"atom serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if args.shutdown_grace_period < 0:
+        print("atom serve: error: --shutdown-grace-period must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        engine_config = EngineConfig.from_args(args)
+    except ValueError as e:
+        print(f"atom serve: error: {e}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        log_requests=not args.disable_log_requests,
+        shutdown_grace_period=args.shutdown_grace_period,
+    )
+    return asyncio.run(serve(config, engine_config))

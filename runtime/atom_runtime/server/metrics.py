@@ -1,0 +1,140 @@
+"""Prometheus metrics of `atom serve` (design contract 8), in their own registry.
+
+Engine-side numbers (queue lengths, KV usage, cumulative token and cache counters) come from the
+latest EngineStats the engine core pushed; they are read at scrape time by a collector, so the
+hot path never touches prometheus. Per-request numbers (latencies, finish reasons) are observed by
+the API server when a request ends. Rendering runs in a worker thread: a scrape never blocks the
+event loop. prometheus-client appends `_total` to counters, so they are declared without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from atom_runtime.engine.messages import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                30.0, 40.0, 50.0, 60.0, 120.0)  # fmt: skip
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters from the latest EngineStats; nothing before the engine is ready."""
+
+    def __init__(self, latest: Callable[[], EngineStats | None]) -> None:
+        self.latest = latest
+
+    def collect(self):
+        s = self.latest()
+        if s is None:
+            return
+        yield GaugeMetricFamily(
+            "atom:requests_running", "Requests in the running batch.", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            "atom:requests_waiting", "Requests waiting to be scheduled.", value=s.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "atom:kv_cache_usage_ratio",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            value=s.kv_cache_usage,
+        )
+        info = InfoMetricFamily("atom:cache_config", "KV-cache configuration.")
+        info.add_metric([], {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_blocks)})
+        yield info
+        counters = (
+            ("atom:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
+            ("atom:generation_tokens", "Tokens generated.", s.generation_tokens),
+            ("atom:preemptions", "Sequences preempted (recompute).", s.num_preemptions),
+            (
+                "atom:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_queries,
+            ),
+            ("atom:prefix_cache_hits", "Prompt tokens served by the prefix cache.", s.prefix_hits),
+            ("atom:kv_events_published", "KV-cache events published.", s.kv_events_published),
+            (
+                "atom:kv_events_dropped",
+                "KV-cache events dropped (publisher queue full).",
+                s.kv_events_dropped,
+            ),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, latest_stats: Callable[[], EngineStats | None]) -> None:
+        # `*_created` series double the scrape for nothing a rate() needs (process-global switch).
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineStatsCollector(latest_stats))
+        r = self.registry
+        self.requests_finished = Counter(
+            "atom:requests_finished",
+            "Requests finished, by finish reason (stop, length, abort).",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "atom:time_to_first_token_seconds",
+            "Arrival to first token, seen by the API server.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "atom:time_per_output_token_seconds",
+            "Mean time between output tokens of a request, after the first.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "atom:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "atom:request_queue_time_seconds",
+            "Arrival to first scheduled in the engine.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        for reason in ("stop", "length", "abort"):
+            self.requests_finished.labels(reason)
+
+    def observe_request(
+        self,
+        reason: str,
+        ttft: float | None,
+        e2e: float,
+        num_output_tokens: int,
+        queue_time: float | None,
+    ) -> None:
+        self.requests_finished.labels(reason).inc()
+        self.e2e.observe(e2e)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if num_output_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (num_output_tokens - 1))
+        if queue_time is not None:
+            self.queue.observe(max(0.0, queue_time))
+
+    async def render(self) -> bytes:
+        return await asyncio.to_thread(generate_latest, self.registry)

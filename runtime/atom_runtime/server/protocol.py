@@ -1,0 +1,208 @@
+"""Request bodies of the OpenAI API, with OpenAI's field names (and vLLM's sampling extras).
+
+pydantic checks types and structure only, in strict mode (`"10"` is not an int); value ranges are
+SamplingParams' job, so each rule lives in one place. `to_sampling_params` turns a request into
+SamplingParams and the error param back into the name the client used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.server.errors import bad_request, from_value_error
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (clients send `user`, SDK metadata, ...); known ones are strict.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras (the openai client sends them through `extra_body`).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    kv_transfer_params: dict | None = None
+
+    def _common_sampling(self) -> dict:
+        if self.logit_bias:
+            raise bad_request("logit_bias: not supported", "logit_bias", "unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        fields = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo: not supported", "echo", "unsupported")
+        if self.suffix is not None:
+            raise bad_request("suffix: not supported", "suffix", "unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of: only best_of == n is supported", "best_of", "unsupported")
+        fields = self._common_sampling()
+        fields["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+        return _build(fields, self.renames())
+
+    def renames(self) -> dict[str, str]:
+        """Engine/SamplingParams field name -> the name this request used."""
+        return {}
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: each item a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt: must not be an empty list", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        for i, item in enumerate(p):
+            if isinstance(item, list) and not item:
+                raise bad_request(f"prompt[{i}]: must not be an empty list", f"prompt[{i}]")
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise bad_request("tools: tool calling is not supported", "tools", "unsupported")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice: tool calling is not supported", "tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(
+                "top_logprobs: requires logprobs to be true", "top_logprobs", "invalid_value"
+            )
+        fields = self._common_sampling()
+        # max_completion_tokens is the current name; max_tokens the deprecated one. Neither:
+        # up to the context length.
+        if self.max_completion_tokens is not None:
+            fields["max_tokens"] = self.max_completion_tokens
+        else:
+            fields["max_tokens"] = self.max_tokens
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
+        return _build(fields, self.renames())
+
+    def renames(self) -> dict[str, str]:
+        """Engine/SamplingParams field name -> the name this request used."""
+        renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            renames["max_tokens"] = "max_completion_tokens"
+        return renames
+
+    def conversation(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _build(fields: dict, renames: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise from_value_error(e, renames) from None

@@ -1,0 +1,185 @@
+"""Response bodies of the OpenAI API, built as plain dicts by pure functions.
+
+This is a JSON edge: token ids and logprobs may arrive as `array("i")`/`array("f")` (they grow
+once per token inside the engine) and leave as lists. `encode` refuses anything else that JSON
+cannot hold (msgspec raises TypeError on an `array`), so a missed conversion fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+TokenText = Callable[[int], str]  # token id -> its text, for logprobs
+
+_json = msgspec.json.Encoder()
+
+
+def encode(body: dict) -> bytes:
+    return _json.encode(body)
+
+
+def sse_event(body: dict) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of one position (the entry also holds the sampled token)."""
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, float]],
+    k: int,
+    token_text: TokenText,
+    text_offset: int,
+) -> dict:
+    """/v1/completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        text = token_text(token)
+        tokens.append(text)
+        token_lps.append(float(entry[token]))
+        tops.append({token_text(t): float(lp) for t, lp in _top(entry, k)} if k else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], k: int, token_text: TokenText
+) -> dict:
+    """/v1/chat/completions `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        text = token_text(token)
+        content.append(
+            {
+                "token": text,
+                "logprob": float(entry[token]),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (t := token_text(tid)),
+                        "logprob": float(lp),
+                        "bytes": list(t.encode()),
+                    }
+                    for tid, lp in _top(entry, k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    logprobs: dict | None,
+) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_choice(
+    index: int,
+    content: str,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    logprobs: dict | None,
+) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_delta_choice(
+    index: int,
+    delta: dict,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    logprobs: dict | None,
+) -> dict:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def completion_body(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    usage_: dict | None,
+    kv_transfer_params: dict | None = None,
+    *,
+    chunk: bool = False,
+    chat: bool = False,
+) -> dict:
+    """The envelope of a completion (or chat completion, or one streamed chunk of either)."""
+    if chat:
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    body = {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def model_list(names: Sequence[str], created: int, root: str, max_model_len: int) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "atom",
+                "root": root,
+                "max_model_len": max_model_len,
+            }
+            for name in names
+        ],
+    }

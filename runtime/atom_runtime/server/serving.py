@@ -1,0 +1,394 @@
+"""The two generation endpoints: /v1/completions and /v1/chat/completions.
+
+A request is parsed (pydantic, strict), turned into SamplingParams, tokenized (chat template for
+chat) and submitted to the engine core; the engine's verdict on it (context length, vocabulary)
+arrives before any byte of the response is sent, so a refused request is a 400, never a broken
+stream. Then either the final outputs are collected (while watching for the client leaving) or
+SSE chunks are streamed. Whatever way a request ends, `finally` aborts what is unfinished in the
+engine, records its metrics and logs its one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestStream
+from atom_runtime.output_processor import RequestOutput
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.server import responses as R
+from atom_runtime.server.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    error_body,
+    from_validation_error,
+    from_value_error,
+    model_not_found,
+)
+from atom_runtime.server.metrics import ServerMetrics
+from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from atom_runtime.tokenizer import Tokenizer
+
+log = logging.getLogger("atom_runtime.server")
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def json_response(body: dict, status: int = 200) -> Response:
+    return Response(R.encode(body), status_code=status, media_type="application/json")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+@dataclass
+class Run:
+    """One prompt of an API request, as submitted to the engine (its n choices together)."""
+
+    request_id: str
+    prompt_index: int
+    stream: RequestStream
+    num_prompt_tokens: int
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    arrival_wall: float  # time.time() then, to compare with the engine's timestamps
+    first_token_at: float | None = None
+    last: RequestOutput | None = None
+
+    async def next(self) -> RequestOutput:
+        out = await self.stream.get()
+        if self.first_token_at is None and any(c.token_ids for c in out.outputs):
+            self.first_token_at = time.monotonic()
+        self.last = out
+        return out
+
+    async def final(self) -> RequestOutput:
+        while self.last is None or not self.last.finished:
+            await self.next()
+        return self.last
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    @property
+    def num_output_tokens(self) -> int:
+        return 0 if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Tokenizer,
+        model_names: list[str],
+        metrics: ServerMetrics,
+        log_requests: bool = True,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_names = model_names
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self._token_text_cache: dict[int, str] = {}
+
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise model_not_found(name)
+        return name
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
+
+    # -- endpoints -------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        arrival = (time.monotonic(), time.time())
+        req: CompletionRequest = parse_body(CompletionRequest, await request.body())
+        model = self.check_model(req.model)
+        params = req.sampling_params()
+        prompts = [
+            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
+            for p in req.prompts()
+        ]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        runs = await self._submit(
+            rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
+        )
+        shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=False)
+        if req.stream:
+            return _sse(self._stream(runs, shape))
+        outs = await self._collect(request, runs)
+        choices = []
+        for run, out in zip(runs, outs, strict=True):
+            for c in out.outputs:
+                lp = None
+                if params.logprobs is not None:
+                    lp = R.completion_logprobs(
+                        c.token_ids, c.logprobs, params.logprobs, self.token_text, 0
+                    )
+                index = run.prompt_index * params.n + c.index
+                choices.append(
+                    R.completion_choice(index, c.text, c.finish_reason, c.stop_reason, lp)
+                )
+        return json_response(
+            R.completion_body(rid, shape.created, model, choices, _usage(runs, outs))
+        )
+
+    async def chat(self, request: Request) -> Response:
+        arrival = (time.monotonic(), time.time())
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+        model = self.check_model(req.model)
+        params = req.sampling_params()
+        try:
+            prompt_ids = self.tokenizer.encode_chat(
+                req.conversation(),
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ValueError as e:
+            raise from_value_error(e, req.renames()) from None
+        except Exception as e:  # a template that fails on this conversation (jinja2 errors)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        runs = await self._submit(
+            rid, [(None, prompt_ids)], params, req.kv_transfer_params, req.renames(), arrival
+        )
+        shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=True)
+        if req.stream:
+            return _sse(self._stream(runs, shape))
+        outs = await self._collect(request, runs)
+        choices = []
+        for c in outs[0].outputs:
+            lp = None
+            if params.logprobs is not None:
+                lp = R.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, self.token_text)
+            choices.append(R.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason, lp))
+        return json_response(
+            R.completion_body(rid, shape.created, model, choices, _usage(runs, outs), chat=True)
+        )
+
+    # -- submitting and collecting ---------------------------------------------------------------
+
+    async def _submit(
+        self,
+        rid: str,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        kv_transfer_params: dict | None,
+        renames: dict[str, str],
+        arrival: tuple[float, float],
+    ) -> list[Run]:
+        runs: list[Run] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                stream = await self.client.add_request(
+                    sub_id, text, ids, params, kv_transfer_params
+                )
+                runs.append(Run(sub_id, i, stream, len(ids), *arrival))
+        except ValueError as e:
+            self._finish(runs, aborted=True)
+            raise from_value_error(e, renames) from None
+        except EngineDeadError:
+            self._finish(runs, aborted=True)
+            raise engine_unavailable("the engine core died") from None
+        except BaseException:
+            self._finish(runs, aborted=True)
+            raise
+        return runs
+
+    async def _collect(self, request: Request, runs: list[Run]) -> list[RequestOutput]:
+        """Every run's final output; gives up (and aborts) if the client disconnects."""
+        work = asyncio.ensure_future(asyncio.gather(*(run.final() for run in runs)))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        aborted = True
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ClientGone()
+            try:
+                outs = work.result()
+            except EngineDeadError:
+                raise engine_unavailable("the engine core died") from None
+            aborted = False
+            return outs
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            self._finish(runs, aborted)
+
+    async def _merged(self, runs: list[Run]) -> AsyncIterator[tuple[Run, RequestOutput]]:
+        """Outputs of all runs as they come (one run: no helper tasks)."""
+        if len(runs) == 1:
+            run = runs[0]
+            while not run.finished:
+                yield run, await run.next()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(run: Run) -> None:
+            try:
+                while not run.finished:
+                    queue.put_nowait((run, await run.next()))
+            except EngineDeadError as e:
+                queue.put_nowait((run, e))
+
+        tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+        try:
+            while not all(run.finished for run in runs):
+                run, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield run, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _stream(self, runs: list[Run], shape: _Shape) -> AsyncIterator[bytes]:
+        aborted = True
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already sent
+        done: set[int] = set()
+        try:
+            if shape.chat:
+                role = [
+                    R.chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None, None)
+                    for i in range(shape.params.n)
+                ]
+                yield R.sse_event(shape.body(role, None))
+            async with contextlib.aclosing(self._merged(runs)) as outputs:
+                async for run, out in outputs:
+                    choices = []
+                    for c in out.outputs:
+                        index = run.prompt_index * shape.params.n + c.index
+                        if index in done:
+                            continue
+                        chars, ntok = sent.get(index, (0, 0))
+                        text, new_ids = c.text[chars:], c.token_ids[ntok:]
+                        if not text and not new_ids and c.finish_reason is None:
+                            continue
+                        choices.append(
+                            self._chunk_choice(shape, index, c, text, new_ids, ntok, chars)
+                        )
+                        sent[index] = (len(c.text), len(c.token_ids))
+                        if c.finish_reason is not None:
+                            done.add(index)
+                    if choices:
+                        yield R.sse_event(shape.body(choices, None))
+            if shape.include_usage:
+                yield R.sse_event(shape.body([], _usage(runs, [run.last for run in runs])))
+            aborted = False
+        except EngineDeadError:
+            yield R.sse_event(
+                error_body("the engine core died", "service_unavailable_error", None, "503")
+            )
+        finally:
+            self._finish(runs, aborted)
+        yield R.SSE_DONE
+
+    def _chunk_choice(self, shape, index, c, text, new_ids, ntok, chars) -> dict:
+        k = shape.params.logprobs
+        if shape.chat:
+            lp = None
+            if k is not None:
+                lp = R.chat_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text)
+            delta = {"content": text} if text else {}
+            return R.chat_delta_choice(index, delta, c.finish_reason, c.stop_reason, lp)
+        lp = None
+        if k is not None:
+            lp = R.completion_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text, chars)
+        return R.completion_choice(index, text, c.finish_reason, c.stop_reason, lp)
+
+    def _finish(self, runs: list[Run], aborted: bool) -> None:
+        """Abort what is unfinished, then record metrics and log one line per run."""
+        for run in runs:
+            if not run.finished:
+                self.client.abort(run.request_id)
+            reason = "abort"
+            if run.finished:
+                reason = run.last.outputs[0].finish_reason or "abort"
+            now = time.monotonic()
+            ttft = None if run.first_token_at is None else run.first_token_at - run.arrival
+            queue = None
+            if run.stream.first_scheduled_time is not None:
+                queue = run.stream.first_scheduled_time - run.arrival_wall
+            self.metrics.observe_request(
+                reason, ttft, now - run.arrival, run.num_output_tokens, queue
+            )
+            if self.log_requests:
+                cached = run.last.num_cached_tokens if run.last is not None else 0
+                log.info(
+                    "%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
+                    "finish=%s",
+                    run.request_id,
+                    run.num_prompt_tokens,
+                    cached,
+                    run.num_output_tokens,
+                    "-" if ttft is None else f"{ttft:.3f}s",
+                    now - run.arrival,
+                    reason,
+                )
+
+
+@dataclass
+class _Shape:
+    """What every chunk of one response shares."""
+
+    request_id: str
+    created: int
+    model: str
+    params: SamplingParams
+    include_usage: bool
+    chat: bool
+
+    def body(self, choices: list[dict], usage: dict | None) -> dict:
+        return R.completion_body(
+            self.request_id, self.created, self.model, choices, usage, chunk=True, chat=self.chat
+        )
+
+
+def _usage(runs: list[Run], outs: list[RequestOutput]) -> dict:
+    prompt = sum(run.num_prompt_tokens for run in runs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in outs)
+    return R.usage(prompt, completion, cached)
+
+
+def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        chunks,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def api_error_response(error: APIError) -> Response:
+    return json_response(error.body(), error.status)
