@@ -18,12 +18,14 @@ What runs when:
   whose HPA owns the replica count.
 - every `ATOM_OPERATOR_STATUS_INTERVAL` seconds (default 10): fold the owned Deployments'
   status (kept current by a kopf index over Deployments labelled
-  `serving.atom.dev/deployment`) into the AtomDeployment's status; written only when it
-  changed.
+  `serving.atom.dev/deployment`) into the AtomDeployment's status, written only when it
+  changed; or, when status.observedGeneration lags behind metadata.generation, reconcile.
 
 Deletion needs no handler: every child carries an ownerReference to the AtomDeployment
 (controller=true, blockOwnerDeletion=true), so Kubernetes' garbage collector removes the
-children; the operator adds no finalizer.
+children. kopf itself puts a finalizer (`serving.atom.dev/kopf-finalizer`) on each
+AtomDeployment because of the status timer, and removes it when the object is deleted and the
+timer stopped; an AtomDeployment deleted while no operator runs waits for one to start.
 
 API errors: a 409 conflict retries soon with exponential backoff, other API errors and
 unreachable API servers retry with a longer backoff (`kopf.TemporaryError`); a child whose
@@ -102,7 +104,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/kopf-finalizer"
-    # Only our own events (kopf.info/warn) and kopf's warnings become Kubernetes events.
+    # Only our own events and kopf's warnings become Kubernetes events, not every log line.
     settings.posting.level = logging.WARNING
     _connection(memo)
 
@@ -239,7 +241,10 @@ def _api_failure(body: kopf.Body, error: Exception, retry: int) -> kopf.Temporar
 def _report(body: kopf.Body, results: Iterable[apply.Applied]) -> None:
     changed = [r for r in results if r.action != "unchanged"]
     if changed:
-        kopf.info(body, reason="Applied", message=", ".join(str(r) for r in changed))
+        # kopf.event, not kopf.info: posting.level keeps kopf's own INFO logs out of events,
+        # and kopf.info obeys that level too.
+        message = ", ".join(str(r) for r in changed)
+        kopf.event(body, type="Normal", reason="Applied", message=message)
 
 
 # --- change handlers --------------------------------------------------------------------------
@@ -408,11 +413,33 @@ async def on_prefill_replicas(
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=STATUS_INTERVAL)
 async def fold_children_status(
-    body: kopf.Body, patch: kopf.Patch, role_deployments: kopf.Index, **_: Any
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
-    """Fold the children's status into the AtomDeployment's; write only what changed."""
+    """Fold the children's status into the AtomDeployment's; write only what changed.
+
+    Also the safety net for reconciling: when status.observedGeneration lags behind
+    metadata.generation (kopf folds a spec edit that lands while the creation cycle is still
+    running into that cycle, and an apply can keep failing), reconcile here.
+    """
     meta = body.get("metadata") or {}
     current = body.get("status") or {}
+    if current.get("observedGeneration") != meta.get("generation"):
+        logger.info(
+            "generation %s is not applied (status.observedGeneration=%s): reconciling",
+            meta.get("generation"),
+            current.get("observedGeneration"),
+        )
+        try:
+            await reconcile(body, patch, memo, retry, role_deployments, logger)
+        except kopf.PermanentError:
+            pass  # SpecValid=False and observedGeneration are written; nothing to retry
+        return
     write_status(
         body,
         patch,

@@ -22,7 +22,10 @@ lastTransitionTime changes only when status changes):
 A role is ready when its Deployment exists, is owned by this AtomDeployment, its controller
 has observed the Deployment's generation, no pods of an older template remain, and
 updatedReplicas, readyReplicas >= the desired replicas (spec.replicas of the Deployment, which
-an HPA may own) >= 1.
+an HPA may own) >= 1. Its condition's reason says where it stands: DeploymentMissing,
+RolloutFailed, ScaledToZero, RollingOut (old pods or an unobserved generation), PodsStarting
+(updated pods still becoming ready), PodsNotReady (the controller finished the rollout, yet
+pods are not ready: crashed or failing probes), AllPodsReady.
 
 Phase, first match wins:
 
@@ -30,7 +33,8 @@ Phase, first match wins:
                  running and are still reported).
 - `Degraded`     a role's Deployment reports a failure (ProgressDeadlineExceeded,
                  ReplicaFailure), or a role finished rolling out yet has fewer ready pods than
-                 desired, or KV events are enabled but not wired.
+                 desired (PodsNotReady), or KV events are enabled but every role exists and
+                 some engine Deployment's args do not wire them.
 - `Pending`      a role's Deployment does not exist (yet), or a role wants zero pods.
 - `Progressing`  everything exists and is rolling out, or the operator has not yet applied
                  the current generation.
@@ -80,6 +84,7 @@ class RoleDeployment:
     observed_generation: int = 0
     selector: str = ""
     failure: str = ""  # a controller-reported failure, "" when there is none
+    rollout_complete: bool = False  # the controller says the newest ReplicaSet is available
     args: tuple[str, ...] = ()  # the engine container's command and args
     env: tuple[str, ...] = ()  # names of the engine container's environment variables
 
@@ -101,13 +106,15 @@ def summarize_deployment(obj: Mapping[str, Any]) -> RoleDeployment | None:
         (ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("controller")),
         None,
     )
-    failure = ""
+    failure, complete = "", False
     for condition in status.get("conditions") or []:
         kind, state, reason = (
             condition.get("type"),
             condition.get("status"),
             condition.get("reason"),
         )
+        if kind == "Progressing" and state == "True" and reason == "NewReplicaSetAvailable":
+            complete = True
         if (kind == "Progressing" and state == "False") or (
             kind == "ReplicaFailure" and state == "True"
         ):
@@ -127,6 +134,7 @@ def summarize_deployment(obj: Mapping[str, Any]) -> RoleDeployment | None:
         observed_generation=int(status.get("observedGeneration") or 0),
         selector=label_selector((spec.get("selector") or {}).get("matchLabels") or {}),
         failure=failure,
+        rollout_complete=complete,
         args=tuple(args),
         env=tuple(str(var.get("name")) for var in engine.get("env") or []),
     )
@@ -156,8 +164,10 @@ def role_state(role: str, deployment: RoleDeployment | None) -> RoleState:
         old = d.replicas - d.updated
         extra = f", {old} old pod(s) left" if old > 0 else ""
         return RoleState(False, "RollingOut", f"{d.name}: {counts}{extra}")
-    if d.ready < d.desired:
+    if d.ready < d.desired and d.rollout_complete:
         return RoleState(False, "PodsNotReady", f"{d.name}: {counts}", degraded=True)
+    if d.ready < d.desired:
+        return RoleState(False, "PodsStarting", f"{d.name}: {counts}")
     return RoleState(True, "AllPodsReady", f"{d.name}: {d.ready}/{d.desired} pods ready")
 
 

@@ -17,6 +17,7 @@ import datetime
 import itertools
 import os
 import pathlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -119,6 +120,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _fill_server_fields(self, request: kmock.Request) -> None:
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             if request.namespace is not None:
                 meta["namespace"] = request.namespace
             meta["uid"] = str(uuid.uuid4())
@@ -228,12 +231,22 @@ class Cluster:
         return sum(1 for version in history if version is not None)
 
     def writes(self) -> list[kmock.Request]:
-        """Every create/patch the operator sent to a child resource, in order."""
+        """Every create/patch/delete of a child object, in order (status writes excluded: in
+        these tests only the test itself, playing the Deployment controller, makes those)."""
         children = [kmock.resource(r) for r in CHILD_RESOURCES]
+        actions = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
         return [
             r
             for r in self.api
-            if r.resource in children and r.action in (kmock.action.CREATE, kmock.action.UPDATE)
+            if r.resource in children and r.action in actions and r.subresource is None
+        ]
+
+    def events(self) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of every Kubernetes event posted, in order."""
+        return [
+            (r.data.get("type"), r.data.get("reason"), r.data.get("message"))
+            for r in self.api
+            if r.resource == kmock.resource(EVENTS) and r.action == kmock.action.CREATE
         ]
 
     async def request(
@@ -324,31 +337,53 @@ async def cluster(
 
 
 @contextlib.asynccontextmanager
-async def running_operator(*, timeout: float = 15.0) -> AsyncIterator[asyncio.Task[None]]:
-    """Run the real kopf operator (handlers of atom_operator) in this event loop until exit."""
+async def running_operator(*, timeout: float = 15.0) -> AsyncIterator[None]:
+    """Run the real kopf operator (the handlers of atom_operator) until the block exits.
+
+    The operator gets its own thread and event loop, as in production: at exit kopf waits for
+    every task started in its loop after it started, which would include the emulator's
+    never-ending watch-stream responses if both shared one loop.
+    """
     import atom_operator.handlers  # noqa: F401  (registers the handlers on import)
 
     settings = kopf.OperatorSettings()
     # kmock cannot route GET /api/v1/namespaces (it reads "namespaces" as a namespace name), so
     # kopf must not scan namespaces/CRDs; it still discovers the resources through /api, /apis.
     settings.scanning.disabled = True
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(
-            registry=kopf.get_default_registry(),
-            settings=settings,
-            standalone=True,
-            namespaces=[NAMESPACE],
-            stop_flag=stop,
-            ready_flag=ready,
-        )
-    )
+    # How long kopf waits for its own patch to come back through the watch before it goes on
+    # anyway (5 s by default): a missed wait then costs a test 1 s, not 5.
+    settings.persistence.consistency_timeout = 1.0
+    stop, ready = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    def operate() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=kopf.get_default_registry(),
+                    settings=settings,
+                    standalone=True,
+                    namespaces=[NAMESPACE],
+                    stop_flag=stop,
+                    ready_flag=ready,
+                )
+            )
+        except BaseException as exc:  # reported by the test thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=operate, name="kopf-operator", daemon=True)
+    thread.start()
     try:
-        await asyncio.wait_for(asyncio.shield(ready.wait()), timeout)
-        yield task
+        if not await asyncio.to_thread(ready.wait, timeout):
+            raise TimeoutError(f"the operator was not ready within {timeout}s: {failure}")
+        yield
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout)
+        await asyncio.to_thread(thread.join, timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"the operator did not stop within {timeout}s")
+    if failure:
+        raise failure[0]
 
 
 @pytest.fixture()
