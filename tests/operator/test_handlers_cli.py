@@ -1,0 +1,94 @@
+"""`atom operator run` and the handler helpers that need no cluster."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import kopf
+import pytest
+
+from atom_operator import cli_operator, handlers
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="atom operator")
+    cli_operator.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_no_namespace_means_cluster_wide():
+    assert cli_operator.operator_options(parse("run")) == {
+        "standalone": False,
+        "clusterwide": True,
+        "namespaces": [],
+        "liveness_endpoint": None,
+    }
+
+
+def test_repeated_namespaces_standalone_and_liveness():
+    args = parse("run", "-n", "a", "--namespace", "b", "--standalone", "--liveness", "http://x/h")
+    assert cli_operator.operator_options(args) == {
+        "standalone": True,
+        "clusterwide": False,
+        "namespaces": ["a", "b"],
+        "liveness_endpoint": "http://x/h",
+    }
+
+
+def test_namespace_and_all_namespaces_exclude_each_other():
+    with pytest.raises(SystemExit):
+        parse("run", "-n", "a", "--all-namespaces")
+
+
+def test_run_starts_kopf_with_the_registered_handlers(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
+    monkeypatch.setattr("atom_runtime.process.set_process_title", lambda role: role)
+    assert cli_operator.run(parse("run", "-n", "ns1", "--log-level", "warning")) == 0
+    assert len(calls) == 1
+    registry = calls[0].pop("registry")
+    assert calls[0] == {
+        "standalone": False,
+        "clusterwide": False,
+        "namespaces": ["ns1"],
+        "liveness_endpoint": None,
+    }
+    ids = {h.id for h in registry._changing.get_all_handlers()}
+    assert {"on_create", "on_resume", "on_update"} <= ids
+
+
+def test_python_dash_m_atom_operator_is_atom_operator():
+    result = subprocess.run(
+        [sys.executable, "-m", "atom_operator", "run", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.startswith("usage: atom operator run")
+
+
+@pytest.mark.parametrize(
+    ("retry", "conflict", "delay"),
+    [(0, True, 1.0), (3, True, 8.0), (9, True, 30.0), (0, False, 5.0), (2, False, 20.0),
+     (20, False, 300.0)],
+)  # fmt: skip
+def test_retry_delay_backs_off_exponentially_with_a_cap(retry, conflict, delay):
+    assert handlers.retry_delay(retry, conflict=conflict) == delay
+
+
+@pytest.mark.parametrize(
+    ("paths", "only"),
+    [
+        ([("spec", "decode", "replicas")], True),
+        ([("spec", "decode", "replicas"), ("spec", "prefill", "replicas")], True),
+        ([("spec", "decode", "replicas"), ("spec", "engine", "args")], False),
+        ([("spec", "decode")], False),
+        ([], False),
+    ],
+)
+def test_only_replicas_changed(paths, only):
+    diff = [("change", path, 1, 2) for path in paths]
+    assert handlers.only_replicas_changed(diff) is only

@@ -1,0 +1,242 @@
+"""Pure status folding: every role verdict, phase and condition, with exact values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atom_operator.status import (
+    RoleDeployment,
+    fold_status,
+    kv_events_problem,
+    role_state,
+    status_changes,
+    summarize_deployment,
+)
+
+NOW, EARLIER = "2026-01-02T00:00:00Z", "2026-01-01T00:00:00Z"
+UID = "uid-1"
+TOPIC = "kv@$(POD_IP):5557@m"
+KV_ARGS = ("serve", "--kv-events-config", json.dumps({"endpoint": "tcp://*:5557", "topic": TOPIC}))
+
+
+def body(spec=None, generation=1, status=None):
+    return {
+        "apiVersion": "serving.atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": "chat", "namespace": "ns1", "uid": UID, "generation": generation},
+        "spec": {"model": {"name": "m"}, "accelerator": {"vendor": "cpu"}, **(spec or {})},
+        "status": status or {},
+    }
+
+
+def deployment(role="decode", **fields):
+    values = dict(
+        name=f"chat-{role}", role=role, owner_uid=UID, generation=1, desired=1, replicas=1,
+        ready=1, updated=1, observed_generation=1, rollout_complete=True,
+        args=KV_ARGS if role != "router" else (), env=("POD_IP",),
+    )  # fmt: skip
+    values.update(fields)
+    return RoleDeployment(**values)
+
+
+def fold(obj, deployments, applied=1):
+    return fold_status(
+        obj, deployments, applied_generation=applied, endpoint="http://e/v1", now=NOW
+    )
+
+
+def conditions(status):
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+@pytest.mark.parametrize(
+    ("d", "ready", "reason", "degraded", "pending"),
+    [
+        (None, False, "DeploymentMissing", False, True),
+        (deployment(failure="ProgressDeadlineExceeded: x"), False, "RolloutFailed", True, False),
+        (deployment(desired=0, replicas=0, ready=0, updated=0), False, "ScaledToZero", False, True),
+        (deployment(observed_generation=0), False, "RollingOut", False, False),
+        (deployment(desired=2, updated=1, replicas=2), False, "RollingOut", False, False),
+        (deployment(replicas=2), False, "RollingOut", False, False),
+        (deployment(ready=0, rollout_complete=False), False, "PodsStarting", False, False),
+        (deployment(ready=0), False, "PodsNotReady", True, False),
+        (deployment(), True, "AllPodsReady", False, False),
+    ],
+)
+def test_role_state(d, ready, reason, degraded, pending):
+    state = role_state("decode", d)
+    assert (state.ready, state.reason, state.degraded, state.pending) == (
+        ready, reason, degraded, pending
+    )  # fmt: skip
+
+
+def test_ready_aggregated_status_exact():
+    status = fold(body(), [deployment()])
+    assert status == {
+        "phase": "Ready",
+        "endpoint": "http://e/v1",
+        "model": "m",
+        "roles": {
+            "decode": {
+                "replicas": 1,
+                "readyReplicas": 1,
+                "updatedReplicas": 1,
+                "desiredReplicas": 1,
+                "selector": "",
+                "ready": "1/1",
+            },
+            "prefill": None,
+            "router": None,
+        },
+        "conditions": [
+            {"type": "SpecValid", "status": "True", "reason": "Valid",
+             "message": "the spec is valid", "lastTransitionTime": NOW, "observedGeneration": 1},
+            {"type": "DecodeReady", "status": "True", "reason": "AllPodsReady",
+             "message": "chat-decode: 1/1 pods ready", "lastTransitionTime": NOW,
+             "observedGeneration": 1},
+            {"type": "KVEventsWired", "status": "True", "reason": "ArgsWired",
+             "message": "engine pods publish on port 5557", "lastTransitionTime": NOW,
+             "observedGeneration": 1},
+            {"type": "Ready", "status": "True", "reason": "AllComponentsReady",
+             "message": "ready: decode", "lastTransitionTime": NOW, "observedGeneration": 1},
+        ],
+    }  # fmt: skip
+
+
+def test_disaggregated_needs_prefill_and_router_before_ready():
+    obj = body({"prefill": {"replicas": 1}})
+    status = fold(obj, [deployment(), deployment("prefill")])
+    assert conditions(status) == {
+        "SpecValid": ("True", "Valid"),
+        "DecodeReady": ("True", "AllPodsReady"),
+        "PrefillReady": ("True", "AllPodsReady"),
+        "RouterReady": ("False", "DeploymentMissing"),
+        "KVEventsWired": ("True", "ArgsWired"),
+        "Ready": ("False", "ComponentsNotReady"),
+    }
+    assert status["phase"] == "Pending"
+    status = fold(obj, [deployment(), deployment("prefill"), deployment("router")])
+    assert status["phase"] == "Ready"
+    assert conditions(status)["RouterReady"] == ("True", "AllPodsReady")
+    assert set(status["roles"]) == {"decode", "prefill", "router"}
+
+
+def test_invalid_spec_is_failed_and_names_the_field():
+    status = fold(body({"decode": {"replicas": -1}}), [deployment()])
+    assert status["phase"] == "Failed"
+    spec_valid = status["conditions"][0]
+    assert (spec_valid["status"], spec_valid["reason"], spec_valid["message"]) == (
+        "False", "InvalidSpec", "spec.decode.replicas: must be >= 0, got -1"
+    )  # fmt: skip
+    assert conditions(status)["Ready"] == ("False", "SpecInvalid")
+
+
+def test_unapplied_generation_is_progressing_never_ready():
+    status = fold(body(generation=2), [deployment()], applied=1)
+    assert status["phase"] == "Progressing"
+    ready = status["conditions"][-1]
+    assert (ready["status"], ready["reason"], ready["observedGeneration"]) == (
+        "False", "Reconciling", 1
+    )  # fmt: skip
+    assert status["conditions"][0]["observedGeneration"] == 2  # SpecValid: the current spec
+
+
+def test_degraded_beats_pending_and_progressing():
+    obj = body({"prefill": {"replicas": 1}})
+    status = fold(obj, [deployment(ready=0), deployment("prefill", observed_generation=0)])
+    assert status["phase"] == "Degraded"
+    assert fold(obj, [deployment("prefill", observed_generation=0)])["phase"] == "Pending"
+    assert fold(obj, [deployment(), deployment("prefill", ready=0, rollout_complete=False),
+                      deployment("router")])["phase"] == "Progressing"  # fmt: skip
+
+
+def test_kv_events_disabled_is_reported_and_not_required():
+    status = fold(body({"kvEvents": {"enabled": False}}), [deployment(args=())])
+    assert conditions(status)["KVEventsWired"] == ("False", "Disabled")
+    assert status["phase"] == "Ready"
+
+
+def test_kv_events_enabled_but_not_wired_is_degraded():
+    status = fold(body(), [deployment(args=("serve",))])
+    assert conditions(status)["KVEventsWired"] == ("False", "ArgsMissing")
+    assert conditions(status)["Ready"] == ("False", "KVEventsNotWired")
+    assert status["phase"] == "Degraded"
+
+
+def test_children_of_another_owner_are_ignored():
+    status = fold(body(), [deployment(owner_uid="someone-else")])
+    assert conditions(status)["DecodeReady"] == ("False", "DeploymentMissing")
+
+
+def test_last_transition_time_moves_only_when_status_changes():
+    before = {"conditions": [
+        {"type": "SpecValid", "status": "True", "lastTransitionTime": EARLIER},
+        {"type": "DecodeReady", "status": "False", "lastTransitionTime": EARLIER},
+    ]}  # fmt: skip
+    status = fold(body(status=before), [deployment()])
+    times = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
+    assert times["SpecValid"] == EARLIER
+    assert times["DecodeReady"] == NOW
+
+
+def test_endpoint_none_keeps_the_previous_one():
+    obj = body(status={"endpoint": "http://old/v1"})
+    status = fold_status(obj, [], applied_generation=1, endpoint=None, now=NOW)
+    assert status["endpoint"] == "http://old/v1"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "problem"),
+    [
+        (KV_ARGS, ("POD_IP",), ""),
+        (("serve",), (), "no --kv-events-config argument"),
+        (("--kv-events-config", "{"), (), "--kv-events-config is not JSON: '{'"),
+        (("--kv-events-config=" + json.dumps({"endpoint": "tcp://*:9", "topic": TOPIC}),),
+         ("POD_IP",), "publisher endpoint 'tcp://*:9' is not on spec.kvEvents.port 5557"),
+        (("--kv-events-config", json.dumps({"endpoint": "tcp://*:5557", "topic": "kv@x:5557@other"})),
+         (), "topic 'kv@x:5557@other' is not kv@<pod-ip>:5557@m"),
+        (KV_ARGS, (), f"topic '{TOPIC}' refers to $(POD_IP), which the container does not set"),
+    ],
+)  # fmt: skip
+def test_kv_events_problem(args, env, problem):
+    assert kv_events_problem(args, env, port=5557, model="m") == problem
+
+
+def test_summarize_deployment_reads_spec_status_and_engine_container():
+    obj = {
+        "metadata": {
+            "name": "chat-decode", "generation": 3,
+            "labels": {"serving.atom.dev/role": "decode"},
+            "ownerReferences": [{"uid": "other"}, {"uid": UID, "controller": True}],
+        },
+        "spec": {
+            "replicas": 4,
+            "selector": {"matchLabels": {"b": "2", "a": "1"}},
+            "template": {"spec": {"containers": [
+                {"name": "sidecar", "args": ["x"]},
+                {"name": "engine", "command": ["atom"], "args": ["serve"],
+                 "env": [{"name": "POD_IP"}]},
+            ]}},
+        },
+        "status": {
+            "observedGeneration": 3, "replicas": 4, "readyReplicas": 2, "updatedReplicas": 3,
+            "conditions": [{"type": "Progressing", "status": "False",
+                            "reason": "ProgressDeadlineExceeded", "message": "slow"}],
+        },
+    }  # fmt: skip
+    assert summarize_deployment(obj) == RoleDeployment(
+        name="chat-decode", role="decode", owner_uid=UID, generation=3, desired=4, replicas=4,
+        ready=2, updated=3, observed_generation=3, selector="a=1,b=2",
+        failure="ProgressDeadlineExceeded: slow", rollout_complete=False,
+        args=("atom", "serve"), env=("POD_IP",),
+    )  # fmt: skip
+    assert summarize_deployment({"metadata": {"name": "x", "labels": {}}}) is None
+
+
+def test_status_changes_only_what_differs_and_nulls_removed_roles():
+    current = {"phase": "Ready", "roles": {"decode": {"ready": "1/1"}, "prefill": {"ready": "1/1"}}}
+    folded = {"phase": "Ready", "roles": {"decode": {"ready": "1/1"}, "prefill": None}}
+    assert status_changes(current, folded) == {"roles": {"prefill": None}}
+    assert status_changes(folded | {"roles": {"decode": {"ready": "1/1"}}}, folded) == {}
