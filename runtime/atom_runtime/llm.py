@@ -107,7 +107,7 @@ class LLM:
         )
         try:
             while len(results) < len(request_ids):
-                outputs, to_abort = self.processor.process(self.engine.step())
+                outputs, to_abort = self.processor.process(self.engine.step(), finished_only=True)
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for out in outputs:

@@ -198,9 +198,12 @@ class OutputProcessor:
             )
         return out
 
-    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply engine outputs. Returns the updated requests' outputs and the engine request ids
-        that a stop string finished (to abort in the engine)."""
+    def process(
+        self, outputs: list[EngineOutput], finished_only: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply engine outputs. Returns the updated requests' outputs (only the finished ones with
+        `finished_only`, which spares an offline batch from copying every request each step) and
+        the engine request ids that a stop string finished (to abort in the engine)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -221,9 +224,11 @@ class OutputProcessor:
             touched[parent] = state
         results = []
         for rid, state in touched.items():
-            results.append(state.output())
             if state.finished:
+                results.append(state.output())
                 del self.requests[rid]
+            elif not finished_only:
+                results.append(state.output())
         return results, to_abort
 
     def abort(self, request_id: str) -> list[str]:
