@@ -1,32 +1,53 @@
 #!/usr/bin/env bash
 # The GPU check-and-measure cycle on one H200, in one go: kernel tests compiled for real (bf16,
-# fp16), engine parity on the GPU, W2 and W1 for ATOM, kernel microbenchmarks, then the peer.
-# Usage (from the repository root, on the GPU machine): OUT=results bash benchmarks/run_h200.sh [stage...]
-# Python packages the image lacks travel as wheels in .whl/ (see docs/benchmarks.md).
+# fp16), engine parity on the GPU, W2 and W1 for ATOM, kernel microbenchmarks, a step profile,
+# then the transformers peer in the same run.
+# Usage (repository root, on the GPU machine): OUT=results bash benchmarks/run_h200.sh [stage...]
+# Stages: tests enginetests bench kernels profile peer peer8b (default: tests bench kernels peer).
+# Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
 OUT=${OUT:-results}
-mkdir -p "$OUT"
+mkdir -p "$OUT/json"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=$PWD/runtime:$PWD/kernels:$PWD/operator:$PWD:/tmp/site
-export PYTHONUNBUFFERED=1 ATOM_REPORT_DIR=$OUT
-stages=${*:-tests bench}
-atom() { python3 -m atom_runtime "$@"; }
-for stage in $stages; do
+export PYTHONUNBUFFERED=1 ATOM_REPORT_DIR=$OUT/json
+Q3=benchmarks/configs/qwen3-0.6b
+L8=benchmarks/configs/llama-3.1-8b
+atom() { python3 -m atom_runtime "$@" 2>&1 | grep -v -i warning; }
+for stage in ${*:-tests bench kernels peer}; do
+  echo "== $stage"
   case $stage in
     tests)
-      nvidia-smi -L | tee "$OUT/gpu.txt"
-      python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/test_gpu_engine.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
+      nvidia-smi -L
+      python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/test_gpu_engine.py 2>&1 | tail -15 ;;
+    enginetests)
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py 2>&1 | tail -15 ;;
     bench)
-      atom bench latency --load-format dummy --model benchmarks/configs/qwen3-0.6b --output-json "$OUT/w2_qwen3_0.6b.json" 2>&1 | grep -v Warning
-      atom bench latency --load-format dummy --model benchmarks/configs/llama-3.1-8b --output-json "$OUT/w2_llama_8b.json" 2>&1 | grep -v Warning
-      atom bench throughput --load-format dummy --model benchmarks/configs/qwen3-0.6b --output-json "$OUT/w1_qwen3_0.6b.json" 2>&1 | grep -v Warning
-      python3 benchmarks/kernels_bench.py --out "$OUT/kernels.json" 2>&1 | tail -20 ;;
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json"
+      atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_llama_8b.json"
+      atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_qwen3_0.6b.json" ;;
+    kernels)
+      python3 benchmarks/kernels_bench.py --out "$OUT/json/kernels.json" 2>&1 | tail -12 ;;
+    profile)
+      python3 benchmarks/profile_step.py --model $Q3 --batch 1 2>&1 | tail -30
+      python3 benchmarks/profile_step.py --model $Q3 --batch 256 2>&1 | tail -30 ;;
     peer)
-      atom bench latency --load-format dummy --model benchmarks/configs/qwen3-0.6b --peer transformers --output-json "$OUT/w2_qwen3_0.6b_peer.json" 2>&1 | grep -v Warning
-      atom bench throughput --load-format dummy --model benchmarks/configs/qwen3-0.6b --peer transformers --peer-num-prompts 64 --output-json "$OUT/w1_qwen3_0.6b_peer.json" 2>&1 | grep -v Warning ;;
+      atom bench latency --load-format dummy --model $Q3 --peer transformers --output-json "$OUT/json/w2_qwen3_0.6b_peer.json"
+      atom bench throughput --load-format dummy --model $Q3 --peer transformers --peer-num-prompts 64 --output-json "$OUT/json/w1_qwen3_0.6b_peer.json" ;;
     peer8b)
-      atom bench latency --load-format dummy --model benchmarks/configs/llama-3.1-8b --peer transformers --output-json "$OUT/w2_llama_8b_peer.json" 2>&1 | grep -v Warning ;;
+      atom bench latency --load-format dummy --model $L8 --peer transformers --output-json "$OUT/json/w2_llama_8b_peer.json" ;;
   esac
 done
+# At most 8 files come back from the device tool: fold every JSON result into one file.
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+merged = {p.stem: json.loads(p.read_text()) for p in sorted((out / "json").glob("*.json"))}
+(out / "results.json").write_text(json.dumps(merged, indent=2))
+for p in (out / "json").glob("*.json"):
+    p.unlink()
+(out / "json").rmdir()
+PY
