@@ -16,6 +16,19 @@ export PYTHONPATH=$PWD/runtime:$PWD/kernels:$PWD/operator:$PWD:/tmp/site
 export PYTHONUNBUFFERED=1 ATOM_REPORT_DIR=$OUT/json
 Q3=benchmarks/configs/qwen3-0.6b
 L8=benchmarks/configs/llama-3.1-8b
+merge_results() {
+  # At most 8 files come back from the device tool: fold every JSON result into one file.
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+merged = {p.stem: json.loads(p.read_text()) for p in sorted((out / "json").glob("*.json"))}
+(out / "results.json").write_text(json.dumps(merged, indent=2))
+for p in (out / "json").glob("*.json"):
+    p.unlink()
+(out / "json").rmdir()
+PY
+}
+trap merge_results EXIT
 atom() { python3 -m atom_runtime "$@" 2>&1 | grep -v -i warning; }
 for stage in ${*:-tests bench kernels peer}; do
   echo "== $stage"
@@ -41,13 +54,3 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $L8 --peer transformers --output-json "$OUT/json/w2_llama_8b_peer.json" ;;
   esac
 done
-# At most 8 files come back from the device tool: fold every JSON result into one file.
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-merged = {p.stem: json.loads(p.read_text()) for p in sorted((out / "json").glob("*.json"))}
-(out / "results.json").write_text(json.dumps(merged, indent=2))
-for p in (out / "json").glob("*.json"):
-    p.unlink()
-(out / "json").rmdir()
-PY
