@@ -3,18 +3,24 @@
 It owns the model, the KV cache tensors and the per-request sampling generators; it makes no
 policy decisions (the scheduler does). CPU is a first-class device; on a GPU the same runner sizes
 the cache from `gpu_memory_utilization` after a profiling forward.
+
+One step is three parts: `prepare_inputs` (batch -> host arrays, `StepInputs`), `forward` (the
+model and the LM head; under tensor parallelism every rank runs it on the same StepInputs) and
+`sample` (only where the scheduler lives: rank 0).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
 from atom_runtime.layers.sampler import SamplerOutput, SamplingTensors, sample
 from atom_runtime.models.config import ModelConfig
@@ -50,6 +56,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass
+class StepInputs:
+    """Everything a forward pass needs, as host arrays: rank 0 builds it from a scheduled batch,
+    tensor-parallel workers receive it (executor.py) and run the same forward."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: cache slot of each new token
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    seq_lens: np.ndarray  # int32 [B]: tokens in cache per sequence, this step's included
+    cu_seqlens_q: np.ndarray  # int32 [B+1]: prefix sums of each sequence's new tokens
+    max_seqlen_q: int
+    sample_rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -61,6 +86,9 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and tp_size() > 1:
+            self.device = torch.device("cuda", tp_rank())  # one GPU per rank
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
@@ -71,7 +99,8 @@ class ModelRunner:
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
-        self.num_blocks = self._decide_num_blocks()
+        # Every rank must hold the same block ids: the cache is as large as the smallest allows.
+        self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -214,22 +243,52 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run the batch; returns the sequences that sample this step and their samples."""
-        input_ids, positions, meta, sample_rows, samplers = self._prepare(batch)
-        if meta.decode_only and self.graphs:
+        inputs, samplers = self.prepare_inputs(batch)
+        logits = self.forward(inputs)
+        if logits is None:
+            return [], None
+        return samplers, self.sample(logits, samplers)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """fp32 logits of the sample rows ([S, vocab]), or None when no row samples. Under tensor
+        parallelism every rank calls this with the same inputs (the layers' collectives pair up)."""
+        dev = self.device
+        decode_only = inputs.decode_only
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
+            seq_lens=torch.from_numpy(inputs.seq_lens).to(dev),
+            decode_only=decode_only,
+            cu_seqlens_q=None if decode_only else torch.from_numpy(inputs.cu_seqlens_q).to(dev),
+            max_seqlen_q=inputs.max_seqlen_q,
+        )
+        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
+        positions = torch.from_numpy(inputs.positions).to(dev)
+        rows = torch.from_numpy(inputs.sample_rows).to(dev)
+        if decode_only and self.graphs:
             logits = self._replay_decode(input_ids, positions, meta)
             if logits is not None:
-                return samplers, sample(logits, self._sampling_tensors(samplers))
+                # A one-token prompt chunk short of the prompt's end is a decode-shaped row that
+                # does not sample: keep only the sample rows.
+                return logits.index_select(0, rows) if len(inputs.sample_rows) else None
         set_attention_metadata(meta)
         try:
             hidden = self.model(input_ids, positions)
         finally:
             set_attention_metadata(None)
-        if not samplers:
-            return [], None
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
-        return samplers, sample(logits, self._sampling_tensors(samplers))
+        if len(inputs.sample_rows) == 0:
+            return None
+        return self.model.compute_logits(hidden[rows]).float()
 
-    def _prepare(self, batch: ScheduledBatch):
+    def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
+        """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
+        if logits.shape[0] != len(samplers):
+            raise ValueError(f"logits: {logits.shape[0]} rows for {len(samplers)} sequences")
+        return sample(logits, self._sampling_tensors(samplers))
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """The batch as host arrays, and the sequences that sample this step (in row order)."""
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
         seq_lens, q_lens, sample_rows, samplers = [], [], [], []
@@ -251,22 +310,19 @@ class ModelRunner:
             if end == seq.num_tokens:  # the chunk reaches the last known token: sample
                 sample_rows.append(offset - 1)
                 samplers.append(seq)
-        dev = self.device
-        decode_only = all(n == 1 for n in q_lens)
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            decode_only=decode_only,
-            cu_seqlens_q=None if decode_only else torch.from_numpy(cu).to(dev),
+        inputs = StepInputs(
+            input_ids=np.concatenate(ids_parts).astype(np.int64),
+            positions=np.concatenate(pos_parts),
+            slot_mapping=np.concatenate(slot_parts),
+            block_tables=tables,
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            cu_seqlens_q=cu,
             max_seqlen_q=max(q_lens),
+            sample_rows=np.asarray(sample_rows, dtype=np.int64),
         )
-        input_ids = torch.from_numpy(np.concatenate(ids_parts).astype(np.int64)).to(dev)
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, rows, samplers
+        return inputs, samplers
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         dev = self.device
@@ -328,3 +384,14 @@ class ModelRunner:
     def release(self, request_ids) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
+
+    def shutdown(self) -> None:
+        """Drop the KV cache, the captured graphs and the generators, so their memory is freed
+        even while something still holds this runner."""
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.graphs.clear()
+        self.graph_inputs = {}
+        self.generators.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,8 +1,10 @@
 """EngineCore: the scheduler and the model runner in one loop.
 
-One step: `schedule()` -> `ModelRunner.execute(batch)` -> append samples and check stops ->
+One step: `schedule()` -> `runner.execute(batch)` -> append samples and check stops ->
 `Scheduler.finish_step` (publish computed blocks, free finished) -> publish KV events -> outputs.
-The same class runs in-process under `LLM` and in its own process under `atom serve`.
+The same class runs in-process under `LLM` and in its own process under `atom serve`. `runner` is
+the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a TPExecutor that drives one
+worker process per other rank (executor.py); the scheduler and block manager exist only here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
-from atom_runtime.model_runner import ModelRunner
+from atom_runtime.executor import make_executor
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.scheduler import Scheduler
 from atom_runtime.sequence import FinishReason, Sequence
@@ -31,7 +33,14 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_path)
         self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
-        self.runner = ModelRunner(config, self.model_config, self.model_path)
+        self.runner = make_executor(config, self.model_config, self.model_path)
+        try:
+            self._finish_init(config)
+        except BaseException:
+            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+            raise
+
+    def _finish_init(self, config: EngineConfig) -> None:
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
         self.runner.eos_token_ids = self.eos_token_ids
         self.block_size = config.block_size
@@ -208,6 +217,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.publisher.shutdown()
+        self.runner.shutdown()
 
 
 def _eos_token_ids(model_path: Path, from_config: list[int]) -> list[int]:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_runtime.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from atom_runtime.layers.linear import copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,9 +20,17 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        part = loaded[self.start : self.start + self.per_rank]
+        """Rows [start, start + per_rank) of the checkpoint's vocab; the last rank's padding rows
+        (when the vocab does not divide evenly) stay zero."""
+        if tuple(loaded.shape) != (self.vocab_size, param.data.shape[1]):
+            raise ValueError(
+                f"checkpoint tensor {tuple(loaded.shape)} does not fit a vocab of "
+                f"{self.vocab_size} x {param.data.shape[1]}"
+            )
+        rows = max(0, min(self.per_rank, self.vocab_size - self.start))
         param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+        if rows:
+            copy_weight(param.data[:rows], loaded.narrow(0, self.start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

@@ -1,8 +1,9 @@
 """Linear layers that know how they are split across tensor-parallel ranks.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's part
-of a checkpoint tensor into place, so loading never materializes more than one checkpoint tensor
-and a rank never holds the full model.
+of a checkpoint tensor into place, so a rank never holds the full model. `loaded` is a tensor or a
+lazy checkpoint tensor (`models.loader.CheckpointTensor`): the loader narrows it to this rank's
+rows or columns before anything is read, so a rank reads only its shard from disk.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param.data, loaded)
+        copy_weight(param.data, loaded)
 
 
 class ReplicatedLinear(LinearBase):
@@ -51,7 +52,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.data.shape[0]
-        _copy(param.data, loaded.narrow(0, tp_rank() * n, n))
+        copy_weight(param.data, loaded.narrow(0, tp_rank() * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -64,7 +65,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -96,7 +97,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             dst, size = param.data.narrow(0, offset, kv_size), kv_size
             src_index = tp_rank() // self.kv_replicas
-        _copy(dst, loaded.narrow(0, src_index * size, size))
+        copy_weight(dst, loaded.narrow(0, src_index * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -108,17 +109,19 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.data.dim() == 1:  # bias: added once, after the reduce
-            _copy(param.data, loaded)
+            copy_weight(param.data, loaded)
             return
         n = param.data.shape[1]
-        _copy(param.data, loaded.narrow(1, tp_rank() * n, n))
+        copy_weight(param.data, loaded.narrow(1, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if tp_rank() == 0 else None)
         return all_reduce(y) if tp_size() > 1 else y
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
+def copy_weight(dst: torch.Tensor, src) -> None:
+    """Copy a checkpoint tensor (or this rank's narrowed part of it) into a parameter. A lazy
+    checkpoint tensor that reaches here whole is read whole: the parameter is replicated."""
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor {tuple(src.shape)} does not fit {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(src if isinstance(src, torch.Tensor) else src.read())

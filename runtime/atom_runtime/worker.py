@@ -1,0 +1,272 @@
+"""A tensor-parallel worker: the process that owns rank r > 0 of the model (one per rank).
+
+Rank 0 lives in the engine-core process with the scheduler (executor.py); it spawns one of these
+per other rank. A worker builds its shard of the model and its part of the KV cache, then runs
+whatever rank 0 sends, in order:
+
+    rank 0 ── PUSH (one socket per worker) ──> PULL  worker    Step | Call
+    rank 0 <── PULL (one socket for all) ───── PUSH  worker    Hello | Ready | Result | Failed
+
+`Step` is one forward pass as plain arrays (`StepInputs`: token ids, positions, slot mapping,
+block tables, sequence lengths, sample rows). The worker runs the same forward as rank 0; the
+layers' all-reduces and the LM head's all-gather pair the ranks up, and only rank 0 samples, so a
+step has no reply. `Call` runs one of WORKER_METHODS and always answers with a `Result`, so a
+caller waiting on it never hangs. Any exception is reported as `Failed` and the worker exits 1:
+rank 0 then takes the engine down with that message (a rank half-way through a collective cannot
+be resumed). The worker also exits when its parent (rank 0's process) is gone.
+
+Everything on the sockets is msgspec msgpack, never pickle; the spawn call's only argument is a
+plain dict (`WorkerSpec` as a dict).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_MS = 1000  # how often an idle worker checks that rank 0's process is still there
+
+
+# -- the wire ------------------------------------------------------------------------------------
+
+
+class WireArray(msgspec.Struct, array_like=True):
+    dtype: str  # numpy dtype string, e.g. "<i8"
+    shape: tuple[int, ...]
+    data: bytearray  # decoded writable, so torch.from_numpy needs no copy
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    input_ids: WireArray
+    positions: WireArray
+    slot_mapping: WireArray
+    block_tables: WireArray
+    seq_lens: WireArray
+    cu_seqlens_q: WireArray
+    max_seqlen_q: int
+    sample_rows: WireArray
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    method: str  # one of WORKER_METHODS
+    args: list[Any] = []
+
+
+ToWorker = Step | Call
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """Sent once the worker's imports are done, just before it joins the process group."""
+
+    rank: int
+    pid: int
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    rank: int
+    num_blocks: int
+
+
+class Result(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    rank: int
+    value: Any = None
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    rank: int
+    message: str
+
+
+FromWorker = Hello | Ready | Result | Failed
+
+
+def to_wire(a: np.ndarray) -> WireArray:
+    a = np.ascontiguousarray(a)
+    return WireArray(a.dtype.str, tuple(a.shape), a.tobytes())
+
+
+def from_wire(w: WireArray) -> np.ndarray:
+    return np.frombuffer(w.data, dtype=np.dtype(w.dtype)).reshape(w.shape)
+
+
+def encode_step(inputs) -> Step:
+    """A `StepInputs` (model_runner.py) as a wire message."""
+    return Step(
+        input_ids=to_wire(inputs.input_ids),
+        positions=to_wire(inputs.positions),
+        slot_mapping=to_wire(inputs.slot_mapping),
+        block_tables=to_wire(inputs.block_tables),
+        seq_lens=to_wire(inputs.seq_lens),
+        cu_seqlens_q=to_wire(inputs.cu_seqlens_q),
+        max_seqlen_q=inputs.max_seqlen_q,
+        sample_rows=to_wire(inputs.sample_rows),
+    )
+
+
+def decode_step(step: Step):
+    from atom_runtime.model_runner import StepInputs
+
+    return StepInputs(
+        input_ids=from_wire(step.input_ids),
+        positions=from_wire(step.positions),
+        slot_mapping=from_wire(step.slot_mapping),
+        block_tables=from_wire(step.block_tables),
+        seq_lens=from_wire(step.seq_lens),
+        cu_seqlens_q=from_wire(step.cu_seqlens_q),
+        max_seqlen_q=step.max_seqlen_q,
+        sample_rows=from_wire(step.sample_rows),
+    )
+
+
+# -- the process ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """What a worker needs to start; crosses the spawn boundary as a plain dict."""
+
+    rank: int
+    world_size: int
+    engine_config: dict  # EngineConfig fields
+    model_path: str
+    dist_init_method: str  # tcp://127.0.0.1:<port> for torch.distributed
+    backend: str  # gloo (CPU) or nccl (CUDA/ROCm)
+    command_address: str  # rank 0's PUSH socket for this worker
+    reply_address: str  # rank 0's PULL socket
+    parent_pid: int
+    num_threads: int  # torch CPU threads: this rank's slice of the cores
+    log_level: str = "INFO"
+
+
+def run_worker(spec: dict) -> None:
+    """Entry point of a worker process (a multiprocessing spawn target)."""
+    import torch
+    import zmq
+
+    from atom_runtime.process import release_gc_policy, set_process_title
+
+    s = WorkerSpec(**spec)
+    set_process_title("Worker", s.engine_config.get("data_parallel_rank", 0), s.rank)
+    logging.basicConfig(
+        level=s.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
+    )
+    # Ctrl+C reaches the whole process group; rank 0 decides how we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    torch.set_num_threads(s.num_threads)
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    inbox.connect(s.command_address)
+    outbox.connect(s.reply_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        outbox.send(encoder.encode(Hello(s.rank, os.getpid())))
+        worker = Worker(s)
+        outbox.send(encoder.encode(Ready(s.rank, worker.runner.num_blocks)))
+        worker.serve(inbox, outbox)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        log.exception("tensor-parallel rank %d failed", s.rank)
+        outbox.send(encoder.encode(Failed(s.rank, f"{type(e).__name__}: {e}")))
+        code = 1
+    finally:
+        _destroy_tensor_parallel()
+        inbox.close(linger=0)
+        outbox.close()
+        ctx.term()
+        release_gc_policy()
+    if code:
+        raise SystemExit(code)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _destroy_tensor_parallel() -> None:
+    from atom_runtime.distributed import destroy_tensor_parallel
+
+    try:
+        destroy_tensor_parallel()
+    except Exception:  # a peer already gone: nothing left to tear down cleanly
+        log.debug("destroying the process group failed", exc_info=True)
+
+
+class Worker:
+    """One rank's model runner, driven by rank 0's messages."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from atom_runtime.config import EngineConfig
+        from atom_runtime.distributed import init_tensor_parallel
+        from atom_runtime.model_runner import ModelRunner
+        from atom_runtime.models.loader import load_model_config
+
+        self.spec = spec
+        init_tensor_parallel(spec.rank, spec.world_size, spec.dist_init_method, spec.backend)
+        path = Path(spec.model_path)
+        self.runner = ModelRunner(EngineConfig(**spec.engine_config), load_model_config(path), path)
+        self.running = True
+
+    def serve(self, inbox, outbox) -> None:
+        import zmq
+
+        decoder = msgspec.msgpack.Decoder(ToWorker)
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        while self.running:
+            if not poller.poll(PARENT_POLL_MS):
+                if os.getppid() != self.spec.parent_pid:
+                    log.error("rank 0 (pid %d) is gone; exiting", self.spec.parent_pid)
+                    return
+                continue
+            msg = decoder.decode(inbox.recv(copy=False).buffer)
+            if isinstance(msg, Step):
+                self.runner.forward(decode_step(msg))
+            else:
+                value = self.call(msg.method, msg.args)
+                outbox.send(encoder.encode(Result(msg.call_id, self.spec.rank, value)))
+
+    def call(self, method: str, args: list) -> Any:
+        if method not in WORKER_METHODS:
+            raise ValueError(f"method: unknown worker method {method!r}")
+        return getattr(self, method)(*args)
+
+    # -- WORKER_METHODS: what rank 0 may call; each returns a msgpack-able value ---------------
+
+    def capture_cudagraphs(self, max_model_len: int) -> list[int]:
+        self.runner.capture_cudagraphs(max_model_len)
+        return list(self.runner.graph_sizes)
+
+    def apply_gc_policy(self) -> dict:
+        from atom_runtime.process import apply_gc_policy
+
+        return dataclasses.asdict(apply_gc_policy())
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    def shutdown(self) -> bool:
+        self.runner.shutdown()
+        self.running = False
+        return True
+
+
+WORKER_METHODS = frozenset({"capture_cudagraphs", "apply_gc_policy", "parameter_bytes", "shutdown"})
