@@ -162,7 +162,9 @@ class TPExecutor:
             self.runner = ModelRunner(config, model_config, model_path)
             readies = self._wait_for(Ready, "load the model")
         except BaseException as e:
-            failure = self._find_dead_worker(DEATH_WAIT_S)
+            # A collective failing (RuntimeError) usually means a worker died: report that one.
+            # Anything else is rank 0's own error (a bad config, a bad checkpoint): raise it.
+            failure = self._find_dead_worker(DEATH_WAIT_S) if isinstance(e, RuntimeError) else None
             # Workers may sit in a collective rank 0 left: no polite shutdown, stop them.
             self._failure = failure or f"rank 0 failed to start: {type(e).__name__}: {e}"
             self.shutdown()
