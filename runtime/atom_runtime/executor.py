@@ -279,15 +279,14 @@ class TPExecutor:
             self._fail(failure)
 
     def _guarded(self, fn, *args):
-        """Run a part of the step that pairs up with the workers; if it fails because a worker
-        died, raise the worker's death instead of the collective's symptom."""
+        """Run a part of the step that pairs up with the workers. If it fails, the ranks are out
+        of step (workers may sit in a collective rank 0 left), so the engine goes down; a worker's
+        death is reported in place of the collective's symptom."""
         try:
             return fn(*args)
         except Exception as e:
             failure = self._failure or self._find_dead_worker(DEATH_WAIT_S)
-            if failure is not None:
-                self._fail(failure, e)
-            raise
+            self._fail(failure or f"rank 0 failed mid-step: {type(e).__name__}: {e}", e)
 
     def _find_dead_worker(self, wait_s: float) -> str | None:
         """A message naming the first dead worker (waiting up to wait_s for one), else None."""
