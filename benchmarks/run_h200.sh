@@ -45,11 +45,13 @@ for stage in ${*:-tests bench kernels peer}; do
     kernels)
       python3 benchmarks/kernels_bench.py --out "$OUT/json/kernels.json" 2>&1 | tail -12 ;;
     profile)
-      python3 benchmarks/profile_step.py --model $Q3 --batch 1 2>&1 | tail -30
-      python3 benchmarks/profile_step.py --model $Q3 --batch 256 2>&1 | tail -30 ;;
+      python3 benchmarks/profile_step.py --model $Q3 --batch 1 2>&1 | tail -25 | cut -c1-150 | tee "$OUT/profile_b1.txt"
+      python3 benchmarks/profile_step.py --model $Q3 --batch 256 2>&1 | tail -25 | cut -c1-150 | tee "$OUT/profile_b256.txt" ;;
     peer)
       atom bench latency --load-format dummy --model $Q3 --peer transformers --output-json "$OUT/json/w2_qwen3_0.6b_peer.json"
       atom bench throughput --load-format dummy --model $Q3 --peer transformers --peer-num-prompts 64 --output-json "$OUT/json/w1_qwen3_0.6b_peer.json" ;;
+    peerw2)
+      atom bench latency --load-format dummy --model $Q3 --peer transformers --iters 1 --output-json "$OUT/json/w2_qwen3_0.6b_peer.json" ;;
     peer8b)
       atom bench latency --load-format dummy --model $L8 --peer transformers --output-json "$OUT/json/w2_llama_8b_peer.json" ;;
   esac

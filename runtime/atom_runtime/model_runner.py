@@ -213,23 +213,42 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         self.graph_inputs = bufs
         self.graph_sizes = sizes
+        # Pinned host staging: a decode step fills these and copies them over asynchronously.
+        # Reuse across steps is safe: every step ends by reading its samples back (a sync).
+        self.host_inputs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
+            "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
+            "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
+        }
+        self.block_table_stage = torch.zeros(max_bs * max_blocks, dtype=torch.int32, device=dev)
         log.info("captured CUDA graphs for decode batch sizes %s", sizes)
 
-    def _replay_decode(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Logits of a decode-only batch through a captured graph, or None if none fits."""
-        n = input_ids.shape[0]
+    def _replay_decode(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Logits of every row of a decode-only batch through a captured graph (padded to the
+        next captured size), or None when the batch is larger than every graph."""
+        n = len(inputs.input_ids)
         bs = next((s for s in self.graph_sizes if s >= n), None) if self.graphs else None
         if bs is None:
             return None
-        b = self.graph_inputs
-        b["input_ids"][:n].copy_(input_ids)
-        b["positions"][:n].copy_(positions)
-        b["slot_mapping"][:n].copy_(meta.slot_mapping)
-        b["slot_mapping"][n:bs].fill_(-1)
-        width = meta.block_tables.shape[1]
-        b["block_tables"][:n, :width].copy_(meta.block_tables)
-        b["seq_lens"][:n].copy_(meta.seq_lens)
-        b["seq_lens"][n:bs].zero_()
+        host, dev = self.host_inputs, self.graph_inputs
+        host["input_ids"].numpy()[:n] = inputs.input_ids
+        host["positions"].numpy()[:n] = inputs.positions
+        slots = host["slot_mapping"].numpy()
+        slots[:n] = inputs.slot_mapping
+        slots[n:bs] = -1
+        lens = host["seq_lens"].numpy()
+        lens[:n] = inputs.seq_lens
+        lens[n:bs] = 0  # padded rows attend to nothing
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            dev[name][:bs].copy_(host[name][:bs], non_blocking=True)
+        width = inputs.block_tables.shape[1]
+        packed = n * width
+        host["block_tables"].numpy()[:packed] = inputs.block_tables.reshape(-1)
+        stage = self.block_table_stage[:packed]
+        stage.copy_(host["block_tables"][:packed], non_blocking=True)
+        dev["block_tables"][:n, :width].copy_(stage.view(n, width))
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]
@@ -253,6 +272,15 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """fp32 logits of the sample rows ([S, vocab]), or None when no row samples. Under tensor
         parallelism every rank calls this with the same inputs (the layers' collectives pair up)."""
+        if inputs.decode_only and self.graphs:
+            logits = self._replay_decode(inputs)
+            if logits is not None:
+                rows = inputs.sample_rows
+                if len(rows) == len(inputs.input_ids):
+                    return logits
+                # A one-token prompt chunk short of the prompt's end is decode-shaped but does
+                # not sample: keep only the sample rows.
+                return logits[torch.from_numpy(rows).to(self.device)] if len(rows) else None
         dev = self.device
         decode_only = inputs.decode_only
         meta = AttentionMetadata(
@@ -266,12 +294,6 @@ class ModelRunner:
         input_ids = torch.from_numpy(inputs.input_ids).to(dev)
         positions = torch.from_numpy(inputs.positions).to(dev)
         rows = torch.from_numpy(inputs.sample_rows).to(dev)
-        if decode_only and self.graphs:
-            logits = self._replay_decode(input_ids, positions, meta)
-            if logits is not None:
-                # A one-token prompt chunk short of the prompt's end is a decode-shaped row that
-                # does not sample: keep only the sample rows.
-                return logits.index_select(0, rows) if len(inputs.sample_rows) else None
         set_attention_metadata(meta)
         try:
             hidden = self.model(input_ids, positions)
@@ -285,10 +307,14 @@ class ModelRunner:
         """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
         if logits.shape[0] != len(samplers):
             raise ValueError(f"logits: {logits.shape[0]} rows for {len(samplers)} sequences")
+        if all(_plain_greedy(seq) for seq in samplers):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         return sample(logits, self._sampling_tensors(samplers))
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""
+        if all(n == 1 for n in batch.num_new_tokens):
+            return self._prepare_decode(batch.seqs)
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
         seq_lens, q_lens, sample_rows, samplers = [], [], [], []
@@ -323,6 +349,29 @@ class ModelRunner:
             sample_rows=np.asarray(sample_rows, dtype=np.int64),
         )
         return inputs, samplers
+
+    def _prepare_decode(self, seqs: list[Sequence]) -> tuple[StepInputs, list[Sequence]]:
+        """One new token per sequence: plain lists, no per-sequence numpy work (the hot path)."""
+        bs = self.block_size
+        pos = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, pos, strict=True)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos, strict=True)]
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        rows = [i for i, (s, p) in enumerate(zip(seqs, pos, strict=True)) if p + 1 == s.num_tokens]
+        positions = np.array(pos, dtype=np.int64)
+        inputs = StepInputs(
+            input_ids=np.array(ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=np.array(slots, dtype=np.int64),
+            block_tables=tables,
+            seq_lens=(positions + 1).astype(np.int32),
+            cu_seqlens_q=np.arange(len(seqs) + 1, dtype=np.int32),
+            max_seqlen_q=1,
+            sample_rows=np.array(rows, dtype=np.int64),
+        )
+        return inputs, [seqs[i] for i in rows]
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         dev = self.device
@@ -395,3 +444,14 @@ class ModelRunner:
         self.generators.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Argmax alone decides this row: greedy, no logprobs, no penalties, no banned tokens."""
+    p = seq.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.has_penalties
+        and seq.num_output_tokens >= p.min_tokens
+    )
