@@ -18,8 +18,8 @@ from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
-from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.executor import make_executor
+from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.scheduler import Scheduler
 from atom_runtime.sequence import FinishReason, Sequence
