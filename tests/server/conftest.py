@@ -67,9 +67,14 @@ class ServerProcess:
 
 
 def launch(
-    tmp_dir: Path, *args: str, wait: bool = True, env: dict | None = None, timeout: float = 90
+    tmp_dir: Path,
+    *args: str,
+    wait: bool = True,
+    env: dict | None = None,
+    timeout: float = 90,
+    port: int | None = None,
 ) -> ServerProcess:
-    port = free_port()
+    port = port or free_port()
     log_path = tmp_dir / f"serve-{port}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(

@@ -101,6 +101,7 @@ class EngineCoreClient:
         self._inbox_addr = f"ipc://{self._dir}/input"
         self._outbox_addr = f"ipc://{self._dir}/output"
         self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)  # never queue-full: only "no engine" fails
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._to_engine.bind(self._inbox_addr)
         self._from_engine.bind(self._outbox_addr)
@@ -136,6 +137,7 @@ class EngineCoreClient:
         if not isinstance(msg, Ready):
             raise RuntimeError(f"engine core handshake: expected Ready, got {type(msg).__name__}")
         self.ready = msg
+        self.stats = msg.stats
         loop.remove_reader(self.proc.sentinel)
         loop.add_reader(self.proc.sentinel, self._engine_died)
         self._reader = asyncio.ensure_future(self._read_loop())
@@ -176,8 +178,8 @@ class EngineCoreClient:
         self._closing = True
         self._watch_stop()
         if self.proc is not None and self.proc.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._to_engine.send(self._encoder.encode(Shutdown()))
+            with contextlib.suppress(EngineDeadError):
+                self._send(Shutdown())
             await asyncio.to_thread(self.proc.join, timeout)
             if self.proc.is_alive():
                 log.warning("engine core did not stop in %.0fs; terminating it", timeout)
@@ -233,7 +235,8 @@ class EngineCoreClient:
         Synchronous on purpose: it runs in `finally` blocks of cancelled tasks."""
         ids = self._forget(request_id)
         if ids and not self.dead and not self._closing:
-            self._to_engine.send(self._encoder.encode(AbortRequests(ids)))
+            with contextlib.suppress(EngineDeadError):  # a dead engine holds no blocks
+                self._send(AbortRequests(ids))
 
     def _forget(self, request_id: str) -> list[str]:
         self.streams.pop(request_id, None)
@@ -252,10 +255,19 @@ class EngineCoreClient:
         fut = asyncio.get_running_loop().create_future()
         self._calls[msg.call_id] = fut
         try:
-            await self._to_engine.send(self._encoder.encode(msg))
+            self._send(msg)
             return await fut
         finally:
             self._calls.pop(msg.call_id, None)
+
+    def _send(self, msg) -> None:
+        """Send without ever waiting: with no high-water mark a send only fails when no engine
+        is connected (it exited), and then it must fail now, not hang."""
+        sent = self._to_engine.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        if sent.done() and sent.exception() is not None:
+            if isinstance(sent.exception(), zmq.Again):
+                raise EngineDeadError("the engine core is not connected")
+            raise sent.exception()
 
     # -- the reader ------------------------------------------------------------------------------
 
@@ -292,7 +304,8 @@ class EngineCoreClient:
                     stream.first_scheduled_time = out.first_scheduled_time
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:
-            self._to_engine.send(self._encoder.encode(AbortRequests(to_abort)))
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequests(to_abort))
         for out in results:
             stream = self.streams.get(out.request_id)
             if stream is not None:

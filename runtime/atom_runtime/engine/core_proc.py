@@ -73,6 +73,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     block_size: int
     vocab_size: int
+    stats: EngineStats  # so /metrics has engine numbers from the first scrape on
 
 
 class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
@@ -121,8 +122,8 @@ def run_engine_core(
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     outbox = ctx.socket(zmq.PUSH)
-    for sock in (inbox, outbox):
-        sock.setsockopt(zmq.LINGER, 2000)
+    outbox.setsockopt(zmq.LINGER, 2000)  # deliver a StartupFailed before exiting
+    outbox.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the loop; a gone parent is noticed
     inbox.connect(input_address)
     outbox.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
@@ -145,6 +146,7 @@ def run_engine_core(
                     num_blocks=engine.pool.num_blocks,
                     block_size=engine.block_size,
                     vocab_size=engine.model_config.vocab_size,
+                    stats=engine.stats(),
                 )
             )
         )

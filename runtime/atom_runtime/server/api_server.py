@@ -234,7 +234,8 @@ def build_app(state: ServerState) -> FastAPI:
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
                 raise bad_request(
-                    f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})", "tokens"
+                    f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})",
+                    f"tokens[{i}]",
                 )
         return json_response({"prompt": serving.tokenizer.decode(req.tokens)})
 

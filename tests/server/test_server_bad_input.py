@@ -1,0 +1,151 @@
+"""Malformed and out-of-range requests: each gets an OpenAI error body naming the field, with the
+right status, and the server keeps answering everyone else normally."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+COMPLETION = {"prompt": "Hi", "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+BAD_REQUEST = "invalid_request_error"
+
+
+def _with(base: dict, **changes) -> dict:
+    body = dict(base)
+    for k, v in changes.items():
+        if v is _DROP:
+            body.pop(k)
+        else:
+            body[k] = v
+    return body
+
+
+_DROP = object()
+
+# (id, path, body (dict, or raw bytes), status, error type, param)
+ROWS = [
+    ("negative max_tokens", "/v1/completions", _with(COMPLETION, max_tokens=-1), 400, BAD_REQUEST, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", _with(COMPLETION, max_tokens=0), 400, BAD_REQUEST, "max_tokens"),
+    ("max_tokens beyond context", "/v1/completions", _with(COMPLETION, max_tokens=5000), 400, BAD_REQUEST, "max_tokens"),
+    ("max_tokens as string", "/v1/completions", _with(COMPLETION, max_tokens="10"), 400, BAD_REQUEST, "max_tokens"),
+    ("max_tokens as float", "/v1/completions", _with(COMPLETION, max_tokens=1.5), 400, BAD_REQUEST, "max_tokens"),
+    ("prompt longer than context", "/v1/completions", _with(COMPLETION, prompt=[5] * 1024), 400, BAD_REQUEST, "prompt"),
+    ("prompt missing", "/v1/completions", _with(COMPLETION, prompt=_DROP), 400, BAD_REQUEST, "prompt"),
+    ("prompt of wrong type", "/v1/completions", _with(COMPLETION, prompt=5), 400, BAD_REQUEST, "prompt"),
+    ("prompt empty list", "/v1/completions", _with(COMPLETION, prompt=[]), 400, BAD_REQUEST, "prompt"),
+    ("prompt empty string", "/v1/completions", _with(COMPLETION, prompt=""), 400, BAD_REQUEST, "prompt"),
+    ("token id outside vocab", "/v1/completions", _with(COMPLETION, prompt=[1, 99_999_999]), 400, BAD_REQUEST, "prompt"),
+    ("negative temperature", "/v1/completions", _with(COMPLETION, temperature=-0.5), 400, BAD_REQUEST, "temperature"),
+    ("temperature as string", "/v1/completions", _with(COMPLETION, temperature="hot"), 400, BAD_REQUEST, "temperature"),
+    ("top_p zero", "/v1/completions", _with(COMPLETION, top_p=0), 400, BAD_REQUEST, "top_p"),
+    ("top_p above one", "/v1/completions", _with(COMPLETION, top_p=1.5), 400, BAD_REQUEST, "top_p"),
+    ("n zero", "/v1/completions", _with(COMPLETION, n=0), 400, BAD_REQUEST, "n"),
+    ("n as string", "/v1/completions", _with(COMPLETION, n="2"), 400, BAD_REQUEST, "n"),
+    ("empty stop string", "/v1/completions", _with(COMPLETION, stop=[""]), 400, BAD_REQUEST, "stop"),
+    ("logprobs too many", "/v1/completions", _with(COMPLETION, logprobs=21), 400, BAD_REQUEST, "logprobs"),
+    ("seed as string", "/v1/completions", _with(COMPLETION, seed="x"), 400, BAD_REQUEST, "seed"),
+    ("echo unsupported", "/v1/completions", _with(COMPLETION, echo=True), 400, BAD_REQUEST, "echo"),
+    ("stream_options without stream", "/v1/completions", _with(COMPLETION, stream_options={"include_usage": True}), 400, BAD_REQUEST, "stream_options"),
+    ("kv_transfer_params not an object", "/v1/completions", _with(COMPLETION, kv_transfer_params="x"), 400, BAD_REQUEST, "kv_transfer_params"),
+    ("unknown model", "/v1/completions", _with(COMPLETION, model="no-such-model"), 404, BAD_REQUEST, "model"),
+    ("invalid JSON", "/v1/completions", b'{"prompt": "Hi",', 400, BAD_REQUEST, None),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400, BAD_REQUEST, None),
+    ("empty messages", "/v1/chat/completions", _with(CHAT, messages=[]), 400, BAD_REQUEST, "messages"),
+    ("messages missing", "/v1/chat/completions", _with(CHAT, messages=_DROP), 400, BAD_REQUEST, "messages"),
+    ("messages not a list", "/v1/chat/completions", _with(CHAT, messages="hi"), 400, BAD_REQUEST, "messages"),
+    ("unknown role", "/v1/chat/completions", _with(CHAT, messages=[{"role": "wizard", "content": "x"}]), 400, BAD_REQUEST, "messages[0].role"),
+    ("content of wrong type", "/v1/chat/completions", _with(CHAT, messages=[{"role": "user", "content": 5}]), 400, BAD_REQUEST, "messages[0].content"),
+    ("second message bad", "/v1/chat/completions", _with(CHAT, messages=[{"role": "user", "content": "a"}, {"content": "b"}]), 400, BAD_REQUEST, "messages[1].role"),
+    ("chat prompt longer than context", "/v1/chat/completions", _with(CHAT, messages=[{"role": "user", "content": "word " * 1100}]), 400, BAD_REQUEST, "messages"),
+    ("max_completion_tokens zero", "/v1/chat/completions", _with(CHAT, max_tokens=_DROP, max_completion_tokens=0), 400, BAD_REQUEST, "max_completion_tokens"),
+    ("max_completion_tokens beyond context", "/v1/chat/completions", _with(CHAT, max_tokens=_DROP, max_completion_tokens=5000), 400, BAD_REQUEST, "max_completion_tokens"),
+    ("chat max_tokens beyond context", "/v1/chat/completions", _with(CHAT, max_tokens=5000), 400, BAD_REQUEST, "max_tokens"),
+    ("top_logprobs too many", "/v1/chat/completions", _with(CHAT, logprobs=True, top_logprobs=30), 400, BAD_REQUEST, "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", _with(CHAT, top_logprobs=2), 400, BAD_REQUEST, "top_logprobs"),
+    ("chat negative temperature", "/v1/chat/completions", _with(CHAT, temperature=-1), 400, BAD_REQUEST, "temperature"),
+    ("chat n zero", "/v1/chat/completions", _with(CHAT, n=0), 400, BAD_REQUEST, "n"),
+    ("tools unsupported", "/v1/chat/completions", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, BAD_REQUEST, "tools"),
+    ("chat unknown model", "/v1/chat/completions", _with(CHAT, model="gpt-4"), 404, BAD_REQUEST, "model"),
+    ("chat invalid JSON", "/v1/chat/completions", b"{messages: []}", 400, BAD_REQUEST, None),
+    ("tokenize without input", "/tokenize", {}, 400, BAD_REQUEST, "prompt"),
+    ("detokenize id outside vocab", "/detokenize", {"tokens": [3, -1]}, 400, BAD_REQUEST, "tokens[1]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path, body, status, kind, param", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_bad_request_gets_openai_error(server, path, body, status, kind, param):
+    if isinstance(body, bytes):
+        r = httpx.post(
+            f"{server.url}{path}", content=body, headers={"content-type": "application/json"}
+        )
+    else:
+        r = httpx.post(f"{server.url}{path}", json=body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == kind
+    assert error["param"] == param
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None and status == 400:
+        assert error["message"].startswith(f"{param}: ")
+
+
+def test_streaming_bad_request_is_an_error_not_a_stream(server):
+    r = httpx.post(
+        f"{server.url}/v1/completions", json=_with(COMPLETION, max_tokens=5000, stream=True)
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+def test_unknown_route_and_wrong_method(server):
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == BAD_REQUEST
+
+
+def test_other_requests_are_unaffected(server):
+    """A stream running while every bad request of the table arrives completes normally."""
+    result = {}
+
+    def stream():
+        chunks = []
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/completions",
+            json={
+                "prompt": "Hello",
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },  # fmt: skip
+            timeout=60,
+        ) as r:
+            result["status"] = r.status_code
+            chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+        result["chunks"] = chunks
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _, path, body, status, _, _ in ROWS:
+        if isinstance(body, dict):
+            assert httpx.post(f"{server.url}{path}", json=body).status_code == status
+    t.join(60)
+    assert result["status"] == 200
+    assert result["chunks"][-1] == "data: [DONE]"
+    assert '"completion_tokens":48' in result["chunks"][-2]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    m = httpx.get(f"{server.url}/metrics").text
+    assert "atom:requests_running 0.0" in m
+    assert "atom:kv_cache_usage_ratio 0.0" in m

@@ -1,0 +1,240 @@
+"""Lifecycle of `atom serve`: client disconnects abort and free blocks, SIGTERM drains and exits 0,
+a dead engine core turns /health to 503 and ends the server with a non-zero code, /v1 needs the
+API key when one is set, and startup failures exit non-zero with the reason."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import TINY_FLAGS, launch
+
+LONG = {"prompt": list(range(3000, 3040)), "max_tokens": 900, "temperature": 0,
+        "ignore_eos": True}  # fmt: skip
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(atom:\S+) (\S+)$", text, re.M)}
+
+
+ABORTS = 'atom:requests_finished_total{reason="abort"}'
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def idle(server) -> bool:
+    m = metrics(server)
+    return m["atom:requests_running"] == 0 and m["atom:kv_cache_usage_ratio"] == 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = metrics(server)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data: {")
+        during = metrics(server)
+        assert during["atom:requests_running"] == 1
+        assert during["atom:kv_cache_usage_ratio"] > 0
+    # Leaving the block closed the connection mid-stream.
+    wait_for(lambda: idle(server), what="running=0 and kv usage 0 after the disconnect")
+    after = metrics(server)
+    assert after[ABORTS] - before[ABORTS] == 1
+    generated = after["atom:generation_tokens_total"] - before["atom:generation_tokens_total"]
+    assert generated < 900
+    time.sleep(0.3)
+    assert metrics(server)["atom:generation_tokens_total"] == after["atom:generation_tokens_total"]
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(server):
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=1.0)
+    wait_for(lambda: idle(server), what="running=0 after the client timed out")
+    assert metrics(server)[ABORTS] - before[ABORTS] == 1
+
+
+def _stream_lines(url: str, body: dict, out: dict, key: str, started: threading.Event) -> None:
+    lines: list[str] = []
+    try:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    started.set()
+    except httpx.HTTPError as e:
+        out[key + "_error"] = e
+    out[key] = lines
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_models, tmp_path):
+    srv = launch(
+        tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--shutdown-grace-period", "3"
+    )
+    engine = srv.engine_pid()
+    url = f"{srv.url}/v1/completions"
+    out: dict = {}
+    short_started, long_started = threading.Event(), threading.Event()
+    short = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    threads = [
+        threading.Thread(target=_stream_lines, args=(url, LONG, out, "long", long_started)),
+        threading.Thread(target=_stream_lines, args=(url, short, out, "short", short_started)),
+    ]
+    threads[0].start()
+    assert long_started.wait(30)
+    threads[1].start()
+    assert short_started.wait(30)
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(f"{srv.url}/health")
+    assert srv.proc.wait(30) == 0, srv.log()
+    assert time.monotonic() - start < 3 + 10
+    for t in threads:
+        t.join(10)
+    assert out["short"][-1] == "data: [DONE]"  # finished within the grace period
+    assert '"finish_reason":"length"' in out["short"][-2]
+    assert out["long"][-1] != "data: [DONE]"  # cut off when the grace period ran out
+    assert len(out["long"]) < 900
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine, 0)
+    assert "SIGTERM handled" in srv.log()
+
+
+def test_engine_core_death_fails_requests_with_503_and_ends_server(tiny_models, tmp_path):
+    srv = launch(tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS)
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
+    result: dict = {}
+    started = threading.Event()
+
+    def streaming():
+        try:
+            for _ in client.completions.create(
+                model=str(tiny_models["llama"]),
+                prompt="Hello",
+                max_tokens=900,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                started.set()
+            result["stream"] = "completed"
+        except openai.APIError as e:
+            result["stream"] = e
+
+    def blocking():
+        r = httpx.post(f"{srv.url}/v1/completions", json=LONG, timeout=30)
+        result["blocking"] = r
+
+    threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    time.sleep(0.2)
+    os.kill(srv.engine_pid(), signal.SIGKILL)
+    killed = time.monotonic()
+
+    def health_503():
+        try:
+            r = httpx.get(f"{srv.url}/health", timeout=1)
+        except httpx.TransportError:
+            return None
+        return r if r.status_code == 503 else None
+
+    r = wait_for(health_503, timeout=5, what="/health to answer 503")
+    assert r.json()["error"]["type"] == "service_unavailable_error"
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - killed < 5
+    assert isinstance(result["stream"], openai.APIError)
+    assert "engine core died" in str(result["stream"])
+    assert result["blocking"].status_code == 503
+    assert result["blocking"].json()["error"]["type"] == "service_unavailable_error"
+    assert srv.proc.wait(15) == 1
+    assert "the engine core process died" in srv.log()
+
+
+def test_api_key_guards_v1_and_health_is_503_while_loading(tiny_models, tmp_path):
+    srv = launch(
+        tmp_path,
+        "--model",
+        str(tiny_models["llama"]),
+        *TINY_FLAGS,
+        "--api-key",
+        "s3cret",
+        wait=False,
+    )
+    try:
+        statuses = []
+
+        def healthy():
+            try:
+                code = httpx.get(f"{srv.url}/health", timeout=1).status_code
+            except httpx.TransportError:
+                return False
+            statuses.append(code)
+            return code == 200
+
+        wait_for(healthy, timeout=90, what="/health 200")
+        assert statuses[0] == 503 and set(statuses) == {503, 200}
+        r = httpx.get(f"{srv.url}/v1/models")
+        assert r.status_code == 401
+        assert r.json()["error"] == {
+            "message": r.json()["error"]["message"],
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+        bad = {"Authorization": "Bearer wrong"}
+        assert httpx.get(f"{srv.url}/v1/models", headers=bad).status_code == 401
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}).status_code == 401
+        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0)
+        out = good.completions.create(model=str(tiny_models["llama"]), prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert httpx.get(f"{srv.url}/metrics").status_code == 200  # not under /v1
+    finally:
+        assert srv.stop() == 0
+
+
+def test_startup_failure_exits_nonzero_with_the_reason(tiny_models, tmp_path):
+    srv = launch(
+        tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--max-model-len", "5000",
+        wait=False,
+    )  # fmt: skip
+    assert srv.proc.wait(60) == 1
+    assert "max_model_len: 5000 exceeds the model's context length 1024" in srv.log()
+
+
+def test_busy_port_exits_2_at_once(server, tmp_path):
+    srv = launch(tmp_path, "--model", "/nonexistent", port=server.port, wait=False)
+    assert srv.proc.wait(30) == 2
+    assert f"cannot listen on 127.0.0.1:{server.port}" in srv.log()
+
+
+def test_process_titles(server):
+    titles = subprocess.run(
+        ["ps", "-o", "args=", "-p", f"{server.proc.pid},{server.engine_pid()}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert [t.strip() for t in titles if t.strip()] == ["ATOM::APIServer", "ATOM::EngineCore"]
