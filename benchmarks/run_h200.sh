@@ -36,6 +36,12 @@ for stage in ${*:-tests bench kernels peer}; do
     tests)
       nvidia-smi -L
       python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/test_gpu_engine.py 2>&1 | tail -15 ;;
+    final)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused.py 2>&1 | tail -3
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json"
+      python3 -m pytest -q -p no:cacheprovider -x tests/runtime/test_gpu_engine.py -k "graph_replay or (parity and (qwen3 or llama3))" 2>&1 | tail -3
+      atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_llama_8b.json"
+      atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_qwen3_0.6b.json" ;;
     enginetests)
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py 2>&1 | tail -15 ;;
     bench)

@@ -57,7 +57,14 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _triton() -> SimpleNamespace:
     global _triton_impls
     if _triton_impls is None:
-        from atom_kernels import decode_attention, kv_cache, norm, prefill_attention, rotary
+        from atom_kernels import (
+            decode_attention,
+            fused,
+            kv_cache,
+            norm,
+            prefill_attention,
+            rotary,
+        )
 
         _triton_impls = SimpleNamespace(
             store_kvcache=kv_cache.store_kvcache,
@@ -66,6 +73,8 @@ def _triton() -> SimpleNamespace:
             rms_norm=norm.rms_norm,
             fused_add_rms_norm=norm.fused_add_rms_norm,
             rotary_embedding_=rotary.rotary_embedding_,
+            qk_norm_rope_store_=fused.qk_norm_rope_store_,
+            silu_and_mul=fused.silu_and_mul,
         )
     return _triton_impls
 
@@ -222,6 +231,69 @@ def rotary_embedding_(
         _triton().rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
     else:
         reference.rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
+
+
+def qk_norm_rope_store_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Prepare attention inputs in one pass over a fused qkv projection output.
+
+    qkv: `[T, (num_heads + 2 * num_kv_heads) * head_dim]`, rows laid out [q heads | k heads |
+    v heads], last dim contiguous. Per token: RMSNorm of every q and k head (when both norm
+    weights are given, `[head_dim]` each; Qwen3), neox rotary of q and k (cos_sin_cache as for
+    `rotary_embedding_`, rotary_dim == head_dim), both written back into `qkv` in place; then k
+    (rotated) and v are stored into the paged cache at `slot_mapping` (-1: skip). The result
+    equals `rms_norm` + `rotary_embedding_` + `store_kvcache` applied in turn."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must be given together")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
+    if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
+        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
+    _check_cache(k_cache, v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
+    args = (
+        qkv,
+        positions,
+        cos_sin_cache,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    )
+    if _use_triton(qkv):
+        _triton().qk_norm_rope_store_(*args)
+    else:
+        reference.qk_norm_rope_store_(*args)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation over a fused [gate | up] projection: x `[T, 2w]` -> `[T, w]`."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, 2w] with a contiguous last dim")
+    if _use_triton(x):
+        return _triton().silu_and_mul(x)
+    return reference.silu_and_mul(x)
 
 
 refresh_backend()

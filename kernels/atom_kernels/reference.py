@@ -159,3 +159,37 @@ def rotary_embedding_(
             x1, x2 = rot[..., 0::2].float(), rot[..., 1::2].float()
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         rot.copy_(rotated)
+
+
+def qk_norm_rope_store_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of q
+    and k in place inside `qkv`, then the k/v cache write."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q.copy_(rms_norm(q, q_norm_weight, eps))
+        k.copy_(rms_norm(k, k_norm_weight, eps))
+    rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[:, :w]) * x[:, w:]` for `x` of width 2w, computed in fp32, returned in x.dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)

@@ -24,6 +24,7 @@ KERNEL_MODULES = (
     "atom_kernels.prefill_attention",
     "atom_kernels.norm",
     "atom_kernels.rotary",
+    "atom_kernels.fused",
 )
 
 

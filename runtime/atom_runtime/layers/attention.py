@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: the one small interface between models and kernels.
 
-Writes this step's K/V into the cache at the slot mapping, then attends: the decode kernel when
-every sequence runs one token, the variable-length prefill kernel otherwise (a chunk of length one
-is a decode there too, so mixed batches are correct).
+`prepare` turns the fused qkv projection into attention inputs in one kernel (QK-norm when the
+model has it, rotary, this step's K/V written into the cache at the slot mapping); `forward`
+attends: the decode kernel when every sequence runs one token, the variable-length prefill kernel
+otherwise (a chunk of length one is a decode there too, so mixed batches are correct).
 """
 
 from __future__ import annotations
@@ -25,12 +26,40 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, heads*dim]."""
-        meta = get_attention_metadata()
+    def prepare(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+    ) -> torch.Tensor:
+        """From the fused qkv projection: QK-norm (optional), rotary, and this step's K/V into the
+        cache, in one pass. Returns q as [T, num_heads, head_dim] (a view into qkv)."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        meta = get_attention_metadata()
+        ops.qk_norm_rope_store_(
+            qkv,
+            positions,
+            cos_sin_cache,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            self.k_cache,
+            self.v_cache,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q ([T, num_heads, head_dim]) over the cache, whose K/V for this step
+        `prepare` already stored. Returns [T, num_heads * head_dim]."""
+        meta = get_attention_metadata()
         if meta.decode_only:
             out = ops.paged_attention_decode(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale

@@ -8,8 +8,6 @@ import math
 import torch
 from torch import nn
 
-from atom_kernels import ops
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -33,6 +31,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table; attention applies it (atom_kernels.ops.qk_norm_rope_store_)."""
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None
     ) -> None:
@@ -43,6 +43,3 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
         )
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, is_neox=True)

@@ -8,9 +8,9 @@ are plain matmuls.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from atom_kernels import ops
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
@@ -50,18 +50,19 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            q = self.attn.prepare(
+                qkv,
+                positions,
+                self.rotary.cos_sin_cache,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+            )
+        else:
+            q = self.attn.prepare(qkv, positions, self.rotary.cos_sin_cache)
+        return self.o_proj(self.attn(q))
 
 
 class LlamaMLP(nn.Module):
@@ -71,8 +72,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
