@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None
 
 
 class SequenceText:
@@ -140,6 +141,7 @@ class RequestState:
             for i in range(params.n)
         }
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
@@ -156,6 +158,7 @@ class RequestState:
             outputs=[c.completion() for c in self.children.values()],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -213,6 +216,8 @@ class OutputProcessor:
             state = self.requests[parent]
             child = state.children[out.request_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.first_token_time and state.first_token_time is None:
                 state.first_token_time = out.first_token_time
             if out.first_scheduled_time and state.first_scheduled_time is None:

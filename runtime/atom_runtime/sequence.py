@@ -60,6 +60,7 @@ class Sequence:
         self.top_logprob_ids = array("i")
         self.top_logprobs = array("f")
         self.num_preemptions = 0
+        self.kv_transfer_params: dict | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

@@ -208,14 +208,22 @@ def test_logprobs_completions_and_chat(client, model_name):
         assert item.bytes == list(item.token.encode())
 
 
-def test_kv_transfer_params_are_accepted(client, model_name):
+def test_kv_transfer_params_are_passed_through(client, model_name):
+    params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
     out = client.completions.create(
-        model=model_name,
-        prompt=PROMPT,
-        max_tokens=2,
-        extra_body={"kv_transfer_params": {"do_remote_decode": False, "remote_host": None}},
+        model=model_name, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
     )
     assert out.usage.completion_tokens == 2
+    assert out.model_extra["kv_transfer_params"] == params
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"kv_transfer_params": params},
+    )
+    assert chat.model_extra["kv_transfer_params"] == params
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2)
+    assert "kv_transfer_params" not in (plain.model_extra or {})
 
 
 def test_64_concurrent_streams(server, model_name, record_property):

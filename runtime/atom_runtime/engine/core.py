@@ -107,6 +107,7 @@ class EngineCore:
                 f"context length of {self.max_model_len} tokens"
             )
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
+        seq.kv_transfer_params = request.kv_transfer_params
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -185,6 +186,7 @@ class EngineCore:
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
             num_preemptions=seq.num_preemptions,
+            kv_transfer_params=seq.kv_transfer_params if seq.finish_reason else None,
         )
 
     # -- introspection ---------------------------------------------------------------------------

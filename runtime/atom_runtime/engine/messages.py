@@ -35,6 +35,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # The request's kv_transfer_params, returned with its final output. With no KV connector the
+    # engine hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
+    kv_transfer_params: dict | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):

@@ -153,7 +153,9 @@ class OpenAIServing:
                     R.completion_choice(index, c.text, c.finish_reason, c.stop_reason, lp)
                 )
         return json_response(
-            R.completion_body(rid, shape.created, model, choices, _usage(runs, outs))
+            R.completion_body(
+                rid, shape.created, model, choices, _usage(runs, outs), _kv_transfer(outs)
+            )
         )
 
     async def chat(self, request: Request) -> Response:
@@ -186,7 +188,15 @@ class OpenAIServing:
                 lp = R.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, self.token_text)
             choices.append(R.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason, lp))
         return json_response(
-            R.completion_body(rid, shape.created, model, choices, _usage(runs, outs), chat=True)
+            R.completion_body(
+                rid,
+                shape.created,
+                model,
+                choices,
+                _usage(runs, outs),
+                _kv_transfer(outs),
+                chat=True,
+            )
         )
 
     # -- submitting and collecting ---------------------------------------------------------------
@@ -392,3 +402,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 def api_error_response(error: APIError) -> Response:
     return json_response(error.body(), error.status)
+
+
+def _kv_transfer(outs) -> dict | None:
+    """The kv_transfer_params the engine returned with the (first) finished prompt, if any."""
+    return next((o.kv_transfer_params for o in outs if o.kv_transfer_params is not None), None)
