@@ -28,6 +28,11 @@ class EngineConfig:
     kv_events_config: str | None = None  # JSON, vLLM's field names
     kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
     data_parallel_rank: int = 0
+    # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6: >0 a rung
+    # every N tokens (snapped to the hash block), 0 off, -1 prompt-end anchors and demand rungs
+    # only. Llama-family models hold no recurrent state, so for them these only validate.
+    state_checkpoint_interval_tokens: int = 0
+    state_checkpoint_demand: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
@@ -57,6 +62,11 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format: must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
+            )
+        if self.state_checkpoint_interval_tokens < -1:
+            raise ValueError(
+                "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
+                f"{self.state_checkpoint_interval_tokens}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
@@ -103,3 +113,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-transfer-config", default=None, help="JSON KVTransferConfig")
     g.add_argument("--data-parallel-rank", type=int, default=0)
+    g.add_argument(
+        "--state-checkpoint-interval-tokens",
+        type=int,
+        default=d.state_checkpoint_interval_tokens,
+        help="hybrid models: checkpoint per-request state every N tokens (0 off, -1 anchors only)",
+    )
+    g.add_argument(
+        "--state-checkpoint-demand",
+        action=argparse.BooleanOptionalAction,
+        default=d.state_checkpoint_demand,
+        help="hybrid models: place demand checkpoint rungs",
+    )

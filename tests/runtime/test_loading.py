@@ -180,3 +180,10 @@ def test_atom_generate_cli_bad_flag_value_exits_nonzero():
     )
     assert proc.returncode == 2
     assert "temperature" in proc.stderr
+
+
+def test_repo_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="'Qwen/Qwen3-8B': not a local path, and fetching"):
+        resolve_model_path("Qwen/Qwen3-8B")

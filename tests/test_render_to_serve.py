@@ -1,0 +1,45 @@
+"""The operator and the runtime agree: every engine argument the operator renders for every
+example is accepted by `atom serve`'s parser and makes a valid EngineConfig and KV-events config,
+so a rendered pod never dies on an unknown or malformed flag."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from atom_operator.render import render_children
+from atom_runtime.config import EngineConfig
+from atom_runtime.kv_events import KVEventsConfig
+from atom_runtime.server import cli as serve_cli
+
+EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml"))
+
+
+def _engine_containers(path: Path):
+    for doc in yaml.safe_load_all(path.read_text()):
+        doc.setdefault("metadata", {}).setdefault("uid", "uid-1")
+        for child in render_children(doc):
+            if child["kind"] != "Deployment":
+                continue
+            for c in child["spec"]["template"]["spec"]["containers"]:
+                args = c.get("args") or []
+                if args[:1] == ["serve"]:
+                    yield child["metadata"]["name"], args[1:]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_rendered_engine_args_parse_as_atom_serve(example):
+    found = list(_engine_containers(example))
+    assert found, f"{example.name} renders no engine container"
+    for name, args in found:
+        parser = argparse.ArgumentParser(prog="atom serve", exit_on_error=False)
+        serve_cli.add_arguments(parser)
+        parsed = parser.parse_args(args)  # raises on an unknown or malformed flag
+        config = EngineConfig.from_args(parsed)
+        assert config.block_size >= 8, name
+        if config.kv_events_config:
+            kv = KVEventsConfig.from_cli(config.kv_events_config, environ={})
+            assert kv.enable_kv_cache_events and kv.topic.startswith("kv@$(POD_IP):"), name
