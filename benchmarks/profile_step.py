@@ -1,6 +1,6 @@
 """Where one engine step's time goes: cProfile over steady-state decode steps.
 
-    python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256
+python benchmarks/profile_step.py --model benchmarks/configs/qwen3-0.6b --batch 256
 """
 
 from __future__ import annotations

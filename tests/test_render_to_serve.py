@@ -1,6 +1,7 @@
 """The operator and the runtime agree: every engine argument the operator renders for every
 example is accepted by `atom serve`'s parser and makes a valid EngineConfig and KV-events config,
-so a rendered pod never dies on an unknown or malformed flag."""
+so a rendered pod never dies on an unknown or malformed flag. Disaggregated roles are the one
+refusal, on purpose and by name: the runtime has no KV connector yet."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def test_rendered_engine_args_parse_as_atom_serve(example):
         parser = argparse.ArgumentParser(prog="atom serve", exit_on_error=False)
         serve_cli.add_arguments(parser)
         parsed = parser.parse_args(args)  # raises on an unknown or malformed flag
+        if parsed.kv_transfer_config is not None:
+            # No KV connector yet: disaggregated roles must fail loudly, not serve without one.
+            with pytest.raises(ValueError, match="^kv_transfer_config: KV connector"):
+                EngineConfig.from_args(parsed)
+            continue
         config = EngineConfig.from_args(parsed)
         assert config.block_size >= 8, name
         if config.kv_events_config:

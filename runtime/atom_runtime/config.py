@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 
@@ -63,6 +64,8 @@ class EngineConfig:
             raise ValueError(
                 f"load_format: must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
             )
+        if self.kv_transfer_config is not None:
+            _refuse_kv_transfer(self.kv_transfer_config)
         if self.state_checkpoint_interval_tokens < -1:
             raise ValueError(
                 "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
@@ -75,6 +78,23 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _refuse_kv_transfer(text: str) -> None:
+    """Disaggregated prefill/decode needs a KV connector, and this runtime has none yet. Running
+    both roles as plain engines would look healthy while every decode recomputes its prompt (the
+    silent failure users of other stacks report), so a KV transfer config is a startup error."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"kv_transfer_config: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("kv_transfer_config: must be a JSON object")
+    connector = cfg.get("kv_connector", "<none>")
+    raise ValueError(
+        f"kv_transfer_config: KV connector {connector!r} is not available in this runtime yet, "
+        "so disaggregated prefill/decode cannot run; serve aggregated (no prefill role)"
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

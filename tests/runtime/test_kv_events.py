@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+
 from atom_runtime.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import xxhash
 import zmq
+
 from atom_runtime.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
