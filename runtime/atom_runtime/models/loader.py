@@ -242,7 +242,8 @@ def iter_gguf(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _unpermute_rope(data, n)
-        yield name, torch.from_numpy(np.ascontiguousarray(data))
+        # A copy: unquantized tensors come back as read-only views of the memory-mapped file.
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
 
 
 # -- the model itself ------------------------------------------------------------------------------
