@@ -103,6 +103,8 @@ class ModelRunner:
         self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
         self.generators: dict[str, torch.Generator] = {}
+        # Banned until min_tokens is reached; the engine sets them once the model is known.
+        self.eos_token_ids: list[int] = []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.graph_sizes: list[int] = []
@@ -427,8 +429,6 @@ class ModelRunner:
             t.banned_rows = torch.tensor(banned_rows, dtype=torch.int64, device=dev)
             t.banned_tokens = torch.tensor(banned_tokens, dtype=torch.int64, device=dev)
         return t
-
-    eos_token_ids: list[int] = []
 
     def release(self, request_ids) -> None:
         for rid in request_ids:

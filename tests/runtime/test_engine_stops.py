@@ -1,0 +1,97 @@
+"""How requests finish in the engine: stop token ids (with the token's id as stop_reason),
+min_tokens banning stop tokens until reached, max_tokens, EOS vs ignore_eos, seeded sampling,
+and abort freeing everything."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom_runtime import LLM, SamplingParams
+from atom_runtime.engine.messages import EngineRequest
+
+PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["qwen2"]), dtype="float32", num_gpu_blocks_override=64)
+
+
+def _greedy(llm, **kw):
+    params = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 8), **kw)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_token_id_finishes_with_that_id(llm):
+    first = _greedy(llm, ignore_eos=True).token_ids[0]
+    out = _greedy(llm, stop_token_ids=[first], ignore_eos=True)
+    assert out.token_ids == [first]
+    assert (out.finish_reason, out.stop_reason) == ("stop", first)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm):
+    free = _greedy(llm, ignore_eos=True, max_tokens=6).token_ids
+    out = _greedy(llm, stop_token_ids=[free[0]], min_tokens=3, ignore_eos=True, max_tokens=6)
+    assert free[0] not in out.token_ids[:3]
+    assert len(out.token_ids) >= 3
+
+
+def test_max_tokens_finishes_with_length(llm):
+    out = _greedy(llm, ignore_eos=True, max_tokens=5)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.engine.eos_token_ids[0]
+    free = _greedy(llm, ignore_eos=True, max_tokens=4).token_ids
+    # Make EOS the model's own choice: stop on it as if it were EOS by declaring it EOS.
+    llm.engine.eos_token_ids.append(free[1])
+    try:
+        out = _greedy(llm, max_tokens=4)
+        first_hit = free.index(free[1])  # greedy text may repeat a token
+        assert out.token_ids == free[: first_hit + 1] and out.finish_reason == "stop"
+        assert out.stop_reason is None  # EOS is not a user stop token
+        assert _greedy(llm, ignore_eos=True, max_tokens=4).token_ids == free
+    finally:
+        llm.engine.eos_token_ids.remove(free[1])
+    assert eos in llm.engine.eos_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_seed_sensitive(llm):
+    def draw(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_abort_frees_every_block(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request(EngineRequest("a1", list(range(100, 140)), params))
+    engine.add_request(EngineRequest("a2", list(range(200, 210)), params))
+    engine.step()
+    engine.step()
+    outs = engine.abort_requests(["a1", "a2"])
+    assert sorted(o.request_id for o in outs) == ["a1", "a2"]
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "field"),
+    [
+        ([], {}, "prompt"),
+        ([10**9], {}, "prompt"),
+        (list(range(1, 1100)), {}, "prompt"),
+        ([1, 2], {"max_tokens": 5000}, "max_tokens"),
+    ],
+)
+def test_bad_requests_raise_naming_the_field_and_queue_nothing(llm, prompt, kwargs, field):
+    engine = llm.engine
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        engine.add_request(EngineRequest("bad", prompt, params))
+    assert not engine.has_unfinished_requests() and "bad" not in engine.requests
