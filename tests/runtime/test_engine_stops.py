@@ -95,3 +95,25 @@ def test_bad_requests_raise_naming_the_field_and_queue_nothing(llm, prompt, kwar
     with pytest.raises(ValueError, match=f"^{field}: "):
         engine.add_request(EngineRequest("bad", prompt, params))
     assert not engine.has_unfinished_requests() and "bad" not in engine.requests
+
+
+def test_warm_up_leaves_no_trace(tiny_models):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fresh = LLM(
+        str(tiny_models["llama"]),
+        dtype="float32",
+        num_gpu_blocks_override=8,
+        kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}"}}',
+    )
+    assert fresh.engine.publisher.published_total == 0  # the warm-up published no event
+    stats = fresh.engine.stats()
+    assert (stats.prompt_tokens, stats.generation_tokens) == (0, 0)
+    assert (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions) == (0, 0, 0)
+    assert stats.num_running == stats.num_waiting == 0
+    assert fresh.engine.pool.num_free_blocks == 8 and not fresh.engine.pool.cached
+    assert fresh.engine.requests == {}
+    fresh.shutdown()

@@ -21,6 +21,7 @@ from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStat
 from atom_runtime.executor import make_executor
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.models.loader import load_model_config, resolve_model_path
+from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import Scheduler
 from atom_runtime.sequence import FinishReason, Sequence
 
@@ -61,6 +62,24 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one short request through a prefill and a decode step before serving, so the first
+        real request does not pay for kernel compilation. It stays under one block, so it leaves
+        no hash, no KV event and no prefix-cache entry; the counters are reset afterwards."""
+        # Prompt + the one computed output token stay below a full block: nothing gets hashed.
+        n = min(self.block_size - 2, self.max_model_len - 3)
+        if n < 2:
+            return
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        self.add_request(EngineRequest("__atom_warm_up__", list(range(1, n + 1)), params))
+        while self.has_unfinished_requests():
+            self.step()
+        if self.pool.num_free_blocks != self.pool.num_blocks or self.pool.cached:
+            raise RuntimeError("warm-up left blocks or cached hashes behind")
+        self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def _decide_max_model_len(self) -> int:
         cache_tokens = self.runner.num_blocks * self.block_size
