@@ -12,7 +12,9 @@ NUM_SPLITS contiguous ranges processed by separate programs; each writes an unno
 partial output with its running max and sum, and a second kernel merges them
 (log-sum-exp). The split count depends only on shapes (batch, kv heads,
 max_blocks_per_seq) and the device, never on context_lens values, so a CUDA graph
-captured once stays valid; splits past a sequence's length do no work.
+captured once stays valid. Each sequence cuts its own context into that many ranges on the
+device (a multiple of BLOCK_N tokens each), so a short context still spreads over several
+programs instead of landing whole in the first split; splits past its end do no work.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ def _decode_split_kernel(
     bt_stride_b,
     out_stride_b,
     out_stride_h,
-    tokens_per_split,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -67,6 +68,7 @@ def _decode_split_kernel(
     num_heads = tl.num_programs(1) * GROUP
 
     ctx = tl.load(context_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(ctx, start + tokens_per_split)
 
@@ -143,17 +145,18 @@ def _decode_merge_kernel(
     part_sum_ptr,
     out_stride_b,
     out_stride_h,
-    tokens_per_split,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     ctx = tl.load(context_lens_ptr + seq)
-    live_splits = tl.cdiv(ctx, tokens_per_split)
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    live_splits = tl.cdiv(ctx, tl.maximum(tokens_per_split, 1))
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -249,8 +252,6 @@ def paged_attention_decode(
         num_splits = choose_num_splits(
             batch, num_kv_heads, max_context, block_n, _multiprocessor_count(q.device)
         )
-    tokens_per_split = math.ceil(math.ceil(max_context / num_splits) / block_n) * block_n
-    tokens_per_split = max(tokens_per_split, block_n)
 
     if num_splits > 1:
         part_acc = torch.empty(
@@ -281,7 +282,6 @@ def paged_attention_decode(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        tokens_per_split,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -302,11 +302,11 @@ def paged_attention_decode(
             part_sum,
             out.stride(0),
             out.stride(1),
-            tokens_per_split,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            BLOCK_N=block_n,
             num_warps=1 if block_d <= 128 else 2,
         )
     return out

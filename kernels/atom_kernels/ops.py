@@ -60,6 +60,7 @@ def _triton() -> SimpleNamespace:
         from atom_kernels import (
             decode_attention,
             fused,
+            gemv,
             kv_cache,
             norm,
             prefill_attention,
@@ -75,6 +76,7 @@ def _triton() -> SimpleNamespace:
             rotary_embedding_=rotary.rotary_embedding_,
             qk_norm_rope_store_=fused.qk_norm_rope_store_,
             silu_and_mul=fused.silu_and_mul,
+            gemv=gemv.gemv,
         )
     return _triton_impls
 
@@ -297,3 +299,45 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 refresh_backend()
+
+
+def linear_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a single row x (`[1, K]`, contiguous) and a row-major
+    weight (`[N, K]`): the batch-1 decode projection, a pure weight read. Triton GEMV on a GPU
+    (bandwidth-bound, CUDA-graph capturable: the launch shape depends on shapes only);
+    `F.linear` elsewhere. Returns `[1, N]` in x's dtype.
+
+    `act="silu_mul"`: x is SwiGLU's gate_up row `[1, 2K]` = [gate | up] and the result is
+    `F.linear(silu_and_mul(x), weight, bias)`, the activation fused into the GEMV."""
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be a 2-D [N, K] matrix with contiguous rows"
+        )
+    n, k = weight.shape
+    width = 2 * k if act == "silu_mul" else k
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"x {tuple(x.shape)} must be one contiguous row [1, {width}]")
+    if act == "silu_mul" and x.shape[1] % 2:
+        raise ValueError(
+            f"act='silu_mul' needs x [1, 2K] = [gate | up]; got an odd width {x.shape[1]}"
+        )
+    if x.shape[1] != width:
+        what = f"[gate | up] of {k} each" if act == "silu_mul" else f"{k} features"
+        raise ValueError(
+            f"x {tuple(x.shape)} must be [1, {width}] ({what}) for weight {tuple(weight.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    if _use_triton(x):
+        return _triton().gemv(x, weight, bias, act=act)
+    if act == "silu_mul":
+        x = reference.silu_and_mul(x)
+    return torch.nn.functional.linear(x, weight, bias)

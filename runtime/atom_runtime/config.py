@@ -26,6 +26,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
     tensor_parallel_size: int = 1
+    # Overlap the CPU half of step N+1 (scheduling, input preparation) with the GPU running step
+    # N. None: on for one GPU, off on CPU (nothing to overlap) and under tensor parallelism.
+    async_scheduling: bool | None = None
     kv_events_config: str | None = None  # JSON, vLLM's field names
     kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
     data_parallel_rank: int = 0
@@ -73,6 +76,11 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling: not available with tensor_parallel_size > 1 (the sampled "
+                "tokens that feed the next step stay on rank 0's GPU); drop --async-scheduling"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -128,6 +136,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and prepare step N+1 while the GPU runs step N "
+        "(default: on with one GPU, off on CPU and with tensor parallelism)",
+    )
     g.add_argument(
         "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"
     )

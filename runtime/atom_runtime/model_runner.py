@@ -22,11 +22,12 @@ import torch
 from atom_runtime.config import EngineConfig
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.layers.linear import choose_small_m_kernels
 from atom_runtime.layers.sampler import SamplerOutput, SamplingTensors, sample
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.scheduler import ScheduledBatch
-from atom_runtime.sequence import Sequence
+from atom_runtime.sequence import PENDING_TOKEN, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ class StepInputs:
     cu_seqlens_q: np.ndarray  # int32 [B+1]: prefix sums of each sequence's new tokens
     max_seqlen_q: int
     sample_rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
+    # Async scheduling: int64 [2, P], input rows whose token the previous step sampled on the
+    # device (row 0) and that step's sample row holding it (row 1). Rank 0 only.
+    pending_sources: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -102,9 +106,14 @@ class ModelRunner:
         # Every rank must hold the same block ids: the cache is as large as the smallest allows.
         self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
+        self.small_m_kernels = choose_small_m_kernels(self.model, self.device)
         self.generators: dict[str, torch.Generator] = {}
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
+        # The last step's samplers and sampled ids, on the device: the next step's inputs may
+        # take tokens from them before they are read back (async scheduling).
+        self._last_samplers: list[Sequence] = []
+        self._last_token_ids: torch.Tensor | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.graph_sizes: list[int] = []
@@ -215,15 +224,20 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         self.graph_inputs = bufs
         self.graph_sizes = sizes
-        # Pinned host staging: a decode step fills these and copies them over asynchronously.
-        # Reuse across steps is safe: every step ends by reading its samples back (a sync).
-        self.host_inputs = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-            "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
-            "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
-        }
+        # Pinned host staging: a decode step fills one set and copies it over asynchronously.
+        # Two sets, alternating: with async scheduling step N+1 is staged while step N's copies
+        # may still be queued; step N-1's (same set) are done, its samples were read back.
+        self.host_inputs_sets = [
+            {
+                "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
+                "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
+                "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
+                "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
+                "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
+            }
+            for _ in range(2)
+        ]
+        self._staging_turn = 0
         self.block_table_stage = torch.zeros(max_bs * max_blocks, dtype=torch.int32, device=dev)
         log.info("captured CUDA graphs for decode batch sizes %s", sizes)
 
@@ -234,7 +248,8 @@ class ModelRunner:
         bs = next((s for s in self.graph_sizes if s >= n), None) if self.graphs else None
         if bs is None:
             return None
-        host, dev = self.host_inputs, self.graph_inputs
+        host, dev = self.host_inputs_sets[self._staging_turn], self.graph_inputs
+        self._staging_turn ^= 1
         host["input_ids"].numpy()[:n] = inputs.input_ids
         host["positions"].numpy()[:n] = inputs.positions
         slots = host["slot_mapping"].numpy()
@@ -251,6 +266,8 @@ class ModelRunner:
         stage = self.block_table_stage[:packed]
         stage.copy_(host["block_tables"][:packed], non_blocking=True)
         dev["block_tables"][:n, :width].copy_(stage.view(n, width))
+        if inputs.pending_sources is not None:
+            self._fill_pending(dev["input_ids"], inputs.pending_sources)
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]
@@ -267,8 +284,27 @@ class ModelRunner:
         inputs, samplers = self.prepare_inputs(batch)
         logits = self.forward(inputs)
         if logits is None:
+            self._last_samplers, self._last_token_ids = [], None
             return [], None
-        return samplers, self.sample(logits, samplers)
+        sampled = self.sample(logits, samplers)
+        self._last_samplers, self._last_token_ids = samplers, sampled.token_ids
+        return samplers, sampled
+
+    def _pending_sources(self, rows: list[int], seqs: list[Sequence]) -> np.ndarray:
+        """For input rows holding a pending token: where the last step's samples hold it."""
+        if self._last_token_ids is None:
+            raise RuntimeError("a pending token with no step in flight to take it from")
+        where = {id(seq): i for i, seq in enumerate(self._last_samplers)}
+        try:
+            sources = [where[id(seq)] for seq in seqs]
+        except KeyError:
+            raise RuntimeError("a pending token the last step did not sample") from None
+        return np.array([rows, sources], dtype=np.int64)
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending_sources: np.ndarray) -> None:
+        """Copy tokens sampled by the last step, still on the device, into this step's inputs."""
+        idx = _to_device(pending_sources, self.device)
+        input_ids.index_copy_(0, idx[0], self._last_token_ids.index_select(0, idx[1]))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -282,20 +318,22 @@ class ModelRunner:
                     return logits
                 # A one-token prompt chunk short of the prompt's end is decode-shaped but does
                 # not sample: keep only the sample rows.
-                return logits[torch.from_numpy(rows).to(self.device)] if len(rows) else None
+                return logits[_to_device(rows, self.device)] if len(rows) else None
         dev = self.device
         decode_only = inputs.decode_only
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            block_tables=torch.from_numpy(inputs.block_tables).to(dev),
-            seq_lens=torch.from_numpy(inputs.seq_lens).to(dev),
+            slot_mapping=_to_device(inputs.slot_mapping, dev),
+            block_tables=_to_device(inputs.block_tables, dev),
+            seq_lens=_to_device(inputs.seq_lens, dev),
             decode_only=decode_only,
-            cu_seqlens_q=None if decode_only else torch.from_numpy(inputs.cu_seqlens_q).to(dev),
+            cu_seqlens_q=None if decode_only else _to_device(inputs.cu_seqlens_q, dev),
             max_seqlen_q=inputs.max_seqlen_q,
         )
-        input_ids = torch.from_numpy(inputs.input_ids).to(dev)
-        positions = torch.from_numpy(inputs.positions).to(dev)
-        rows = torch.from_numpy(inputs.sample_rows).to(dev)
+        input_ids = _to_device(inputs.input_ids, dev)
+        if inputs.pending_sources is not None:
+            self._fill_pending(input_ids, inputs.pending_sources)
+        positions = _to_device(inputs.positions, dev)
+        rows = _to_device(inputs.sample_rows, dev)
         set_attention_metadata(meta)
         try:
             hidden = self.model(input_ids, positions)
@@ -320,6 +358,7 @@ class ModelRunner:
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
         seq_lens, q_lens, sample_rows, samplers = [], [], [], []
+        pending_rows, pending_seqs = [], []
         offset = 0
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
@@ -335,6 +374,12 @@ class ModelRunner:
             seq_lens.append(end)
             q_lens.append(n)
             offset += n
+            if seq.num_pending and end > seq.num_tokens - seq.num_pending:
+                # Only a decode row reaches a pending token, and only the oldest one.
+                if n != 1 or end != seq.num_tokens - seq.num_pending + 1:
+                    raise RuntimeError(f"{seq!r}: a chunk runs over tokens not yet sampled")
+                pending_rows.append(offset - 1)
+                pending_seqs.append(seq)
             if end == seq.num_tokens:  # the chunk reaches the last known token: sample
                 sample_rows.append(offset - 1)
                 samplers.append(seq)
@@ -350,6 +395,8 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             sample_rows=np.asarray(sample_rows, dtype=np.int64),
         )
+        if pending_rows:
+            inputs.pending_sources = self._pending_sources(pending_rows, pending_seqs)
         return inputs, samplers
 
     def _prepare_decode(self, seqs: list[Sequence]) -> tuple[StepInputs, list[Sequence]]:
@@ -373,6 +420,9 @@ class ModelRunner:
             max_seqlen_q=1,
             sample_rows=np.array(rows, dtype=np.int64),
         )
+        if min(ids) == PENDING_TOKEN:
+            pending = [i for i, t in enumerate(ids) if t == PENDING_TOKEN]
+            inputs.pending_sources = self._pending_sources(pending, [seqs[i] for i in pending])
         return inputs, [seqs[i] for i in rows]
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -383,10 +433,10 @@ class ModelRunner:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         t = SamplingTensors(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=dev),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=dev),
+            temperature=_to_device(np.array(temps, dtype=np.float32), dev),
+            top_k=_to_device(np.array(top_k, dtype=np.int64), dev),
+            top_p=_to_device(np.array(top_p, dtype=np.float32), dev),
+            min_p=_to_device(np.array(min_p, dtype=np.float32), dev),
             all_greedy=all(x == 0.0 for x in temps),
             any_top_k=any(top_k),
             any_top_p=any(p < 1.0 for p in top_p),
@@ -426,8 +476,8 @@ class ModelRunner:
                 t.generators = t.generators or {}
                 t.generators[row] = gen
         if banned_rows:
-            t.banned_rows = torch.tensor(banned_rows, dtype=torch.int64, device=dev)
-            t.banned_tokens = torch.tensor(banned_tokens, dtype=torch.int64, device=dev)
+            t.banned_rows = _to_device(np.array(banned_rows, dtype=np.int64), dev)
+            t.banned_tokens = _to_device(np.array(banned_tokens, dtype=np.int64), dev)
         return t
 
     def release(self, request_ids) -> None:
@@ -441,9 +491,19 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.graphs.clear()
         self.graph_inputs = {}
+        self._last_samplers, self._last_token_ids = [], None
         self.generators.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without a host sync: staged through pinned memory (the caching
+    host allocator keeps the block until the copy has run), then copied asynchronously."""
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -65,6 +65,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.final_pending:  # its last token is being sampled right now: nothing to run
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
@@ -101,17 +104,26 @@ class Scheduler:
                 budget -= num_new
         return batch
 
-    def finish_step(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Advance computed counts, publish newly computed blocks, and retire finished sequences.
-        The engine has already appended sampled tokens and set finish reasons."""
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The batch is on its way to the device: its tokens count as computed from here on (the
+        next schedule may run while this step is still in flight)."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
+
+    def finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After a step's samples are appended and finish reasons set, for the step's sequences
+        that were still live when it completed: publish newly computed blocks and retire the
+        finished ones. A sequence preempted while its step was in flight may finish from the
+        waiting queue."""
+        for seq in seqs:
             self.block_manager.publish_computed_blocks(seq)
-        finished = [seq for seq in batch.seqs if seq.is_finished]
+        finished = [seq for seq in seqs if seq.is_finished]
         if finished:
             for seq in finished:
                 self.block_manager.free(seq)
             self.running = [seq for seq in self.running if not seq.is_finished]
+            if any(seq.status is SequenceStatus.FINISHED for seq in self.waiting):
+                self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
         return finished
 
     def abort(self, request_ids: set[str]) -> list[Sequence]:

@@ -12,6 +12,9 @@ from array import array
 
 from atom_runtime.sampling_params import SamplingParams
 
+# Stands in the token list for a token sampled on the GPU but not yet read back (async scheduling).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -61,6 +64,13 @@ class Sequence:
         self.top_logprobs = array("f")
         self.num_preemptions = 0
         self.kv_transfer_params: dict | None = None
+        # Async scheduling: trailing PENDING_TOKEN entries (sampled, not yet read back), and
+        # whether the first of them is known to end the sequence by length, so it needs no
+        # further step.
+        self.num_pending = 0
+        self.final_pending = False
+        # Penalties read the output tokens themselves: such a sequence never runs on pending ones.
+        self.needs_token_history = sampling_params.has_penalties
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
@@ -102,7 +112,31 @@ class Sequence:
         if logprob is not None:
             self.output_logprobs.append(logprob)
 
+    def append_pending(self, max_model_len: int) -> None:
+        """Reserve the place of a token this step samples; `resolve_pending` fills it in."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+        max_tokens = self.sampling_params.max_tokens
+        if self.num_tokens >= max_model_len or (
+            max_tokens is not None and self.num_output_tokens >= max_tokens
+        ):
+            self.final_pending = True
+
+    def resolve_pending(self, token_id: int, logprob: float | None = None) -> None:
+        """The oldest pending token is now known."""
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+        self.num_pending -= 1
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def drop_pending(self) -> None:
+        """Forget pending tokens (the sequence finished before them)."""
+        if self.num_pending:
+            del self.token_ids[len(self.token_ids) - self.num_pending :]
+            self.num_pending = 0
+
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.drop_pending()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

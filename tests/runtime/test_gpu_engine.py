@@ -49,6 +49,29 @@ def test_cuda_graph_replay_gives_the_same_tokens_as_eager(tiny_models):
     assert _greedy(graphs, prompts, 24) == _greedy(eager, prompts, 24)
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_async_scheduling_gives_the_same_tokens_as_the_synchronous_loop(tiny_models, enforce_eager):
+    prompts = _prompts(9, [3, 9, 14, 33, 2, 7, 61, 18, 5])
+    kw = dict(
+        dtype="bfloat16",
+        device="cuda",
+        num_gpu_blocks_override=512,
+        max_num_seqs=16,
+        enforce_eager=enforce_eager,
+    )
+    on = LLM(str(tiny_models["qwen3"]), async_scheduling=True, **kw)
+    off = LLM(str(tiny_models["qwen3"]), async_scheduling=False, **kw)
+    assert _greedy(on, prompts, 20) == _greedy(off, prompts, 20)
+    assert _greedy(on, prompts[:1], 20) == _greedy(off, prompts[:1], 20)  # batch 1: GEMV path
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    draw = [{"prompt_token_ids": p} for p in prompts[:4]]
+    assert [o.outputs[0].token_ids for o in on.generate(draw, seeded, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in off.generate(draw, seeded, use_tqdm=False)
+    ]
+    for llm in (on, off):
+        assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_stays_close_to_fp32_reference(tiny_models, kind):
     expected = _hf_greedy(tiny_models[kind], PROMPTS)

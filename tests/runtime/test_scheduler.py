@@ -19,12 +19,17 @@ def _scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=16) -> Schedu
 def _run_step(s: Scheduler, rng: random.Random | None = None):
     """Schedule, then play the model: sequences whose chunk reached their end get a token."""
     batch = s.schedule()
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        if seq.num_computed_tokens + n == seq.num_tokens:
+    sampling = [
+        seq.num_computed_tokens + n == seq.num_tokens
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+    ]
+    s.commit(batch)
+    for seq, samples in zip(batch.seqs, sampling, strict=True):
+        if samples:
             seq.append_token(rng.randrange(100) if rng else 7)
             if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                 seq.finish(FinishReason.LENGTH)
-    s.finish_step(batch)
+    s.finish_step(batch.seqs)
     return batch
 
 

@@ -1,7 +1,16 @@
 """EngineCore: the scheduler and the model runner in one loop.
 
-One step: `schedule()` -> `runner.execute(batch)` -> append samples and check stops ->
-`Scheduler.finish_step` (publish computed blocks, free finished) -> publish KV events -> outputs.
+One step: `schedule()` -> `runner.execute(batch)` (launched on the device; each sampling sequence
+gets a pending token) -> `Scheduler.commit` -> read the samples back, fill the pending tokens in
+and check stops -> `Scheduler.finish_step` (publish computed blocks, free finished) -> publish KV
+events -> outputs.
+
+With async scheduling the read-back of step N waits until step N+1 has been scheduled and
+launched, so the CPU prepares N+1 while the GPU runs N: step N+1's inputs take the tokens step
+N sampled straight from the device, and each call returns the previous step's outputs. A
+sequence whose pending token ends it by length is not scheduled again; one that stops on a
+token runs one wasted row, whose result is dropped. Penalties read the output tokens, so a step
+whose samplers use them is read back before the next is scheduled.
 The same class runs in-process under `LLM` and in its own process under `atom serve`. `runner` is
 the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a TPExecutor that drives one
 worker process per other rank (executor.py); the scheduler and block manager exist only here.
@@ -12,7 +21,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
@@ -20,9 +32,10 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
 from atom_runtime.executor import make_executor
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
+from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.scheduler import Scheduler
+from atom_runtime.scheduler import ScheduledBatch, Scheduler
 from atom_runtime.sequence import FinishReason, Sequence
 
 log = logging.getLogger(__name__)
@@ -59,6 +72,12 @@ class EngineCore:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = (
+                self.runner.device.type == "cuda" and config.tensor_parallel_size == 1
+            )
+        self._in_flight: _InFlight | None = None
         self.requests: dict[str, Sequence] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -138,29 +157,60 @@ class EngineCore:
         return [self._output(seq, []) for seq in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step in flight counts while it holds a live sequence (not once all were aborted).
+        return self.scheduler.has_unfinished() or (
+            self._in_flight is not None
+            and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        outputs = []
+        if self._in_flight is not None and any(
+            seq.needs_token_history for seq in self._in_flight.samplers
+        ):
+            outputs += self._complete(self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        launched = self._launch(batch) if batch else None
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._in_flight = None
+        self.publisher.publish(self.pool.drain_events())
+        self.publisher.raise_if_failed()
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+        """Run the batch on the device, commit its tokens as computed, and give each sampling
+        sequence a pending token; the samples start their way back to the host."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
         samplers, sampled = self.runner.execute(batch)
+        self.scheduler.commit(batch)
+        for seq in samplers:
+            seq.append_pending(self.max_model_len)
+        return _InFlight.start(batch, samplers, sampled)
+
+    def _complete(self, step: _InFlight) -> list[EngineOutput]:
+        """Read a launched step's samples back, fill in its pending tokens, check stops and
+        retire finished sequences. Sequences that finished since the launch (an abort, or a stop
+        found by the step before) are skipped: their row was wasted."""
+        live = [seq for seq in step.batch.seqs if not seq.is_finished]
         outputs = []
-        if samplers:
-            token_ids = sampled.token_ids.tolist()
-            logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        if step.samplers:
+            token_ids, logprobs, top_ids, top_lps = step.wait()
             now = time.time()
-            for row, seq in enumerate(samplers):
+            for row, seq in enumerate(step.samplers):
+                if seq.is_finished:
+                    continue
                 token = token_ids[row]
                 want = seq.sampling_params.logprobs
-                seq.append_token(token, logprobs[row] if want is not None else None)
+                seq.resolve_pending(token, logprobs[row] if want is not None else None)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq, token)
@@ -171,27 +221,28 @@ class EngineCore:
                         out.new_top_ids = [top_ids[row][:want]]
                         out.new_top_logprobs = [top_lps[row][:want]]
                 outputs.append(out)
-            self.generation_tokens_total += len(samplers)
-        finished = self.scheduler.finish_step(batch)
+                self.generation_tokens_total += 1
+        finished = self.scheduler.finish_step(live)
         for seq in finished:
             self.requests.pop(seq.request_id, None)
         self.runner.release(seq.request_id for seq in finished)
-        self.publisher.publish(self.pool.drain_events())
-        self.publisher.raise_if_failed()
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Stop checks for the token just filled in; tokens still pending after it (sampled by
+        a later step in flight) do not count."""
         p = seq.sampling_params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_output = seq.num_output_tokens - seq.num_pending
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish(FinishReason.STOP)
                 return
             if p.stop_token_ids and token in p.stop_token_ids:
                 seq.finish(FinishReason.STOP, token)
                 return
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             seq.finish(FinishReason.LENGTH)
-        elif seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens - seq.num_pending >= self.max_model_len:
             seq.finish(FinishReason.LENGTH)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
@@ -239,6 +290,46 @@ class EngineCore:
     def shutdown(self) -> None:
         self.publisher.shutdown()
         self.runner.shutdown()
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its batch, its sampling sequences and their samples on their way back."""
+
+    batch: ScheduledBatch
+    samplers: list[Sequence]
+    sampled: SamplerOutput | None
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, batch, samplers, sampled: SamplerOutput | None) -> _InFlight:
+        done = None
+        if sampled is not None and sampled.token_ids.is_cuda:
+            # non_blocking copies to the host land in pinned memory; the event marks them done.
+            sampled = SamplerOutput(
+                *(
+                    None if t is None else t.to("cpu", non_blocking=True)
+                    for t in (
+                        sampled.token_ids,
+                        sampled.logprobs,
+                        sampled.top_ids,
+                        sampled.top_logprobs,
+                    )
+                )
+            )
+            done = torch.cuda.Event()
+            done.record()
+        return cls(batch, samplers, sampled, done)
+
+    def wait(self) -> tuple[list, list | None, list | None, list | None]:
+        """The samples as host lists: token ids, logprobs, top ids, top logprobs."""
+        if self.done is not None:
+            self.done.synchronize()
+        s = self.sampled
+        return tuple(
+            None if t is None else t.tolist()
+            for t in (s.token_ids, s.logprobs, s.top_ids, s.top_logprobs)
+        )
 
 
 def _eos_token_ids(model_path: Path, from_config: list[int]) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_kernels import ops
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
@@ -72,7 +71,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), act="silu_mul")
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,172 @@
+"""Triton matrix-vector product for decode at batch 1: y = x @ W.T (+ bias) with x [1, K].
+
+At one row the projection is a pure weight read, so the kernel is built for bandwidth: each
+program owns BLOCK_N output features and streams their [BLOCK_N, K] weight rows once,
+BLOCK_K columns at a time, multiplying by the matching slice of x and keeping a
+[BLOCK_N, BLOCK_K] fp32 accumulator that is reduced across K only once at the end. When
+N / BLOCK_N programs would leave multiprocessors idle (narrow outputs such as the down
+projection), K is split as well: each split writes an fp32 partial row and a second tiny
+kernel sums the splits and rounds to the output dtype.
+
+`act="silu_mul"` fuses SwiGLU's activation into the down projection: x is the [1, 2K]
+gate_up row [gate | up] and the kernel multiplies W by silu(gate) * up, computed in fp32 and
+rounded to x's dtype before use (the rounding `silu_and_mul` followed by `F.linear` applies),
+without the separate launch or the intermediate row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    w_stride,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < k_end
+        if SILU_MUL:
+            # x is [gate | up], K each; round like the separate silu_and_mul kernel's output.
+            gate = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            x = h.to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out_ptr + split * N + offs_n, y, mask=n_mask)
+
+
+@triton.jit
+def _gemv_reduce_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        y += tl.load(part_ptr + s * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:
+    """Launch shape from the matrix shape alone (so CUDA graphs stay valid): 16 rows per
+    program with 512 columns a step; K split until there are about four programs per
+    multiprocessor, each split keeping at least 1,024 columns."""
+    block_n, block_k = 16, 512
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 4 * multiprocessors and k // (split * 2) >= 1024:
+        split *= 2
+    return {"block_n": block_n, "block_k": block_k, "split": split, "num_warps": 4}
+
+
+def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(columns per split, splits launched) for `split` requested splits of K: each split a
+    whole number of BLOCK_K steps, so fewer may be launched than asked for, none empty."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
+    shape (tests use them to reach the split path on small matrices). Shapes are checked by
+    the caller; `act="silu_mul"` takes x as [1, 2K]."""
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    cfg = gemv_config(n, k, _multiprocessors(x.device))
+    block_n = block_n or cfg["block_n"]
+    block_k = block_k or cfg["block_k"]
+    split = split or cfg["split"]
+    k_per_split, split = split_k(k, split, block_k)
+    has_bias = bias is not None
+    target = out if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x,
+        weight,
+        bias if has_bias else weight,
+        target,
+        n,
+        k,
+        weight.stride(0),
+        k_per_split,
+        HAS_BIAS=has_bias and split == 1,
+        SILU_MUL=act == "silu_mul",
+        SPLIT=split,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps or cfg["num_warps"],
+    )
+    if split > 1:
+        block = 1024
+        _gemv_reduce_kernel[(triton.cdiv(n, block),)](
+            target,
+            bias if has_bias else target,
+            out,
+            n,
+            HAS_BIAS=has_bias,
+            SPLIT=split,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,231 @@
+"""The batch-1 GEMV (`atom_kernels.gemv`, behind `ops.linear_small_m`) against F.linear, and its
+fused SwiGLU form against `reference.silu_and_mul` + F.linear.
+
+On CPU the kernel runs under TRITON_INTERPRET=1 (fp32, fp16); on a GPU compiled (bf16 too).
+Shapes are awkward on purpose (N not a multiple of BLOCK_N, K not a multiple of BLOCK_K) and
+small, since the interpreter is slow; the split-K path is forced with a small BLOCK_K."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom_kernels import ops, reference
+
+HAS_GPU = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+SHAPES = [(37, 300), (100, 1500), (64, 2048)]  # (N, K)
+# (split asked for, BLOCK_K): None = the unsplit path at the default BLOCK_K.
+PATHS = [(1, None), (2, 32), (3, 32), (4, 32)]
+
+
+@pytest.fixture(scope="module")
+def gemv_mod(kernels):
+    """`atom_kernels.gemv`, interpreted on CPU and compiled on a GPU (conftest's `kernels`
+    sets TRITON_INTERPRET first; this module is not in its list, so it is checked here)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from atom_kernels import gemv
+
+    if isinstance(gemv._gemv_kernel, InterpretedFunction) == HAS_GPU:
+        gemv = importlib.reload(gemv)
+        ops.refresh_backend()
+    if isinstance(gemv._gemv_kernel, InterpretedFunction) == HAS_GPU:
+        raise RuntimeError("could not put the GEMV kernel in the right (interpreted) mode")
+    return gemv
+
+
+def _inputs(n, k, dtype, device, *, bias, act, seed=11):
+    g = torch.Generator().manual_seed(seed + n + k)
+    width = 2 * k if act == "silu_mul" else k
+    x = (torch.randn(1, width, generator=g) * (3 if act else 1)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _want(x, w, b, act):
+    if act == "silu_mul":
+        x = reference.silu_and_mul(x)
+    return F.linear(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize(("split", "block_k"), PATHS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_gemv_matches_linear(gemv_mod, device, dtype, n, k, split, block_k, bias, act):
+    if block_k is not None:  # the requested split really is what launches
+        assert gemv_mod.split_k(k, split, block_k)[1] == split
+    x, w, b = _inputs(n, k, dtype, device, bias=bias, act=act)
+    got = gemv_mod.gemv(x, w, b, act=act, split=split, block_k=block_k)
+    want = _want(x, w, b, act)
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_other_block_n_and_strided_weight_rows(gemv_mod, device, dtype):
+    """BLOCK_N 32 over N=37 (one full, one ragged tile), and weight rows with padding after
+    them (a column slice of a wider matrix): only stride(1) must be 1."""
+    n, k = 37, 300
+    x, _, b = _inputs(n, k, dtype, device, bias=True, act=None)
+    wide = (torch.randn(n, k + 20, generator=torch.Generator().manual_seed(2)) / k**0.5).to(dtype)
+    w = wide.to(device)[:, :k]
+    assert not w.is_contiguous() and w.stride(1) == 1
+    for split, block_k in [(1, None), (3, 32)]:
+        got = gemv_mod.gemv(x, w, b, split=split, block_k=block_k, block_n=32)
+        torch.testing.assert_close(got, F.linear(x, w, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_silu_mul_matches_the_two_step_path(gemv_mod, device, dtype):
+    """Against silu_and_mul then the GEMV, as the runtime ran it before the fusion."""
+    n, k = 16, 300
+    x, w, _ = _inputs(n, k, dtype, device, bias=False, act="silu_mul", seed=5)
+    got = gemv_mod.gemv(x, w, act="silu_mul")
+    want = gemv_mod.gemv(ops.silu_and_mul(x), w)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (2, 32)])
+def test_gemv_silu_mul_rounds_the_activation_to_x_dtype(gemv_mod, device, dtype, split, block_k):
+    """silu(gate) * up is rounded to x's dtype before the product, like silu_and_mul's output.
+    Two gates whose activations differ in fp32 but round to the same value, weighted +1 and
+    -1 in turn, give exactly 0 that way, and K/2 times their fp32 difference without it (far
+    more than any tolerance), so this catches a missing rounding that random data cannot."""
+    gates = torch.arange(-3.0, -0.5, 1e-4).to(dtype).unique()  # every representable gate
+    h32 = F.silu(gates.float())
+    # away from rounding boundaries, so a GPU's approximate exp cannot tip one over
+    safe = ((h32 * (1 + 1e-5)).to(dtype) == h32.to(dtype)) & (
+        (h32 * (1 - 1e-5)).to(dtype) == h32.to(dtype)
+    )
+    gates, h32 = gates[safe], h32[safe]
+    _, group = h32.to(dtype).unique(return_inverse=True)
+    # the two gates furthest apart in fp32 activation that still round to the same value
+    spread = [
+        (h32[group == i].max() - h32[group == i].min()).item() for i in range(group.max() + 1)
+    ]
+    members = gates[group == torch.tensor(spread).argmax()]
+    pair = members[F.silu(members.float()).argsort()[[0, -1]]]
+    n, k = 5, 512
+    gate = pair.repeat(k // 2)
+    x = torch.cat([gate, torch.ones(k, dtype=dtype)]).view(1, 2 * k).to(device)
+    w = torch.tensor([1.0, -1.0]).repeat(n, k // 2).to(dtype).to(device)
+    drift = (k // 2) * (F.silu(pair.float()).diff().abs().item())
+    assert drift > 10 * TOL[dtype]["atol"]  # what skipping the rounding would leave
+    want = F.linear(reference.silu_and_mul(x), w)
+    assert torch.equal(want, torch.zeros_like(want))
+    got = gemv_mod.gemv(x, w, act="silu_mul", split=split, block_k=block_k)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_linear_small_m_forced_triton_runs_the_gemv(gemv_mod, device, monkeypatch):
+    """ATOM_KERNEL_BACKEND=triton sends linear_small_m to the kernel even for CPU tensors (the
+    interpreter), with the default launch shape: N=20, K=2048 splits K in two here."""
+    from atom_kernels.gemv import gemv_config
+
+    n, k = 20, 2048
+    cfg = gemv_config(n, k, gemv_mod._multiprocessors(torch.device(device)))
+    if not HAS_GPU:
+        assert cfg["split"] == 2
+    calls = []
+    real = gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv(ops.BACKEND_ENV, "triton")
+    ops.refresh_backend()
+    try:
+        for act in (None, "silu_mul"):
+            x, w, b = _inputs(n, k, torch.float32, device, bias=True, act=act)
+            got = ops.linear_small_m(x, w, b, act=act)
+            torch.testing.assert_close(got, _want(x, w, b, act), **TOL[torch.float32])
+    finally:
+        monkeypatch.delenv(ops.BACKEND_ENV)
+        ops.refresh_backend()
+    assert calls == [{"act": None}, {"act": "silu_mul"}]
+
+
+def test_linear_small_m_torch_path_matches_reference(monkeypatch):
+    monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+    ops.refresh_backend()
+    try:
+        x, w, b = _inputs(10, 24, torch.float32, "cpu", bias=True, act="silu_mul")
+        got = ops.linear_small_m(x, w, b, act="silu_mul")
+        assert torch.equal(got, F.linear(reference.silu_and_mul(x), w, b))
+        x, w, b = _inputs(10, 24, torch.float32, "cpu", bias=False, act=None)
+        assert torch.equal(ops.linear_small_m(x, w), F.linear(x, w))
+    finally:
+        monkeypatch.delenv(ops.BACKEND_ENV)
+        ops.refresh_backend()
+
+
+def test_linear_small_m_refuses_bad_shapes():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        ops.linear_small_m(torch.zeros(2, 16), w)  # two rows
+    with pytest.raises(ValueError, match="one contiguous row"):
+        ops.linear_small_m(torch.zeros(16), w)  # not 2-D
+    with pytest.raises(ValueError, match=r"must be \[1, 16\]"):
+        ops.linear_small_m(torch.zeros(1, 15), w)  # wrong K
+    with pytest.raises(ValueError, match="one contiguous row"):
+        ops.linear_small_m(torch.zeros(1, 32)[:, ::2], w)  # strided x
+    with pytest.raises(ValueError, match="contiguous rows"):
+        ops.linear_small_m(torch.zeros(1, 16), torch.zeros(16, 8).t())  # column-major weight
+    with pytest.raises(ValueError, match="contiguous rows"):
+        ops.linear_small_m(torch.zeros(1, 16), torch.zeros(8, 16, 1))  # not 2-D
+    with pytest.raises(ValueError, match=r"bias .* must be a contiguous \[8\]"):
+        ops.linear_small_m(torch.zeros(1, 16), w, torch.zeros(7))
+    with pytest.raises(ValueError, match="odd width 31"):
+        ops.linear_small_m(torch.zeros(1, 31), w, act="silu_mul")
+    with pytest.raises(ValueError, match=r"must be \[1, 32\] \(\[gate \| up\] of 16 each\)"):
+        ops.linear_small_m(torch.zeros(1, 16), w, act="silu_mul")  # K, not 2K
+    with pytest.raises(ValueError, match="act='gelu'"):
+        ops.linear_small_m(torch.zeros(1, 16), w, act="gelu")
+
+
+def test_gemv_config_depends_on_shapes_only():
+    from atom_kernels.gemv import gemv_config, split_k
+
+    # Nothing but the matrix shape and the device's multiprocessor count goes in (no tensor
+    # contents, no lengths), so a launch captured in a CUDA graph stays valid.
+    assert list(inspect.signature(gemv_config).parameters) == ["n", "k", "multiprocessors"]
+    sms = 132  # H200
+    # Wide outputs already fill the device: never split (qkv, gate_up, lm_head).
+    for n, k in [(4096, 1024), (6144, 1024), (151936, 1024), (9728, 4096), (12288, 8192)]:
+        assert gemv_config(n, k, sms)["split"] == 1
+    # Narrow outputs with long K split (o_proj, down_proj of small models) ...
+    assert gemv_config(1024, 2048, sms)["split"] == 2
+    assert gemv_config(1024, 3072, sms)["split"] == 2
+    assert gemv_config(64, 16384, sms)["split"] == 16
+    # ... but never below 1,024 columns a split, so short K stays whole.
+    assert gemv_config(16, 1024, sms)["split"] == 1
+    assert gemv_config(16, 2047, sms)["split"] == 1
+    for n in [16, 64, 256, 1024, 2048, 4096, 16384]:
+        last = 1
+        for k in [256, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 65536]:
+            cfg = gemv_config(n, k, sms)
+            assert cfg == gemv_config(n, k, sms)
+            split = cfg["split"]
+            assert split >= last  # longer K never splits less
+            last = split
+            if split > 1:
+                assert k // split >= 1024
+                # the launch rounds splits to whole BLOCK_K steps: none empty, none over
+                k_per_split, launched = split_k(k, split, cfg["block_k"])
+                assert 1 < launched <= split and (launched - 1) * k_per_split < k
+                assert k_per_split >= 1024 and k_per_split % cfg["block_k"] == 0
+    # Narrower N never splits less than wider N at the same K.
+    for k in [2048, 8192, 65536]:
+        splits = [gemv_config(n, k, sms)["split"] for n in [16, 256, 1024, 4096, 16384]]
+        assert splits == sorted(splits, reverse=True)
