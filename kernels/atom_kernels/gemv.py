@@ -99,14 +99,22 @@ def _multiprocessors(device: torch.device) -> int:
 
 def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:
     """Launch shape from the matrix shape alone (so CUDA graphs stay valid): 16 rows per
-    program with 512 columns a step; K split until there are about four programs per
-    multiprocessor, each split keeping at least 1,024 columns."""
-    block_n, block_k = 16, 512
+    program, 128 columns a step with 8 warps and 4 pipeline stages (the best of a 108-point
+    sweep on an H200 with weights streaming from memory, `benchmarks/gemv_sweep.py`); K split
+    until there are about four programs per multiprocessor, each split keeping at least 1,024
+    columns."""
+    block_n, block_k = 16, 128
     programs = triton.cdiv(n, block_n)
     split = 1
     while programs * split < 4 * multiprocessors and k // (split * 2) >= 1024:
         split *= 2
-    return {"block_n": block_n, "block_k": block_k, "split": split, "num_warps": 4}
+    return {
+        "block_n": block_n,
+        "block_k": block_k,
+        "split": split,
+        "num_warps": 8,
+        "num_stages": 4,
+    }
 
 
 def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
@@ -126,6 +134,7 @@ def gemv(
     block_k: int | None = None,
     split: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
     shape (tests use them to reach the split path on small matrices). Shapes are checked by
@@ -156,6 +165,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
     if split > 1:
         block = 1024

@@ -250,8 +250,12 @@ class ModelRunner:
             return None
         host, dev = self.host_inputs_sets[self._staging_turn], self.graph_inputs
         self._staging_turn ^= 1
-        host["input_ids"].numpy()[:n] = inputs.input_ids
-        host["positions"].numpy()[:n] = inputs.positions
+        ids = host["input_ids"].numpy()
+        ids[:n] = inputs.input_ids
+        ids[n:bs] = 0  # padded rows: any valid id (never a pending placeholder left over)
+        positions = host["positions"].numpy()
+        positions[:n] = inputs.positions
+        positions[n:bs] = 0
         slots = host["slot_mapping"].numpy()
         slots[:n] = inputs.slot_mapping
         slots[n:bs] = -1

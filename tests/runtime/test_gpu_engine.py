@@ -41,8 +41,11 @@ def test_fp32_greedy_parity_on_gpu(tiny_models, kind, enforce_eager):
 
 
 def test_cuda_graph_replay_gives_the_same_tokens_as_eager(tiny_models):
+    # fp32: a graph's block tables are as wide as the model's context, an eager step's as its
+    # longest sequence, so decode attention splits the context differently; in bf16 that
+    # rounding alone flips near-tied argmaxes of a random tiny model now and then.
     prompts = _prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])  # 13: padded to 16
-    kw = dict(dtype="bfloat16", device="cuda", num_gpu_blocks_override=512, max_num_seqs=32)
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=32)
     eager = LLM(str(tiny_models["qwen3"]), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_models["qwen3"]), enforce_eager=False, **kw)
     assert graphs.engine.runner.graphs, "no CUDA graph was captured"

@@ -9,6 +9,7 @@ rows or columns before anything is read, so a rank reads only its shard from dis
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 
 import torch
@@ -19,6 +20,7 @@ from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
 
 log = logging.getLogger(__name__)
+SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"  # "cublas": skip the start-up timing, never use the GEMV
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -40,6 +42,8 @@ class LinearBase(nn.Module):
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it beat cuBLAS for this
         # weight shape at start-up (`choose_small_m_kernels`).
         self.gemv = False
+        # The activation the model fuses into this layer's input (RowParallelLinear's `act`).
+        self.fused_act: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
@@ -148,32 +152,42 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     """For each weight shape of the model's linear layers, time a one-row product through every
     layer of that shape (so weights stream from memory, as in a decode step) with cuBLAS and with
     the Triton GEMV, each replayed in a CUDA graph, and route one-row inputs of that shape to
-    the faster. cuBLAS picks poor kernels for some narrow shapes at M = 1 (on an H200, Qwen3-
+    the faster (for a layer that fuses an activation into its input, cuBLAS pays for that
+    activation's own kernel). cuBLAS picks poor kernels for some narrow shapes at M = 1 (on an H200, Qwen3-
     0.6B's 1024 x 2048 o_proj: 10.7 us against 3.1 us), and wins on others. Returns
-    {"NxK": "gemv" | "cublas"}."""
-    if device.type != "cuda":
+    {"NxK[+act]": "gemv" | "cublas"}."""
+    if device.type != "cuda" or os.environ.get(SMALL_M_ENV, "auto") == "cublas":
         return {}
-    groups: dict[tuple[int, int], list[LinearBase]] = defaultdict(list)
+    groups: dict[tuple[int, int, str | None], list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.dtype != torch.float32:
-            groups[tuple(module.weight.shape)].append(module)
+            groups[(*module.weight.shape, module.fused_act)].append(module)
     choice = {}
-    for (n, k), layers in groups.items():
-        x = torch.randn(1, k, dtype=layers[0].weight.dtype, device=device)
-        cublas = _graph_time(lambda: [F.linear(x, m.weight) for m in layers])  # noqa: B023
-        gemv = _graph_time(lambda: [ops.linear_small_m(x, m.weight) for m in layers])  # noqa: B023
-        use = gemv < 0.95 * cublas
+    for (n, k, act), layers in groups.items():
+        dtype = layers[0].weight.dtype
+        if act is None:
+            x = torch.randn(1, k, dtype=dtype, device=device)
+            cublas = _graph_time(lambda: [F.linear(x, m.weight) for m in layers])  # noqa: B023
+        else:  # the GEMV fuses the activation; cuBLAS needs it as a kernel of its own
+            x = torch.randn(1, 2 * k, dtype=dtype, device=device)
+            cublas = _graph_time(
+                lambda: [F.linear(ops.silu_and_mul(x), m.weight) for m in layers]  # noqa: B023
+            )
+        gemv = _graph_time(
+            lambda: [ops.linear_small_m(x, m.weight, act=act) for m in layers]  # noqa: B023
+        )
+        use = gemv < 0.97 * cublas  # a clear win only: timings carry a little noise
         for m in layers:
             m.gemv = use
-        choice[f"{n}x{k}"] = "gemv" if use else "cublas"
+        key = f"{n}x{k}" + (f"+{act}" if act else "")
+        choice[key] = "gemv" if use else "cublas"
         log.info(
-            "one-row %dx%d projections (%d layers): cuBLAS %.1f us, GEMV %.1f us -> %s",
-            n,
-            k,
+            "one-row %s projections (%d layers): cuBLAS %.1f us, GEMV %.1f us -> %s",
+            key,
             len(layers),
             cublas * 1e3 / len(layers),
             gemv * 1e3 / len(layers),
-            choice[f"{n}x{k}"],
+            choice[key],
         )
     return choice
 
