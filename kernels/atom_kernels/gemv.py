@@ -12,6 +12,13 @@ kernel sums the splits and rounds to the output dtype.
 gate_up row [gate | up] and the kernel multiplies W by silu(gate) * up, computed in fp32 and
 rounded to x's dtype before use (the rounding `silu_and_mul` followed by `F.linear` applies),
 without the separate launch or the intermediate row.
+
+`norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
+`residual=` is given): every program first sums the squares of the whole row (x + residual,
+rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by the normed
+row, rounded to the dtype before use. The programs of the first column block write x +
+residual out (a new tensor: the others still read the old residual). One launch replaces
+the norm's own.
 """
 
 from __future__ import annotations
@@ -29,12 +36,18 @@ def _gemv_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    residual_ptr,
+    norm_w_ptr,
+    residual_out_ptr,
     N,
     K,
     w_stride,
     k_per_split,
+    eps,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -48,10 +61,31 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            v = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+                v = (v + r).to(dtype).to(tl.float32)
+            squares += v * v
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_end
-        if SILU_MUL:
+        if NORM:
+            v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+                v = (v + r).to(dtype)
+                # Written by the first column block only (ks >= pid_n * K holds for it alone).
+                tl.store(residual_out_ptr + ks, v, mask=k_mask & (ks >= pid_n * K))
+                v = v.to(tl.float32)
+            g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            x = (v * inv_rms * g).to(dtype).to(tl.float32)
+        elif SILU_MUL:
             # x is [gate | up], K each; round like the separate silu_and_mul kernel's output.
             gate = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -135,12 +169,20 @@ def gemv(
     split: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> torch.Tensor:
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+):
     """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
     shape (tests use them to reach the split path on small matrices). Shapes are checked by
-    the caller; `act="silu_mul"` takes x as [1, 2K]."""
+    the caller; `act="silu_mul"` takes x as [1, 2K]. With `norm_weight` (RMSNorm fused in
+    front) returns (y, x + residual) when `residual` is given, else y."""
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    norm = norm_weight is not None
+    if norm and act is not None:
+        raise ValueError("norm_weight and act cannot be combined")
+    residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg = gemv_config(n, k, _multiprocessors(x.device))
@@ -155,12 +197,18 @@ def gemv(
         weight,
         bias if has_bias else weight,
         target,
+        residual if residual is not None else x,
+        norm_weight if norm else x,
+        residual_out if residual_out is not None else x,
         n,
         k,
         weight.stride(0),
         k_per_split,
+        eps,
         HAS_BIAS=has_bias and split == 1,
         SILU_MUL=act == "silu_mul",
+        NORM=norm,
+        HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -179,4 +227,4 @@ def gemv(
             BLOCK=block,
             num_warps=4,
         )
-    return out
+    return out if residual_out is None else (out, residual_out)

@@ -341,3 +341,35 @@ def linear_small_m(
     if act == "silu_mul":
         x = reference.silu_and_mul(x)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def rms_norm_linear_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (after adding `residual`, when given) then `F.linear`, for one row x (`[1, K]`):
+    returns `(linear(norm(x + residual)), x + residual)`, or `(linear(norm(x)), x)` without a
+    residual, the sum rounded to x's dtype as `fused_add_rms_norm` rounds it. Unlike that op
+    the residual is not updated in place. On a GPU the norm runs inside the Triton GEMV (one
+    launch); elsewhere the reference norm and `F.linear`."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape != (1, k) or not x.is_contiguous():
+        raise ValueError(f"x {tuple(x.shape)} must be one contiguous row [1, {k}]")
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError("weight must be a 2-D [N, K] matrix with contiguous rows")
+    if _use_triton(x):
+        out = _triton().gemv(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps)
+        return out if residual is not None else (out, x)
+    if residual is None:
+        return torch.nn.functional.linear(reference.rms_norm(x, norm_weight, eps), weight, bias), x
+    total = residual.clone()
+    normed, total = reference.fused_add_rms_norm(x, total, norm_weight, eps)
+    return torch.nn.functional.linear(normed, weight, bias), total

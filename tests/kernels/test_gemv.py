@@ -229,3 +229,49 @@ def test_gemv_config_depends_on_shapes_only():
     for k in [2048, 8192, 65536]:
         splits = [gemv_config(n, k, sms)["split"] for n in [16, 256, 1024, 4096, 16384]]
         assert splits == sorted(splits, reverse=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(37, 300), (64, 2048)])
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_with_fused_rms_norm(gemv_mod, device, dtype, n, k, split, block_k, with_residual):
+    """RMSNorm (with the residual add) in front of the GEMV: the same output as the norm
+    kernels' reference then F.linear, the sum written to a new tensor (the input residual is
+    left alone), across the split path where each split's first programs write its columns."""
+    x, w, b = _inputs(n, k, dtype, device, bias=True, act=None)
+    g = torch.Generator().manual_seed(5)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(device) if with_residual else None
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
+    before = None if residual is None else residual.clone()
+    got = gemv_mod.gemv(
+        x, w, b, norm_weight=norm_w, residual=residual, eps=1e-5, split=split, block_k=block_k
+    )
+    if with_residual:
+        total = before.clone()
+        normed, total = reference.fused_add_rms_norm(x, total, norm_w, 1e-5)
+        y, new_residual = got
+        torch.testing.assert_close(new_residual, total, atol=0, rtol=0)
+        torch.testing.assert_close(residual, before, atol=0, rtol=0)
+    else:
+        normed, y = reference.rms_norm(x, norm_w, 1e-5), got
+    torch.testing.assert_close(y, F.linear(normed, w, b), **TOL[dtype])
+
+
+def test_rms_norm_linear_small_m_routes_and_checks(gemv_mod, device):
+    x, w, b = _inputs(40, 96, torch.float32, device, bias=True, act=None)
+    residual = torch.randn_like(x)
+    norm_w = torch.rand(96, device=device) + 0.5
+    y, total = ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w, b)
+    normed, want_total = reference.fused_add_rms_norm(x, residual.clone(), norm_w, 1e-6)
+    torch.testing.assert_close(total, want_total)
+    torch.testing.assert_close(y, F.linear(normed, w, b), **TOL[torch.float32])
+    y, same = ops.rms_norm_linear_small_m(x, None, norm_w, 1e-6, w)
+    assert same is x
+    torch.testing.assert_close(y, F.linear(reference.rms_norm(x, norm_w, 1e-6), w))
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm_linear_small_m(x, residual[:, :10], norm_w, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        ops.rms_norm_linear_small_m(x, residual, norm_w[:10], 1e-6, w)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        ops.rms_norm_linear_small_m(torch.cat([x, x]), None, norm_w, 1e-6, w)

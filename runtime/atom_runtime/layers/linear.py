@@ -42,13 +42,28 @@ class LinearBase(nn.Module):
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it beat cuBLAS for this
         # weight shape at start-up (`choose_small_m_kernels`).
         self.gemv = False
-        # The activation the model fuses into this layer's input (RowParallelLinear's `act`).
+        # The activation the model fuses into this layer's input (RowParallelLinear's `act`),
+        # and whether the model calls it through `forward_normed`.
         self.fused_act: str | None = None
+        self.norm_before = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1:
             return ops.linear_small_m(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
+        """`norm` (an RMSNorm, adding `residual` first when given), then this projection.
+        Returns (output, residual after the add; x itself without a residual). A one-row x
+        runs both in one GEMV launch when the GEMV won for this shape."""
+        if self.gemv and x.shape[0] == 1:
+            return ops.rms_norm_linear_small_m(
+                x, residual, norm.weight, norm.eps, self.weight, self.bias
+            )
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)
@@ -152,34 +167,56 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     """For each weight shape of the model's linear layers, time a one-row product through every
     layer of that shape (so weights stream from memory, as in a decode step) with cuBLAS and with
     the Triton GEMV, each replayed in a CUDA graph, and route one-row inputs of that shape to
-    the faster (for a layer that fuses an activation into its input, cuBLAS pays for that
-    activation's own kernel). cuBLAS picks poor kernels for some narrow shapes at M = 1 (on an H200, Qwen3-
+    the faster (for a layer that fuses an activation or the RMSNorm before it into its input,
+    cuBLAS pays for that kernel of its own). cuBLAS picks poor kernels for some narrow shapes at M = 1 (on an H200, Qwen3-
     0.6B's 1024 x 2048 o_proj: 10.7 us against 3.1 us), and wins on others. Returns
-    {"NxK[+act]": "gemv" | "cublas"}."""
+    {"[rmsnorm+]NxK[+act]": "gemv" | "cublas"}."""
     if device.type != "cuda" or os.environ.get(SMALL_M_ENV, "auto") == "cublas":
         return {}
-    groups: dict[tuple[int, int, str | None], list[LinearBase]] = defaultdict(list)
+    groups: dict[tuple, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.dtype != torch.float32:
-            groups[(*module.weight.shape, module.fused_act)].append(module)
+            key = (*module.weight.shape, module.fused_act, module.norm_before)
+            groups[key].append(module)
     choice = {}
-    for (n, k, act), layers in groups.items():
+    for (n, k, act, norm_before), layers in groups.items():
         dtype = layers[0].weight.dtype
-        if act is None:
-            x = torch.randn(1, k, dtype=dtype, device=device)
-            cublas = _graph_time(lambda: [F.linear(x, m.weight) for m in layers])  # noqa: B023
-        else:  # the GEMV fuses the activation; cuBLAS needs it as a kernel of its own
-            x = torch.randn(1, 2 * k, dtype=dtype, device=device)
-            cublas = _graph_time(
-                lambda: [F.linear(ops.silu_and_mul(x), m.weight) for m in layers]  # noqa: B023
-            )
-        gemv = _graph_time(
-            lambda: [ops.linear_small_m(x, m.weight, act=act) for m in layers]  # noqa: B023
-        )
+        x = torch.randn(1, 2 * k if act else k, dtype=dtype, device=device)
+        if norm_before:  # the GEMV fuses the add + RMSNorm; cuBLAS runs after the norm kernel
+            residual = torch.randn_like(x)
+            norm_w = torch.ones(k, dtype=dtype, device=device)
+
+            def cublas_fn():
+                return [
+                    F.linear(ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0], m.weight)  # noqa: B023
+                    for m in layers  # noqa: B023
+                ]
+
+            def gemv_fn():
+                return [
+                    ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, m.weight)  # noqa: B023
+                    for m in layers  # noqa: B023
+                ]
+        elif act is not None:  # the GEMV fuses the activation; cuBLAS needs its own kernel
+
+            def cublas_fn():
+                return [F.linear(ops.silu_and_mul(x), m.weight) for m in layers]  # noqa: B023
+
+            def gemv_fn():
+                return [ops.linear_small_m(x, m.weight, act=act) for m in layers]  # noqa: B023
+        else:
+
+            def cublas_fn():
+                return [F.linear(x, m.weight) for m in layers]  # noqa: B023
+
+            def gemv_fn():
+                return [ops.linear_small_m(x, m.weight) for m in layers]  # noqa: B023
+
+        cublas, gemv = _graph_time(cublas_fn), _graph_time(gemv_fn)
         use = gemv < 0.97 * cublas  # a clear win only: timings carry a little noise
         for m in layers:
             m.gemv = use
-        key = f"{n}x{k}" + (f"+{act}" if act else "")
+        key = ("rmsnorm+" if norm_before else "") + f"{n}x{k}" + (f"+{act}" if act else "")
         choice[key] = "gemv" if use else "cublas"
         log.info(
             "one-row %s projections (%d layers): cuBLAS %.1f us, GEMV %.1f us -> %s",

@@ -35,6 +35,7 @@ class LlamaAttention(nn.Module):
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.qkv_proj.norm_before = True  # the decoder layer calls it with its input norm
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -49,7 +50,10 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
         if self.q_norm is not None:
             q = self.attn.prepare(
                 qkv,
@@ -68,6 +72,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.gate_up_proj.norm_before = True
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
         self.down_proj.fused_act = "silu_mul"
 
@@ -84,14 +89,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm runs with the projection after it (one kernel for a one-row batch when
+        # the GEMV won for that shape, see layers.linear).
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = attn.attend(positions, qkv)
+        gate_up, residual = mlp.gate_up_proj.forward_normed(
+            hidden, residual, self.post_attention_layernorm
+        )
+        return mlp.down_proj(gate_up, act="silu_mul"), residual
 
 
 class LlamaModel(nn.Module):
