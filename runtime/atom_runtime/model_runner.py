@@ -11,6 +11,7 @@ model and the LM head; under tensor parallelism every rank runs it on the same S
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -352,7 +353,7 @@ class ModelRunner:
         if logits.shape[0] != len(samplers):
             raise ValueError(f"logits: {logits.shape[0]} rows for {len(samplers)} sequences")
         if all(_plain_greedy(seq) for seq in samplers):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(token_ids=greedy_argmax(logits))
         return sample(logits, self._sampling_tensors(samplers))
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
@@ -499,6 +500,25 @@ class ModelRunner:
         self.generators.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first maximum of each row) in two stages: the maximum of each
+    of many vocabulary chunks in parallel, then of the chunk maxima. A single-stage argmax
+    over a 128k vocabulary runs one long reduction per row (27 us for one row on an H200)."""
+    rows, vocab = logits.shape
+    chunk = _argmax_chunk(vocab)
+    if chunk == 0:
+        return logits.argmax(dim=-1)
+    values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)  # first max per chunk
+    best = values.argmax(dim=-1, keepdim=True)  # first chunk holding the row's maximum
+    return (best * chunk + within.gather(1, best)).squeeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _argmax_chunk(vocab: int) -> int:
+    """The largest divisor of vocab in [64, 1024], or 0 when there is none."""
+    return next((c for c in range(1024, 63, -1) if vocab % c == 0), 0)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -127,3 +127,16 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 def test_stop_string_becomes_a_list():
     assert SamplingParams(stop="###").stop == ["###"]
+
+
+@pytest.mark.parametrize("vocab", [128256, 151936, 49152, 1009, 100])
+def test_greedy_argmax_is_argmax_first_maximum_included(vocab):
+    from atom_runtime.model_runner import greedy_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1, 3] = x[1, vocab - 1] = 50.0  # a tie across chunks: the first index wins
+    x[2] = 0.0  # all equal: index 0
+    x[3, 7] = x[3, 8] = 50.0  # a tie within one chunk
+    for t in (x, x.bfloat16()):
+        assert torch.equal(greedy_argmax(t), t.argmax(dim=-1))
