@@ -3,7 +3,8 @@
 # fp16), engine parity on the GPU, W2 and W1 for ATOM, kernel microbenchmarks, a step profile,
 # then the transformers peer in the same run.
 # Usage (repository root, on the GPU machine): OUT=results bash benchmarks/run_h200.sh [stage...]
-# Stages: tests enginetests bench kernels profile peer peer8b (default: tests bench kernels peer).
+# Stages: tests enginetests bench kernels profile trace sweep asynccheck peer peerw2 peer8b final
+# (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
 OUT=${OUT:-results}
@@ -50,6 +51,16 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_qwen3_0.6b.json" ;;
     kernels)
       python3 benchmarks/kernels_bench.py --out "$OUT/json/kernels.json" 2>&1 | tail -12 ;;
+    trace)
+      python3 benchmarks/trace_decode.py --model $Q3 --out "$OUT/json/trace_q3.json" 2>&1 | grep -v -i warn | head -24
+      python3 benchmarks/trace_decode.py --model $L8 --out "$OUT/json/trace_l8.json" 2>&1 | grep -v -i warn | head -24 ;;
+    sweep)
+      python3 benchmarks/gemv_sweep.py --model $L8 --out "$OUT/json/gemv_sweep_l8.json" 2>&1 | grep -v -i warn
+      python3 benchmarks/gemv_sweep.py --model $Q3 --out "$OUT/json/gemv_sweep_q3.json" 2>&1 | grep -v -i warn ;;
+    asynccheck)
+      python3 benchmarks/debug_async.py --model $Q3 --mode off --out "$OUT/async_off.txt"
+      python3 benchmarks/debug_async.py --model $Q3 --mode on --out "$OUT/async_on.txt"
+      cmp "$OUT/async_off.txt" "$OUT/async_on.txt" && echo "async scheduling: same tokens" ;;
     profile)
       python3 benchmarks/profile_step.py --model $Q3 --batch 1 2>&1 | tail -25 | cut -c1-150 | tee "$OUT/profile_b1.txt"
       python3 benchmarks/profile_step.py --model $Q3 --batch 256 2>&1 | tail -25 | cut -c1-150 | tee "$OUT/profile_b256.txt" ;;
