@@ -510,7 +510,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     chunk = _argmax_chunk(vocab)
     if chunk == 0:
         return logits.argmax(dim=-1)
-    values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)  # first max per chunk
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)  # first max per chunk
     best = values.argmax(dim=-1, keepdim=True)  # first chunk holding the row's maximum
     return (best * chunk + within.gather(1, best)).squeeze(1)
 
