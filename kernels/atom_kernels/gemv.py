@@ -23,11 +23,11 @@ the norm's own.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
 
 
 @triton.jit
@@ -122,13 +122,6 @@ def _gemv_reduce_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:

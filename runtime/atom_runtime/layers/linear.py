@@ -167,10 +167,10 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     """For each weight shape of the model's linear layers, time a one-row product through every
     layer of that shape (so weights stream from memory, as in a decode step) with cuBLAS and with
     the Triton GEMV, each replayed in a CUDA graph, and route one-row inputs of that shape to
-    the faster (for a layer that fuses an activation or the RMSNorm before it into its input,
-    cuBLAS pays for that kernel of its own). cuBLAS picks poor kernels for some narrow shapes at M = 1 (on an H200, Qwen3-
-    0.6B's 1024 x 2048 o_proj: 10.7 us against 3.1 us), and wins on others. Returns
-    {"[rmsnorm+]NxK[+act]": "gemv" | "cublas"}."""
+    the faster. A layer that fuses the RMSNorm before it or an activation into the GEMV is timed
+    with that fusion, cuBLAS paying for the separate kernel. cuBLAS picks poor kernels for some
+    narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
+    3.1 us) and wins on others. Returns {"[rmsnorm+]NxK[+act]": "gemv" | "cublas"}."""
     if device.type != "cuda" or os.environ.get(SMALL_M_ENV, "auto") == "cublas":
         return {}
     groups: dict[tuple, list[LinearBase]] = defaultdict(list)
@@ -180,39 +180,9 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
             groups[key].append(module)
     choice = {}
     for (n, k, act, norm_before), layers in groups.items():
-        dtype = layers[0].weight.dtype
-        x = torch.randn(1, 2 * k if act else k, dtype=dtype, device=device)
-        if norm_before:  # the GEMV fuses the add + RMSNorm; cuBLAS runs after the norm kernel
-            residual = torch.randn_like(x)
-            norm_w = torch.ones(k, dtype=dtype, device=device)
-
-            def cublas_fn():
-                return [
-                    F.linear(ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0], m.weight)  # noqa: B023
-                    for m in layers  # noqa: B023
-                ]
-
-            def gemv_fn():
-                return [
-                    ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, m.weight)  # noqa: B023
-                    for m in layers  # noqa: B023
-                ]
-        elif act is not None:  # the GEMV fuses the activation; cuBLAS needs its own kernel
-
-            def cublas_fn():
-                return [F.linear(ops.silu_and_mul(x), m.weight) for m in layers]  # noqa: B023
-
-            def gemv_fn():
-                return [ops.linear_small_m(x, m.weight, act=act) for m in layers]  # noqa: B023
-        else:
-
-            def cublas_fn():
-                return [F.linear(x, m.weight) for m in layers]  # noqa: B023
-
-            def gemv_fn():
-                return [ops.linear_small_m(x, m.weight) for m in layers]  # noqa: B023
-
-        cublas, gemv = _graph_time(cublas_fn), _graph_time(gemv_fn)
+        cublas_one, gemv_one = _one_row_paths(k, act, norm_before, layers[0].weight)
+        cublas = _graph_time(lambda: [cublas_one(m.weight) for m in layers])  # noqa: B023
+        gemv = _graph_time(lambda: [gemv_one(m.weight) for m in layers])  # noqa: B023
         use = gemv < 0.97 * cublas  # a clear win only: timings carry a little noise
         for m in layers:
             m.gemv = use
@@ -227,6 +197,25 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
             choice[key],
         )
     return choice
+
+
+def _one_row_paths(k: int, act: str | None, norm_before: bool, like: torch.Tensor):
+    """(cuBLAS path, GEMV path) of a one-row product with a weight, each a function of the
+    weight, with what the layer fuses in front (add + RMSNorm, or an activation)."""
+    x = torch.randn(1, 2 * k if act else k, dtype=like.dtype, device=like.device)
+    if norm_before:
+        residual = torch.randn_like(x)
+        norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+        return (
+            lambda w: F.linear(ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0], w),
+            lambda w: ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w),
+        )
+    if act is not None:
+        return (
+            lambda w: F.linear(ops.silu_and_mul(x), w),
+            lambda w: ops.linear_small_m(x, w, act=act),
+        )
+    return lambda w: F.linear(x, w), lambda w: ops.linear_small_m(x, w)
 
 
 def _graph_time(fn, replays: int = 5) -> float:
