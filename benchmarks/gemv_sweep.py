@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_kernels.gemv import gemv
-from atom_runtime.layers.linear import _graph_time
+from atom_runtime.layers.linear import graph_time
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -37,7 +37,7 @@ def main() -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         mb = n * k * 2 / 1e6
-        base = _graph_time(lambda: [F.linear(x, w) for w in ws]) / args.layers * 1e3  # noqa: B023
+        base = graph_time(lambda: [F.linear(x, w) for w in ws]) / args.layers * 1e3  # noqa: B023
         rows = []
         for bn, bk, sp, nw, ns in grid:
 
@@ -47,7 +47,7 @@ def main() -> None:
                     for w in ws
                 ]
 
-            t = _graph_time(fn) / args.layers * 1e3
+            t = graph_time(fn) / args.layers * 1e3
             rows.append((f"bn{bn} bk{bk} s{sp} w{nw} st{ns}", round(t, 2), round(mb / t, 2)))
         rows.sort(key=lambda r: r[1])
         report[name] = {

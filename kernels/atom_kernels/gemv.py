@@ -5,8 +5,10 @@ program owns BLOCK_N output features and streams their [BLOCK_N, K] weight rows 
 BLOCK_K columns at a time, multiplying by the matching slice of x and keeping a
 [BLOCK_N, BLOCK_K] fp32 accumulator that is reduced across K only once at the end. When
 N / BLOCK_N programs would leave multiprocessors idle (narrow outputs such as the down
-projection), K is split as well: each split writes an fp32 partial row and a second tiny
-kernel sums the splits and rounds to the output dtype.
+projection), K is split as well: each split writes an fp32 partial row, and the last split of each
+column block to finish sums them and rounds to the output dtype (`atom_kernels.tickets`;
+`merge="kernel"` uses a second tiny kernel instead, as does a launch whose counters could not
+be set up during CUDA-graph capture).
 
 `act="silu_mul"` fuses SwiGLU's activation into the down projection: x is the [1, 2K]
 gate_up row [gate | up] and the kernel multiplies W by silu(gate) * up, computed in fp32 and
@@ -14,10 +16,9 @@ rounded to x's dtype before use (the rounding `silu_and_mul` followed by `F.line
 without the separate launch or the intermediate row.
 
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
-`residual=` is given): every program first sums the squares of the whole row (x + residual,
+`residual=` is given): every program first loads the whole row at once and sums its squares (x + residual,
 rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by the normed
-row, rounded to the dtype before use. The programs of the first column block write x +
-residual out (a new tensor: the others still read the old residual). One launch replaces
+row, rounded to the dtype before use. The first program writes x + residual out (a new tensor: the others still read the old residual). One launch replaces
 the norm's own.
 """
 
@@ -28,6 +29,11 @@ import triton
 import triton.language as tl
 
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
+from atom_kernels.tickets import ticket_counters
+
+# Longest row the fused RMSNorm takes: it loads the whole row at once (16K elements is 64
+# fp32 registers a thread at 8 warps).
+MAX_NORM_ROW = 16384
 
 
 @triton.jit
@@ -39,6 +45,8 @@ def _gemv_kernel(
     residual_ptr,
     norm_w_ptr,
     residual_out_ptr,
+    part_ptr,
+    tickets_ptr,
     N,
     K,
     w_stride,
@@ -49,8 +57,10 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
+    TICKETS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -63,15 +73,18 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     dtype = x_ptr.dtype.element_ty
     if NORM:
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            v = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-                v = (v + r).to(dtype).to(tl.float32)
-            squares += v * v
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
+        # first program writes x + residual out.
+        # (Names differ from the loop's below: Triton would carry them into the loop.)
+        first = (pid_n == 0) & (split == 0)
+        row_ks = tl.arange(0, ROW_BLOCK)
+        row = tl.load(x_ptr + row_ks, mask=row_ks < K, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            row_r = tl.load(residual_ptr + row_ks, mask=row_ks < K, other=0.0).to(tl.float32)
+            row = (row + row_r).to(dtype)
+            tl.store(residual_out_ptr + row_ks, row, mask=row_ks < tl.where(first, K, 0))
+            row = row.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_end
@@ -79,10 +92,7 @@ def _gemv_kernel(
             v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-                v = (v + r).to(dtype)
-                # Written by the first column block only (ks >= pid_n * K holds for it alone).
-                tl.store(residual_out_ptr + ks, v, mask=k_mask & (ks >= pid_n * K))
-                v = v.to(tl.float32)
+                v = (v + r).to(dtype).to(tl.float32)
             g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (v * inv_rms * g).to(dtype).to(tl.float32)
         elif SILU_MUL:
@@ -101,7 +111,21 @@ def _gemv_kernel(
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        tl.store(out_ptr + split * N + offs_n, y, mask=n_mask)
+        tl.store(part_ptr + split * N + offs_n, y, mask=n_mask)
+        if TICKETS:
+            # The last split of this column block to arrive sums all of them (in split order,
+            # so the result does not depend on which one that is) and resets the counter.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
+            if ticket == SPLIT - 1:
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    part = part_ptr + s * N + offs_n
+                    total += tl.load(part, mask=n_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+                tl.store(tickets_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -165,16 +189,22 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-6,
+    merge: str = "tickets",
 ):
     """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
     shape (tests use them to reach the split path on small matrices). Shapes are checked by
     the caller; `act="silu_mul"` takes x as [1, 2K]. With `norm_weight` (RMSNorm fused in
-    front) returns (y, x + residual) when `residual` is given, else y."""
+    front) returns (y, x + residual) when `residual` is given, else y. `merge` picks how
+    split-K partial rows are summed: "tickets" (in the kernel) or "kernel" (a second launch)."""
+    if merge not in ("tickets", "kernel"):
+        raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
     norm = norm_weight is not None
     if norm and act is not None:
         raise ValueError("norm_weight and act cannot be combined")
+    if norm and weight.shape[1] > MAX_NORM_ROW:
+        raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -184,35 +214,43 @@ def gemv(
     split = split or cfg["split"]
     k_per_split, split = split_k(k, split, block_k)
     has_bias = bias is not None
-    target = out if split == 1 else torch.empty((split, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
+    programs_n = triton.cdiv(n, block_n)
+    parts = tickets = None
+    if split > 1:
+        parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
+        tickets = ticket_counters(x.device, programs_n) if merge == "tickets" else None
+    _gemv_kernel[(programs_n, split)](
         x,
         weight,
         bias if has_bias else weight,
-        target,
+        out,
         residual if residual is not None else x,
         norm_weight if norm else x,
         residual_out if residual_out is not None else x,
+        parts if parts is not None else out,
+        tickets if tickets is not None else out,
         n,
         k,
         weight.stride(0),
         k_per_split,
         eps,
-        HAS_BIAS=has_bias and split == 1,
+        HAS_BIAS=has_bias and (split == 1 or tickets is not None),
         SILU_MUL=act == "silu_mul",
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
+        TICKETS=tickets is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ROW_BLOCK=triton.next_power_of_2(k) if norm else 1,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
     )
-    if split > 1:
+    if split > 1 and tickets is None:
         block = 1024
         _gemv_reduce_kernel[(triton.cdiv(n, block),)](
-            target,
-            bias if has_bias else target,
+            parts,
+            bias if has_bias else parts,
             out,
             n,
             HAS_BIAS=has_bias,

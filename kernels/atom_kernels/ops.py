@@ -77,6 +77,7 @@ def _triton() -> SimpleNamespace:
             qk_norm_rope_store_=fused.qk_norm_rope_store_,
             silu_and_mul=fused.silu_and_mul,
             gemv=gemv.gemv,
+            max_norm_row=gemv.MAX_NORM_ROW,
         )
     return _triton_impls
 
@@ -366,8 +367,16 @@ def rms_norm_linear_small_m(
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError("weight must be a 2-D [N, K] matrix with contiguous rows")
     if _use_triton(x):
-        out = _triton().gemv(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps)
-        return out if residual is not None else (out, x)
+        if k <= _triton().max_norm_row:
+            out = _triton().gemv(
+                x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps
+            )
+            return out if residual is not None else (out, x)
+        # A row too long for the GEMV to hold: the norm's own kernel first.
+        if residual is None:
+            return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias), x
+        normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+        return linear_small_m(normed, weight, bias), total
     if residual is None:
         return torch.nn.functional.linear(reference.rms_norm(x, norm_weight, eps), weight, bias), x
     total = residual.clone()

@@ -75,6 +75,26 @@ def test_gemv_matches_linear(gemv_mod, device, dtype, n, k, split, block_k, bias
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_ticket_merge_equals_the_reduce_kernel_and_resets(gemv_mod, device, dtype, bias):
+    """The last split of each column block sums the splits in split order, like the reduce
+    kernel (so the results are equal bit for bit), and leaves its counter at zero: the next
+    launch, as in a replayed CUDA graph, merges exactly once again."""
+    from atom_kernels.tickets import ticket_counters
+
+    n, k = 40, 384
+    for seed in range(3):
+        x, w, b = _inputs(n, k, dtype, device, bias=bias, act=None, seed=seed)
+        tickets = gemv_mod.gemv(x, w, b, split=3, block_k=32)
+        reduced = gemv_mod.gemv(x, w, b, split=3, block_k=32, merge="kernel")
+        assert torch.equal(tickets, reduced)
+        torch.testing.assert_close(tickets, F.linear(x, w, b), **TOL[dtype])
+        assert not ticket_counters(device, 3)[:3].any()
+    with pytest.raises(ValueError, match="merge="):
+        gemv_mod.gemv(x, w, merge="atomic")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_other_block_n_and_strided_weight_rows(gemv_mod, device, dtype):
     """BLOCK_N 32 over N=37 (one full, one ragged tile), and weight rows with padding after
     them (a column slice of a wider matrix): only stride(1) must be 1."""

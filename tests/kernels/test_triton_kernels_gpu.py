@@ -182,3 +182,49 @@ def test_small_ops_bf16(kernels):
     reference.store_kvcache(k, k, kw, vw, slots)
     kernels["kv_cache"].store_kvcache(k, k, kc, vc, slots)
     assert torch.equal(kc, kw) and torch.equal(vc, vw)
+
+
+def test_gemv_ticket_merge_agrees_with_the_reduce_kernel_under_load(kernels):
+    """Many programs racing for the same counters, launch after launch: the last-to-arrive
+    merge must see every split's stores (the barrier + acquire-release ticket), so each
+    launch equals the two-launch merge bit for bit (same summation order)."""
+    from atom_kernels import gemv
+
+    g = torch.Generator().manual_seed(30)
+    for n, k in [(4096, 4096), (4096, 14336), (1024, 2048)]:
+        w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().cuda()
+        x = torch.randn(1, k, generator=g).bfloat16().cuda()
+        want = gemv.gemv(x, w, merge="kernel")
+        assert (
+            gemv.gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count)[
+                "split"
+            ]
+            > 1
+        )
+        for _ in range(50):
+            assert torch.equal(gemv.gemv(x, w), want)
+
+
+def test_gemv_falls_back_to_the_reduce_kernel_when_capture_needs_new_counters(kernels, monkeypatch):
+    """Counters cannot be allocated inside a CUDA-graph capture: the launch captured then
+    uses the separate merge kernel and still replays correctly."""
+    from atom_kernels import gemv, tickets
+
+    monkeypatch.setattr(tickets, "_counters", {})
+    g = torch.Generator().manual_seed(32)
+    w = (torch.randn(1024, 4096, generator=g) / 64).bfloat16().cuda()
+    x = torch.randn(1, 4096, generator=g).bfloat16().cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv.gemv(x, w, merge="kernel")  # compiles outside the capture, allocates no counters
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert tickets.ticket_counters(x.device, 8) is None
+        out = gemv.gemv(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gemv.gemv(x, w, merge="kernel"))

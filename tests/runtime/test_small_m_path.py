@@ -1,5 +1,6 @@
-"""The one-row projection path the GPU takes at batch 1 when the GEMV wins (norm fused into
-qkv/gate_up, SwiGLU fused into down) gives what the unfused path gives. On CPU the ops run
+"""The one-row projection paths the GPU takes at batch 1 when the GEMV wins (with the norm
+fused into qkv/gate_up and SwiGLU into down, or each in its own kernel first) give what the
+cuBLAS path gives. On CPU the ops run
 their torch references, so this checks the model's plumbing (the residual returned instead of
 updated in place, the activation moved into the down projection); the Triton kernels behind
 them are checked in tests/kernels/test_gemv.py."""
@@ -9,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.layers.linear import LinearBase, choose_small_m_kernels
+from atom_runtime.layers.linear import (
+    LinearBase,
+    choose_small_m_kernels,
+    small_m_groups,
+    small_m_paths,
+    use_small_m_path,
+)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
@@ -21,19 +28,48 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
     assert any(m.fused_act == "silu_mul" for m in layers)
-    for m in layers:
-        m.gemv = True
-    try:
-        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    finally:
+    for fuse in (True, False):  # the GEMV with the norm/activation inside, or after its kernel
         for m in layers:
-            m.gemv = False
-    assert got.token_ids == want.token_ids
-    for a, b in zip(got.logprobs, want.logprobs, strict=True):
-        assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+            m.gemv, m.fuse = True, fuse
+        try:
+            got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        finally:
+            for m in layers:
+                m.gemv = m.fuse = False
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 def test_no_kernel_choice_off_the_gpu(tiny_models):
     llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=16)
     assert choose_small_m_kernels(llm.engine.runner.model, llm.engine.runner.device) == {}
     assert llm.engine.runner.small_m_kernels == {}
+
+
+def test_small_m_kernel_setting_is_checked(tiny_models, monkeypatch):
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=16)
+    monkeypatch.setenv("ATOM_SMALL_M_KERNELS", "triton")
+    with pytest.raises(ValueError, match="ATOM_SMALL_M_KERNELS='triton'"):
+        choose_small_m_kernels(llm.engine.runner.model, llm.engine.runner.device)
+
+
+def test_one_row_groups_and_their_paths(tiny_models):
+    """Layers group by weight shape and what is in front of them; a group with a norm or an
+    activation in front has the fused path too, and choosing a path sets both flags."""
+    llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", num_gpu_blocks_override=16)
+    groups = small_m_groups(llm.engine.runner.model)
+    config = llm.engine.runner.model_config
+    layers = config.num_hidden_layers
+    assert all(len(g) == layers for g in groups.values()) and len(groups) == 4
+    fused = {k for k, g in groups.items() if small_m_paths(g[0])[-1] == "gemv+fused"}
+    assert {k.startswith("rmsnorm+") or k.endswith("+silu_mul") for k in groups} == {True, False}
+    assert fused == {k for k in groups if k.startswith("rmsnorm+") or k.endswith("+silu_mul")}
+    some = next(iter(groups.values()))
+    for path, flags in [
+        ("gemv+fused", (True, True)),
+        ("gemv", (True, False)),
+        ("cublas", (False, False)),
+    ]:
+        use_small_m_path(some, path)
+        assert {(m.gemv, m.fuse) for m in some} == {flags}

@@ -20,7 +20,9 @@ from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
 
 log = logging.getLogger(__name__)
-SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"  # "cublas": skip the start-up timing, never use the GEMV
+# "auto" (default): time the paths per shape at start-up; "cublas": always cuBLAS; "gemv":
+# always the Triton GEMV, with the norm or activation fused in where the layer has one.
+SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -40,8 +42,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it beat cuBLAS for this
-        # weight shape at start-up (`choose_small_m_kernels`).
+        # weight shape at start-up (`choose_small_m_kernels`), with the norm before it or the
+        # activation in front fused into the GEMV when `fuse` (else their own kernel first).
         self.gemv = False
+        self.fuse = False
         # The activation the model fuses into this layer's input (RowParallelLinear's `act`),
         # and whether the model calls it through `forward_normed`.
         self.fused_act: str | None = None
@@ -55,8 +59,8 @@ class LinearBase(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
         """`norm` (an RMSNorm, adding `residual` first when given), then this projection.
         Returns (output, residual after the add; x itself without a residual). A one-row x
-        runs both in one GEMV launch when the GEMV won for this shape."""
-        if self.gemv and x.shape[0] == 1:
+        runs both in one GEMV launch when the fused GEMV won for this shape."""
+        if self.gemv and self.fuse and x.shape[0] == 1:
             return ops.rms_norm_linear_small_m(
                 x, residual, norm.weight, norm.eps, self.weight, self.bias
             )
@@ -149,7 +153,10 @@ class RowParallelLinear(LinearBase):
         into the GEMV for a one-row x."""
         bias = self.bias if tp_rank() == 0 else None
         if self.gemv and x.shape[0] == 1:
-            y = ops.linear_small_m(x, self.weight, bias, act=act)
+            if self.fuse or act is None:
+                y = ops.linear_small_m(x, self.weight, bias, act=act)
+            else:
+                y = ops.linear_small_m(ops.silu_and_mul(x), self.weight, bias)
         else:
             y = F.linear(x if act is None else ops.silu_and_mul(x), self.weight, bias)
         return all_reduce(y) if tp_size() > 1 else y
@@ -163,76 +170,137 @@ def copy_weight(dst: torch.Tensor, src) -> None:
     dst.copy_(src if isinstance(src, torch.Tensor) else src.read())
 
 
-def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
-    """For each weight shape of the model's linear layers, time a one-row product through every
-    layer of that shape (so weights stream from memory, as in a decode step) with cuBLAS and with
-    the Triton GEMV, each replayed in a CUDA graph, and route one-row inputs of that shape to
-    the faster. A layer that fuses the RMSNorm before it or an activation into the GEMV is timed
-    with that fusion, cuBLAS paying for the separate kernel. cuBLAS picks poor kernels for some
-    narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
-    3.1 us) and wins on others. Returns {"[rmsnorm+]NxK[+act]": "gemv" | "cublas"}."""
-    if device.type != "cuda" or os.environ.get(SMALL_M_ENV, "auto") == "cublas":
-        return {}
-    groups: dict[tuple, list[LinearBase]] = defaultdict(list)
+def small_m_mode() -> str:
+    """ATOM_SMALL_M_KERNELS: "auto" (the default), "cublas" or "gemv"."""
+    mode = os.environ.get(SMALL_M_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "cublas", "gemv"):
+        raise ValueError(f"{SMALL_M_ENV}={mode!r}: expected auto, cublas or gemv")
+    return mode
+
+
+def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
+    """The model's half-precision linear layers grouped by what a one-row product through them
+    is: "[rmsnorm+]NxK[+act]" (weight shape, the norm before it, the activation in front)."""
+    groups: dict[str, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.dtype != torch.float32:
-            key = (*module.weight.shape, module.fused_act, module.norm_before)
+            n, k = module.weight.shape
+            act = module.fused_act
+            key = (
+                ("rmsnorm+" if module.norm_before else "") + f"{n}x{k}" + (f"+{act}" if act else "")
+            )
             groups[key].append(module)
+    return groups
+
+
+def small_m_paths(layer: LinearBase) -> list[str]:
+    """The one-row paths a layer can take: "cublas", "gemv", and "gemv+fused" when it has a norm
+    before it or an activation in front to fuse."""
+    fusable = layer.norm_before or layer.fused_act is not None
+    return ["cublas", "gemv", "gemv+fused"] if fusable else ["cublas", "gemv"]
+
+
+def use_small_m_path(layers: list[LinearBase], path: str) -> None:
+    for m in layers:
+        m.gemv = path != "cublas"
+        m.fuse = path == "gemv+fused"
+
+
+def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
+    """For each group of linear layers (`small_m_groups`), time a one-row product through every
+    layer of the group (so weights stream from memory, as in a decode step) along each of its
+    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm or activation
+    fused in), each replayed in a CUDA graph, the unfused ones paying for the norm's or
+    activation's own kernel; the layers take the fastest. cuBLAS picks poor kernels for some
+    narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
+    3.1 us) and wins on others; a fused prologue can cost more than the launch it saves (every
+    program recomputes it). Alone, a projection can time differently than inside a decode
+    step: the model runner then checks the choices on the whole step
+    (`ModelRunner._refine_small_m_kernels`). Returns {group: path}."""
+    mode = small_m_mode()
+    if device.type != "cuda" or mode == "cublas":
+        return {}
     choice = {}
-    for (n, k, act, norm_before), layers in groups.items():
-        cublas_one, gemv_one = _one_row_paths(k, act, norm_before, layers[0].weight)
-        cublas = _graph_time(lambda: [cublas_one(m.weight) for m in layers])  # noqa: B023
-        gemv = _graph_time(lambda: [gemv_one(m.weight) for m in layers])  # noqa: B023
-        use = gemv < 0.97 * cublas  # a clear win only: timings carry a little noise
-        for m in layers:
-            m.gemv = use
-        key = ("rmsnorm+" if norm_before else "") + f"{n}x{k}" + (f"+{act}" if act else "")
-        choice[key] = "gemv" if use else "cublas"
+    for key, layers in small_m_groups(model).items():
+        paths = small_m_paths(layers[0])
+        if mode == "gemv":
+            choice[key] = paths[-1]
+            use_small_m_path(layers, paths[-1])
+            continue
+        fns = _one_row_paths(layers[0])
+        times = graph_times(
+            *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in paths)  # noqa: B023
+        )
+        timed = dict(zip(paths, times, strict=True))
+        choice[key] = min(timed, key=timed.get)
+        use_small_m_path(layers, choice[key])
         log.info(
-            "one-row %s projections (%d layers): cuBLAS %.1f us, GEMV %.1f us -> %s",
+            "one-row %s projections (%d layers): %s -> %s",
             key,
             len(layers),
-            cublas * 1e3 / len(layers),
-            gemv * 1e3 / len(layers),
+            ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
             choice[key],
         )
     return choice
 
 
-def _one_row_paths(k: int, act: str | None, norm_before: bool, like: torch.Tensor):
-    """(cuBLAS path, GEMV path) of a one-row product with a weight, each a function of the
-    weight, with what the layer fuses in front (add + RMSNorm, or an activation)."""
+def _one_row_paths(layer: LinearBase) -> dict:
+    """{path name: function of a weight} for a one-row product with that weight, each with
+    what the layer has in front of it (add + RMSNorm, or an activation): "cublas" and "gemv"
+    run that in its own kernel first, "gemv+fused" inside the GEMV."""
+    like, act = layer.weight, layer.fused_act
+    k = like.shape[1]
     x = torch.randn(1, 2 * k if act else k, dtype=like.dtype, device=like.device)
-    if norm_before:
+    if layer.norm_before:
         residual = torch.randn_like(x)
         norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
-        return (
-            lambda w: F.linear(ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0], w),
-            lambda w: ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w),
-        )
+
+        def normed():
+            return ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0]
+
+        return {
+            "cublas": lambda w: F.linear(normed(), w),
+            "gemv": lambda w: ops.linear_small_m(normed(), w),
+            "gemv+fused": lambda w: ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w),
+        }
     if act is not None:
-        return (
-            lambda w: F.linear(ops.silu_and_mul(x), w),
-            lambda w: ops.linear_small_m(x, w, act=act),
-        )
-    return lambda w: F.linear(x, w), lambda w: ops.linear_small_m(x, w)
+        return {
+            "cublas": lambda w: F.linear(ops.silu_and_mul(x), w),
+            "gemv": lambda w: ops.linear_small_m(ops.silu_and_mul(x), w),
+            "gemv+fused": lambda w: ops.linear_small_m(x, w, act=act),
+        }
+    return {"cublas": lambda w: F.linear(x, w), "gemv": lambda w: ops.linear_small_m(x, w)}
 
 
-def _graph_time(fn, replays: int = 5) -> float:
+def graph_time(fn, replays: int = 5) -> float:
     """Milliseconds per call of fn, captured once in a CUDA graph and replayed."""
+    return graph_times(fn, replays=replays)[0]
+
+
+def graph_times(*fns, replays: int = 5, rounds: int = 3) -> list[float]:
+    """Milliseconds per call of each fn, each captured once in a CUDA graph; the graphs are
+    replayed in turn for several rounds and each keeps its best round, so a clock or
+    neighbour's hiccup during one measurement does not decide between near-equal paths."""
+    graphs = []
     with torch.inference_mode():
-        fn()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
+        for fn in fns:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
             graph.replay()
-        end.record()
-        end.synchronize()
-        elapsed = start.elapsed_time(end) / replays
-    del graph
-    return elapsed
+            graphs.append(graph)
+        torch.cuda.synchronize()
+        best = [float("inf")] * len(fns)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(rounds):
+            for i, graph in enumerate(graphs):
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                best[i] = min(best[i], start.elapsed_time(end) / replays)
+    del graphs
+    return best
