@@ -5,21 +5,23 @@ program owns BLOCK_N output features and streams their [BLOCK_N, K] weight rows 
 BLOCK_K columns at a time, multiplying by the matching slice of x and keeping a
 [BLOCK_N, BLOCK_K] fp32 accumulator that is reduced across K only once at the end. When
 N / BLOCK_N programs would leave multiprocessors idle (narrow outputs such as the down
-projection), K is split as well: each split writes an fp32 partial row, and the last split of each
-column block to finish sums them and rounds to the output dtype (`atom_kernels.tickets`;
+projection), K is split as well: each split writes an fp32 partial row, and the last split of
+each column block to finish sums them and rounds to the output dtype (`atom_kernels.tickets`;
 `merge="kernel"` uses a second tiny kernel instead, as does a launch whose counters could not
 be set up during CUDA-graph capture).
 
-`act="silu_mul"` fuses SwiGLU's activation into the down projection: x is the [1, 2K]
-gate_up row [gate | up] and the kernel multiplies W by silu(gate) * up, computed in fp32 and
-rounded to x's dtype before use (the rounding `silu_and_mul` followed by `F.linear` applies),
-without the separate launch or the intermediate row.
+`act="silu_mul"` applies SwiGLU to the output of the gate_up projection: W is [gate; up]
+(2I rows) and the result is silu(gate) * up, [1, I]. Each program streams the I-th-apart row
+pairs for its BLOCK_N outputs (two accumulators), rounds both sums to the output dtype (as the
+separate GEMV output would be) and applies the activation in fp32 once per output, so the
+activation needs no launch of its own and the [1, 2I] row is never written.
 
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
-`residual=` is given): every program first loads the whole row at once and sums its squares (x + residual,
-rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by the normed
-row, rounded to the dtype before use. The first program writes x + residual out (a new tensor: the others still read the old residual). One launch replaces
-the norm's own.
+`residual=` is given): every program first loads the whole row at once and sums its squares
+(x + residual, rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by
+the normed row, rounded to the dtype before use. The first program writes x + residual out (a
+new tensor: the others still read the old residual). One launch replaces the norm's own, but
+every program pays for the whole row.
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ from atom_kernels.tickets import ticket_counters
 # Longest row the fused RMSNorm takes: it loads the whole row at once (16K elements is 64
 # fp32 registers a thread at 8 warps).
 MAX_NORM_ROW = 16384
+
+
+@triton.jit
+def _swiglu(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 sums rounded to `dtype` first, as `silu_and_mul` over the
+    GEMV's own output would compute it."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -53,7 +64,7 @@ def _gemv_kernel(
     k_per_split,
     eps,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
+    SWIGLU: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -62,13 +73,20 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
 ):
+    # N counts the weight's rows; with SWIGLU the output has N // 2 (gate rows, then up rows).
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    if SWIGLU:
+        n_out = N // 2
+    else:
+        n_out = N
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
+    n_mask = offs_n < n_out
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride
+    up_rows = w_ptr + (offs_n + n_out).to(tl.int64)[:, None] * w_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     dtype = x_ptr.dtype.element_ty
@@ -95,23 +113,29 @@ def _gemv_kernel(
                 v = (v + r).to(dtype).to(tl.float32)
             g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (v * inv_rms * g).to(dtype).to(tl.float32)
-        elif SILU_MUL:
-            # x is [gate | up], K each; round like the separate silu_and_mul kernel's output.
-            gate = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
-            h = gate / (1.0 + tl.exp(-gate)) * up
-            x = h.to(x_ptr.dtype.element_ty).to(tl.float32)
         else:
             x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(rows + ks[None, :], mask=w_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        if SWIGLU:
+            w_up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+            acc_up += w_up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    y_up = tl.sum(acc_up, axis=1)
     if SPLIT == 1:
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SWIGLU:
+                y_up += tl.load(bias_ptr + n_out + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            y = _swiglu(y, y_up, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
+        # Partial rows are [SPLIT, N] fp32: gate sums then up sums with SWIGLU.
         tl.store(part_ptr + split * N + offs_n, y, mask=n_mask)
+        if SWIGLU:
+            tl.store(part_ptr + split * N + n_out + offs_n, y_up, mask=n_mask)
         if TICKETS:
             # The last split of this column block to arrive sums all of them (in split order,
             # so the result does not depend on which one that is) and resets the counter.
@@ -119,11 +143,21 @@ def _gemv_kernel(
             ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT - 1:
                 total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                total_up = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
                     part = part_ptr + s * N + offs_n
                     total += tl.load(part, mask=n_mask, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        part_up = part + n_out
+                        total_up += tl.load(part_up, mask=n_mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    if SWIGLU:
+                        total_up += tl.load(bias_ptr + n_out + offs_n, mask=n_mask, other=0.0).to(
+                            tl.float32
+                        )
+                if SWIGLU:
+                    total = _swiglu(total, total_up, out_ptr.dtype.element_ty)
                 tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -135,16 +169,28 @@ def _gemv_reduce_kernel(
     out_ptr,
     N,
     HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    if SWIGLU:
+        n_out = N // 2
+    else:
+        n_out = N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    mask = offs < n_out
     y = tl.zeros([BLOCK], dtype=tl.float32)
+    y_up = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         y += tl.load(part_ptr + s * N + offs, mask=mask, other=0.0)
+        if SWIGLU:
+            y_up += tl.load(part_ptr + s * N + n_out + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            y_up += tl.load(bias_ptr + n_out + offs, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        y = _swiglu(y, y_up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -193,28 +239,29 @@ def gemv(
 ):
     """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
     shape (tests use them to reach the split path on small matrices). Shapes are checked by
-    the caller; `act="silu_mul"` takes x as [1, 2K]. With `norm_weight` (RMSNorm fused in
-    front) returns (y, x + residual) when `residual` is given, else y. `merge` picks how
+    the caller; `act="silu_mul"` returns silu(gate) * up of the [gate; up] rows, [1, N / 2].
+    With `norm_weight` (RMSNorm fused in front) returns (y, x + residual) when `residual` is
+    given, else y. `merge` picks how
     split-K partial rows are summed: "tickets" (in the kernel) or "kernel" (a second launch)."""
     if merge not in ("tickets", "kernel"):
         raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
     norm = norm_weight is not None
-    if norm and act is not None:
-        raise ValueError("norm_weight and act cannot be combined")
     if norm and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = gemv_config(n, k, _multiprocessors(x.device))
+    swiglu = act == "silu_mul"
+    n_out = n // 2 if swiglu else n
+    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    cfg = gemv_config(n_out, k, _multiprocessors(x.device))
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     split = split or cfg["split"]
     k_per_split, split = split_k(k, split, block_k)
     has_bias = bias is not None
-    programs_n = triton.cdiv(n, block_n)
+    programs_n = triton.cdiv(n_out, block_n)
     parts = tickets = None
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
@@ -235,7 +282,7 @@ def gemv(
         k_per_split,
         eps,
         HAS_BIAS=has_bias and (split == 1 or tickets is not None),
-        SILU_MUL=act == "silu_mul",
+        SWIGLU=swiglu,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
@@ -248,12 +295,13 @@ def gemv(
     )
     if split > 1 and tickets is None:
         block = 1024
-        _gemv_reduce_kernel[(triton.cdiv(n, block),)](
+        _gemv_reduce_kernel[(triton.cdiv(n_out, block),)](
             parts,
             bias if has_bias else parts,
             out,
             n,
             HAS_BIAS=has_bias,
+            SWIGLU=swiglu,
             SPLIT=split,
             BLOCK=block,
             num_warps=4,

@@ -314,8 +314,17 @@ def linear_small_m(
     (bandwidth-bound, CUDA-graph capturable: the launch shape depends on shapes only);
     `F.linear` elsewhere. Returns `[1, N]` in x's dtype.
 
-    `act="silu_mul"`: x is SwiGLU's gate_up row `[1, 2K]` = [gate | up] and the result is
-    `F.linear(silu_and_mul(x), weight, bias)`, the activation fused into the GEMV."""
+    `act="silu_mul"`: the weight is SwiGLU's gate_up, [gate; up] rows (N even), and the
+    result is `silu_and_mul(F.linear(x, weight, bias))`, `[1, N / 2]`, the activation applied
+    in the GEMV's epilogue."""
+    _check_small_m(x, weight, bias, act)
+    if _use_triton(x):
+        return _triton().gemv(x, weight, bias, act=act)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return reference.silu_and_mul(y) if act == "silu_mul" else y
+
+
+def _check_small_m(x, weight, bias, act) -> None:
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
     if weight.dim() != 2 or weight.stride(1) != 1:
@@ -323,25 +332,12 @@ def linear_small_m(
             f"weight {tuple(weight.shape)} must be a 2-D [N, K] matrix with contiguous rows"
         )
     n, k = weight.shape
-    width = 2 * k if act == "silu_mul" else k
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous():
-        raise ValueError(f"x {tuple(x.shape)} must be one contiguous row [1, {width}]")
-    if act == "silu_mul" and x.shape[1] % 2:
-        raise ValueError(
-            f"act='silu_mul' needs x [1, 2K] = [gate | up]; got an odd width {x.shape[1]}"
-        )
-    if x.shape[1] != width:
-        what = f"[gate | up] of {k} each" if act == "silu_mul" else f"{k} features"
-        raise ValueError(
-            f"x {tuple(x.shape)} must be [1, {width}] ({what}) for weight {tuple(weight.shape)}"
-        )
+    if x.dim() != 2 or x.shape != (1, k) or not x.is_contiguous():
+        raise ValueError(f"x {tuple(x.shape)} must be one contiguous row [1, {k}]")
+    if act == "silu_mul" and n % 2:
+        raise ValueError(f"act='silu_mul' needs [gate; up] weight rows; got an odd N={n}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
-    if _use_triton(x):
-        return _triton().gemv(x, weight, bias, act=act)
-    if act == "silu_mul":
-        x = reference.silu_and_mul(x)
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rms_norm_linear_small_m(
@@ -351,34 +347,28 @@ def rms_norm_linear_small_m(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (after adding `residual`, when given) then `F.linear`, for one row x (`[1, K]`):
-    returns `(linear(norm(x + residual)), x + residual)`, or `(linear(norm(x)), x)` without a
-    residual, the sum rounded to x's dtype as `fused_add_rms_norm` rounds it. Unlike that op
-    the residual is not updated in place. On a GPU the norm runs inside the Triton GEMV (one
-    launch); elsewhere the reference norm and `F.linear`."""
+    """RMSNorm (after adding `residual`, when given) then `linear_small_m` (with `act`), for one
+    row x (`[1, K]`): returns `(linear(norm(x + residual)), x + residual)`, or
+    `(linear(norm(x)), x)` without a residual, the sum rounded to x's dtype as
+    `fused_add_rms_norm` rounds it. Unlike that op the residual is not updated in place. On a
+    GPU the norm runs inside the Triton GEMV (one launch); elsewhere the reference norm and
+    `F.linear`."""
     n, k = weight.shape
-    if x.dim() != 2 or x.shape != (1, k) or not x.is_contiguous():
-        raise ValueError(f"x {tuple(x.shape)} must be one contiguous row [1, {k}]")
+    _check_small_m(x, weight, bias, act)
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError("weight must be a 2-D [N, K] matrix with contiguous rows")
-    if _use_triton(x):
-        if k <= _triton().max_norm_row:
-            out = _triton().gemv(
-                x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps
-            )
-            return out if residual is not None else (out, x)
-        # A row too long for the GEMV to hold: the norm's own kernel first.
-        if residual is None:
-            return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias), x
-        normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
-        return linear_small_m(normed, weight, bias), total
+    if _use_triton(x) and k <= _triton().max_norm_row:
+        out = _triton().gemv(
+            x, weight, bias, act=act, norm_weight=norm_weight, residual=residual, eps=eps
+        )
+        return out if residual is not None else (out, x)
+    # Off the GPU, or a row too long for the GEMV to hold: the norm first, then the product.
     if residual is None:
-        return torch.nn.functional.linear(reference.rms_norm(x, norm_weight, eps), weight, bias), x
-    total = residual.clone()
-    normed, total = reference.fused_add_rms_norm(x, total, norm_weight, eps)
-    return torch.nn.functional.linear(normed, weight, bias), total
+        return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
+    normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    return linear_small_m(normed, weight, bias, act=act), total

@@ -72,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
     }
     llm = LLM(config.model, **kwargs)
     vocab = llm.engine.model_config.vocab_size
+    # Which kernel each group of batch-1 projections took at start-up (GPU only).
+    one_row = dict(getattr(getattr(llm.engine, "runner", None), "small_m_kernels", None) or {})
+    if one_row:
+        result["one_row_paths"] = one_row
+        print("atom  one-row paths: " + ", ".join(f"{k} {v}" for k, v in one_row.items()))
     if args.workload == "throughput":
         prompts = _clip_vocab(
             w1_prompts(args.num_prompts, args.input_len_min, args.input_len_max), vocab

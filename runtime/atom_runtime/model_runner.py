@@ -218,7 +218,7 @@ class ModelRunner:
             return step
 
         groups = small_m_groups(self.model)
-        first = None
+        first = last = None  # step times, ms: the first timed, the last kept
         set_attention_metadata(meta)
         try:
             for key, layers in groups.items():
@@ -228,21 +228,25 @@ class ModelRunner:
                     # The current choice and the candidate, captured and replayed in turn,
                     # so a clock ramp or a neighbour's burst does not favour either.
                     candidate = {**self.small_m_kernels, key: path}
-                    now, new = graph_times(
-                        step_with(self.small_m_kernels), step_with(candidate), replays=20
-                    )
+                    try:
+                        now, new = graph_times(
+                            step_with(self.small_m_kernels), step_with(candidate), replays=20
+                        )
+                    except Exception as exc:  # the path's kernels failed to build: skip it
+                        log.warning("one-row %s: the %s path failed (%s)", key, path, exc)
+                        continue
                     first = now if first is None else first
+                    last = now
                     if new < now * 0.998:
-                        self.small_m_kernels = candidate
-            best = now if first is not None else None
+                        self.small_m_kernels, last = candidate, new
         finally:
             for key, path in self.small_m_kernels.items():
                 use_small_m_path(groups[key], path)
             set_attention_metadata(None)
         log.info(
-            "one-row paths checked on a batch-1 step (%s ms before, %s ms last timed): %s",
+            "one-row paths checked on a batch-1 step (%s ms as first chosen, %s ms as kept): %s",
             first,
-            best,
+            last,
             self.small_m_kernels,
         )
 

@@ -1,5 +1,5 @@
-"""The batch-1 GEMV (`atom_kernels.gemv`, behind `ops.linear_small_m`) against F.linear, and its
-fused SwiGLU form against `reference.silu_and_mul` + F.linear.
+"""The batch-1 GEMV (`atom_kernels.gemv`, behind `ops.linear_small_m`) against F.linear, its
+SwiGLU epilogue against F.linear + `reference.silu_and_mul`, and its fused RMSNorm prologue.
 
 On CPU the kernel runs under TRITON_INTERPRET=1 (fp32, fp16); on a GPU compiled (bf16 too).
 Shapes are awkward on purpose (N not a multiple of BLOCK_N, K not a multiple of BLOCK_K) and
@@ -45,18 +45,18 @@ def gemv_mod(kernels):
 
 
 def _inputs(n, k, dtype, device, *, bias, act, seed=11):
+    """x [1, K] and a weight of N output features: [gate; up], 2N rows, with act."""
     g = torch.Generator().manual_seed(seed + n + k)
-    width = 2 * k if act == "silu_mul" else k
-    x = (torch.randn(1, width, generator=g) * (3 if act else 1)).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
-    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    rows = 2 * n if act == "silu_mul" else n
+    x = torch.randn(1, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(rows, k, generator=g) * (3 if act else 1) / k**0.5).to(dtype).to(device)
+    b = torch.randn(rows, generator=g).to(dtype).to(device) if bias else None
     return x, w, b
 
 
 def _want(x, w, b, act):
-    if act == "silu_mul":
-        x = reference.silu_and_mul(x)
-    return F.linear(x, w, b)
+    y = F.linear(x, w, b)
+    return reference.silu_and_mul(y) if act == "silu_mul" else y
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,46 +109,41 @@ def test_gemv_other_block_n_and_strided_weight_rows(gemv_mod, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_silu_mul_matches_the_two_step_path(gemv_mod, device, dtype):
-    """Against silu_and_mul then the GEMV, as the runtime ran it before the fusion."""
-    n, k = 16, 300
-    x, w, _ = _inputs(n, k, dtype, device, bias=False, act="silu_mul", seed=5)
-    got = gemv_mod.gemv(x, w, act="silu_mul")
-    want = gemv_mod.gemv(ops.silu_and_mul(x), w)
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])
+def test_gemv_swiglu_matches_the_two_step_path(gemv_mod, device, dtype, split, block_k):
+    """Against the GEMV's own [gate; up] output then silu_and_mul, as the runtime runs it
+    without the fusion; the ticket sum and the reduce kernel agree bit for bit."""
+    n, k = 24, 300
+    x, w, b = _inputs(n, k, dtype, device, bias=True, act="silu_mul", seed=5)
+    got = gemv_mod.gemv(x, w, b, act="silu_mul", split=split, block_k=block_k)
+    assert got.shape == (1, n)
+    want = ops.silu_and_mul(gemv_mod.gemv(x, w, b, split=split, block_k=block_k))
     torch.testing.assert_close(got, want, **TOL[dtype])
+    merged = gemv_mod.gemv(x, w, b, act="silu_mul", split=split, block_k=block_k, merge="kernel")
+    assert torch.equal(got, merged)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
 @pytest.mark.parametrize(("split", "block_k"), [(1, None), (2, 32)])
-def test_gemv_silu_mul_rounds_the_activation_to_x_dtype(gemv_mod, device, dtype, split, block_k):
-    """silu(gate) * up is rounded to x's dtype before the product, like silu_and_mul's output.
-    Two gates whose activations differ in fp32 but round to the same value, weighted +1 and
-    -1 in turn, give exactly 0 that way, and K/2 times their fp32 difference without it (far
-    more than any tolerance), so this catches a missing rounding that random data cannot."""
-    gates = torch.arange(-3.0, -0.5, 1e-4).to(dtype).unique()  # every representable gate
-    h32 = F.silu(gates.float())
-    # away from rounding boundaries, so a GPU's approximate exp cannot tip one over
-    safe = ((h32 * (1 + 1e-5)).to(dtype) == h32.to(dtype)) & (
-        (h32 * (1 - 1e-5)).to(dtype) == h32.to(dtype)
-    )
-    gates, h32 = gates[safe], h32[safe]
-    _, group = h32.to(dtype).unique(return_inverse=True)
-    # the two gates furthest apart in fp32 activation that still round to the same value
-    spread = [
-        (h32[group == i].max() - h32[group == i].min()).item() for i in range(group.max() + 1)
-    ]
-    members = gates[group == torch.tensor(spread).argmax()]
-    pair = members[F.silu(members.float()).argsort()[[0, -1]]]
-    n, k = 5, 512
-    gate = pair.repeat(k // 2)
-    x = torch.cat([gate, torch.ones(k, dtype=dtype)]).view(1, 2 * k).to(device)
-    w = torch.tensor([1.0, -1.0]).repeat(n, k // 2).to(dtype).to(device)
-    drift = (k // 2) * (F.silu(pair.float()).diff().abs().item())
-    assert drift > 10 * TOL[dtype]["atol"]  # what skipping the rounding would leave
-    want = F.linear(reference.silu_and_mul(x), w)
-    assert torch.equal(want, torch.zeros_like(want))
-    got = gemv_mod.gemv(x, w, act="silu_mul", split=split, block_k=block_k)
-    assert torch.equal(got, torch.zeros_like(got))
+def test_gemv_swiglu_rounds_gate_and_up_first(gemv_mod, device, dtype, split, block_k):
+    """The gate and up sums are rounded to the output dtype before silu(gate) * up, as the
+    separate GEMV output would be. Here the gate sums to 1 + half a unit in the last place
+    (rounds to 1) and up is large, so skipping the rounding lands on another representable
+    value, which random data would hide inside any tolerance."""
+    k = 64
+    ulp = torch.finfo(dtype).eps  # spacing of the dtype at 1.0
+    up = 32.0 / ulp  # a power of two: the result's spacing is about silu' * ulp/2 * up
+    w = torch.zeros(2, k)
+    w[0, 0], w[0, 1], w[1, 0] = 1.0, ulp / 2, up
+    w = w.to(dtype)
+    assert w[0, 1].item() == ulp / 2  # the half-ulp term is representable on its own
+    x = torch.ones(1, k, dtype=dtype)
+    exact = reference.silu_and_mul(torch.tensor([[1.0, up]]).to(dtype))  # gate rounded to 1
+    unrounded = (F.silu(torch.tensor(1.0 + ulp / 2)) * up).to(dtype)
+    if unrounded.item() == exact.item():
+        pytest.skip("this dtype's spacing hides the difference")
+    got = gemv_mod.gemv(x.to(device), w.to(device), act="silu_mul", split=split, block_k=block_k)
+    assert got.item() == exact.item()
 
 
 def test_linear_small_m_forced_triton_runs_the_gemv(gemv_mod, device, monkeypatch):
@@ -182,7 +177,7 @@ def test_linear_small_m_torch_path_matches_reference(monkeypatch):
     try:
         x, w, b = _inputs(10, 24, torch.float32, "cpu", bias=True, act="silu_mul")
         got = ops.linear_small_m(x, w, b, act="silu_mul")
-        assert torch.equal(got, F.linear(reference.silu_and_mul(x), w, b))
+        assert torch.equal(got, reference.silu_and_mul(F.linear(x, w, b)))
         x, w, b = _inputs(10, 24, torch.float32, "cpu", bias=False, act=None)
         assert torch.equal(ops.linear_small_m(x, w), F.linear(x, w))
     finally:
@@ -196,7 +191,7 @@ def test_linear_small_m_refuses_bad_shapes():
         ops.linear_small_m(torch.zeros(2, 16), w)  # two rows
     with pytest.raises(ValueError, match="one contiguous row"):
         ops.linear_small_m(torch.zeros(16), w)  # not 2-D
-    with pytest.raises(ValueError, match=r"must be \[1, 16\]"):
+    with pytest.raises(ValueError, match=r"one contiguous row \[1, 16\]"):
         ops.linear_small_m(torch.zeros(1, 15), w)  # wrong K
     with pytest.raises(ValueError, match="one contiguous row"):
         ops.linear_small_m(torch.zeros(1, 32)[:, ::2], w)  # strided x
@@ -206,10 +201,8 @@ def test_linear_small_m_refuses_bad_shapes():
         ops.linear_small_m(torch.zeros(1, 16), torch.zeros(8, 16, 1))  # not 2-D
     with pytest.raises(ValueError, match=r"bias .* must be a contiguous \[8\]"):
         ops.linear_small_m(torch.zeros(1, 16), w, torch.zeros(7))
-    with pytest.raises(ValueError, match="odd width 31"):
-        ops.linear_small_m(torch.zeros(1, 31), w, act="silu_mul")
-    with pytest.raises(ValueError, match=r"must be \[1, 32\] \(\[gate \| up\] of 16 each\)"):
-        ops.linear_small_m(torch.zeros(1, 16), w, act="silu_mul")  # K, not 2K
+    with pytest.raises(ValueError, match="odd N=7"):
+        ops.linear_small_m(torch.zeros(1, 16), torch.zeros(7, 16), act="silu_mul")
     with pytest.raises(ValueError, match="act='gelu'"):
         ops.linear_small_m(torch.zeros(1, 16), w, act="gelu")
 
@@ -295,3 +288,23 @@ def test_rms_norm_linear_small_m_routes_and_checks(gemv_mod, device):
         ops.rms_norm_linear_small_m(x, residual, norm_w[:10], 1e-6, w)
     with pytest.raises(ValueError, match="one contiguous row"):
         ops.rms_norm_linear_small_m(torch.cat([x, x]), None, norm_w, 1e-6, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])
+def test_gemv_with_fused_rms_norm_and_swiglu(gemv_mod, device, dtype, split, block_k):
+    """Both fusions at once (gate_up after the post-attention norm): norm, product, SwiGLU."""
+    n, k = 20, 200
+    x, w, b = _inputs(n, k, dtype, device, bias=False, act="silu_mul", seed=8)
+    g = torch.Generator().manual_seed(9)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(device)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
+    y, total = gemv_mod.gemv(
+        x, w, act="silu_mul", norm_weight=norm_w, residual=residual, split=split, block_k=block_k
+    )
+    normed, want_total = reference.fused_add_rms_norm(x, residual.clone(), norm_w, 1e-6)
+    assert torch.equal(total, want_total)
+    want = reference.silu_and_mul(F.linear(normed, w))
+    torch.testing.assert_close(y, want, **TOL[dtype])
+    via_ops, _ = ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w, act="silu_mul")
+    assert via_ops.shape == (1, n)

@@ -27,15 +27,16 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
-    assert any(m.fused_act == "silu_mul" for m in layers)
-    for fuse in (True, False):  # the GEMV with the norm/activation inside, or after its kernel
+    assert any(m.act_after == "silu_mul" for m in layers)
+    # The GEMV with the norm and/or activation inside it, or each in its own kernel.
+    for fuse_norm, fuse_act in [(True, True), (True, False), (False, True), (False, False)]:
         for m in layers:
-            m.gemv, m.fuse = True, fuse
+            m.gemv, m.fuse_norm, m.fuse_act = True, fuse_norm, fuse_act
         try:
             got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         finally:
             for m in layers:
-                m.gemv = m.fuse = False
+                m.gemv = m.fuse_norm = m.fuse_act = False
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
@@ -62,14 +63,28 @@ def test_one_row_groups_and_their_paths(tiny_models):
     config = llm.engine.runner.model_config
     layers = config.num_hidden_layers
     assert all(len(g) == layers for g in groups.values()) and len(groups) == 4
-    fused = {k for k, g in groups.items() if small_m_paths(g[0])[-1] == "gemv+fused"}
-    assert {k.startswith("rmsnorm+") or k.endswith("+silu_mul") for k in groups} == {True, False}
-    assert fused == {k for k in groups if k.startswith("rmsnorm+") or k.endswith("+silu_mul")}
-    some = next(iter(groups.values()))
+    paths = {k: small_m_paths(g[0]) for k, g in groups.items()}
+    h, i = config.hidden_size, config.intermediate_size
+    heads = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    assert paths == {
+        f"rmsnorm+{heads}x{h}": ["cublas", "gemv", "gemv+norm"],  # qkv
+        f"{h}x{config.num_attention_heads * config.head_dim}": ["cublas", "gemv"],  # o
+        f"rmsnorm+{2 * i}x{h}+silu_mul": [  # gate_up
+            "cublas",
+            "gemv",
+            "gemv+norm",
+            "gemv+act",
+            "gemv+norm+act",
+        ],
+        f"{h}x{i}": ["cublas", "gemv"],  # down
+    }
+    some = groups[f"rmsnorm+{2 * i}x{h}+silu_mul"]
     for path, flags in [
-        ("gemv+fused", (True, True)),
-        ("gemv", (True, False)),
-        ("cublas", (False, False)),
+        ("gemv+norm+act", (True, True, True)),
+        ("gemv+act", (True, False, True)),
+        ("gemv+norm", (True, True, False)),
+        ("gemv", (True, False, False)),
+        ("cublas", (False, False, False)),
     ]:
         use_small_m_path(some, path)
-        assert {(m.gemv, m.fuse) for m in some} == {flags}
+        assert {(m.gemv, m.fuse_norm, m.fuse_act) for m in some} == {flags}

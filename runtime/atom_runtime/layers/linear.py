@@ -41,33 +41,45 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # One-row inputs (batch-1 decode) go to the Triton GEMV when it beat cuBLAS for this
-        # weight shape at start-up (`choose_small_m_kernels`), with the norm before it or the
-        # activation in front fused into the GEMV when `fuse` (else their own kernel first).
-        self.gemv = False
-        self.fuse = False
-        # The activation the model fuses into this layer's input (RowParallelLinear's `act`),
-        # and whether the model calls it through `forward_normed`.
-        self.fused_act: str | None = None
+        # Whether the model calls this layer through `forward_normed` (an RMSNorm before it),
+        # and the activation applied to its output ("silu_mul": SwiGLU over [gate; up] rows).
         self.norm_before = False
+        self.act_after: str | None = None
+        # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
+        # group at start-up (`choose_small_m_kernels`), the norm and the activation fused into
+        # it when `fuse_norm` / `fuse_act` (else each in its own kernel).
+        self.gemv = False
+        self.fuse_norm = False
+        self.fuse_act = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """act_after(x @ W.T + b)."""
         if self.gemv and x.shape[0] == 1:
-            return ops.linear_small_m(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            fused = self.act_after if self.fuse_act else None
+            y = ops.linear_small_m(x, self.weight, self._bias(), act=fused)
+            return y if fused is not None else self._activate(y)
+        return self._activate(F.linear(x, self.weight, self._bias()))
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
-        """`norm` (an RMSNorm, adding `residual` first when given), then this projection.
-        Returns (output, residual after the add; x itself without a residual). A one-row x
-        runs both in one GEMV launch when the fused GEMV won for this shape."""
-        if self.gemv and self.fuse and x.shape[0] == 1:
-            return ops.rms_norm_linear_small_m(
-                x, residual, norm.weight, norm.eps, self.weight, self.bias
+        """`norm` (an RMSNorm, adding `residual` first when given), then this layer. Returns
+        (output, residual after the add; x itself without a residual). A one-row x runs the
+        norm inside the GEMV when the layer's group chose that."""
+        if self.gemv and self.fuse_norm and x.shape[0] == 1:
+            fused = self.act_after if self.fuse_act else None
+            y, residual = ops.rms_norm_linear_small_m(
+                x, residual, norm.weight, norm.eps, self.weight, self._bias(), act=fused
             )
+            return (y if fused is not None else self._activate(y)), residual
         if residual is None:
             return self(norm(x)), x
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def _activate(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.act_after is None else ops.silu_and_mul(y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)
@@ -148,18 +160,12 @@ class RowParallelLinear(LinearBase):
         n = param.data.shape[1]
         copy_weight(param.data, loaded.narrow(1, tp_rank() * n, n))
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """`act="silu_mul"`: x is [gate | up] and the input is silu(gate) * up (SwiGLU), fused
-        into the GEMV for a one-row x."""
-        bias = self.bias if tp_rank() == 0 else None
-        if self.gemv and x.shape[0] == 1:
-            if self.fuse or act is None:
-                y = ops.linear_small_m(x, self.weight, bias, act=act)
-            else:
-                y = ops.linear_small_m(ops.silu_and_mul(x), self.weight, bias)
-        else:
-            y = F.linear(x if act is None else ops.silu_and_mul(x), self.weight, bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
         return all_reduce(y) if tp_size() > 1 else y
+
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias if tp_rank() == 0 else None  # added once, before the sum across ranks
 
 
 def copy_weight(dst: torch.Tensor, src) -> None:
@@ -180,38 +186,43 @@ def small_m_mode() -> str:
 
 def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
     """The model's half-precision linear layers grouped by what a one-row product through them
-    is: "[rmsnorm+]NxK[+act]" (weight shape, the norm before it, the activation in front)."""
+    is: "[rmsnorm+]NxK[+act]" (the norm before it, the weight shape, the activation after)."""
     groups: dict[str, list[LinearBase]] = defaultdict(list)
     for module in model.modules():
         if isinstance(module, LinearBase) and module.weight.dtype != torch.float32:
             n, k = module.weight.shape
-            act = module.fused_act
-            key = (
-                ("rmsnorm+" if module.norm_before else "") + f"{n}x{k}" + (f"+{act}" if act else "")
-            )
-            groups[key].append(module)
+            norm = "rmsnorm+" if module.norm_before else ""
+            act = f"+{module.act_after}" if module.act_after else ""
+            groups[f"{norm}{n}x{k}{act}"].append(module)
     return groups
 
 
 def small_m_paths(layer: LinearBase) -> list[str]:
-    """The one-row paths a layer can take: "cublas", "gemv", and "gemv+fused" when it has a norm
-    before it or an activation in front to fuse."""
-    fusable = layer.norm_before or layer.fused_act is not None
-    return ["cublas", "gemv", "gemv+fused"] if fusable else ["cublas", "gemv"]
+    """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
+    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act"."""
+    paths = ["cublas", "gemv"]
+    if layer.norm_before:
+        paths.append("gemv+norm")
+    if layer.act_after is not None:
+        paths.append("gemv+act")
+        if layer.norm_before:
+            paths.append("gemv+norm+act")
+    return paths
 
 
 def use_small_m_path(layers: list[LinearBase], path: str) -> None:
     for m in layers:
         m.gemv = path != "cublas"
-        m.fuse = path == "gemv+fused"
+        m.fuse_norm = "+norm" in path
+        m.fuse_act = "+act" in path
 
 
 def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
     """For each group of linear layers (`small_m_groups`), time a one-row product through every
     layer of the group (so weights stream from memory, as in a decode step) along each of its
-    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm or activation
-    fused in), each replayed in a CUDA graph, the unfused ones paying for the norm's or
-    activation's own kernel; the layers take the fastest. cuBLAS picks poor kernels for some
+    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm before it and/or
+    the activation after it fused in), each replayed in a CUDA graph, the unfused ones paying
+    for the norm's or activation's own kernel; the layers take the fastest. cuBLAS picks poor kernels for some
     narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
     3.1 us) and wins on others; a fused prologue can cost more than the launch it saves (every
     program recomputes it). Alone, a projection can time differently than inside a decode
@@ -228,10 +239,20 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
             use_small_m_path(layers, paths[-1])
             continue
         fns = _one_row_paths(layers[0])
+        usable = []
+        for path in paths:
+            try:
+                fns[path](layers[0].weight)  # builds its kernels
+                torch.cuda.synchronize()
+                usable.append(path)
+            except Exception as exc:  # a kernel this GPU's Triton cannot build or run
+                if path == "cublas":
+                    raise
+                log.warning("one-row %s: the %s path failed (%s); not used", key, path, exc)
         times = graph_times(
-            *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in paths)  # noqa: B023
+            *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable)  # noqa: B023
         )
-        timed = dict(zip(paths, times, strict=True))
+        timed = dict(zip(usable, times, strict=True))
         choice[key] = min(timed, key=timed.get)
         use_small_m_path(layers, choice[key])
         log.info(
@@ -245,31 +266,34 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
 
 
 def _one_row_paths(layer: LinearBase) -> dict:
-    """{path name: function of a weight} for a one-row product with that weight, each with
-    what the layer has in front of it (add + RMSNorm, or an activation): "cublas" and "gemv"
-    run that in its own kernel first, "gemv+fused" inside the GEMV."""
-    like, act = layer.weight, layer.fused_act
+    """{path name: function of a weight}: a one-row product with that weight along each of the
+    layer's paths, with the add + RMSNorm before it and the activation after it that the layer
+    has, each in its own kernel or fused into the GEMV as the path says."""
+    like, act = layer.weight, layer.act_after
     k = like.shape[1]
-    x = torch.randn(1, 2 * k if act else k, dtype=like.dtype, device=like.device)
-    if layer.norm_before:
-        residual = torch.randn_like(x)
-        norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+    x = torch.randn(1, k, dtype=like.dtype, device=like.device)
+    residual = torch.randn_like(x)
+    norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
 
-        def normed():
-            return ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0]
+    def path_fn(path: str):
+        fuse_norm, fuse_act = "+norm" in path, "+act" in path
 
-        return {
-            "cublas": lambda w: F.linear(normed(), w),
-            "gemv": lambda w: ops.linear_small_m(normed(), w),
-            "gemv+fused": lambda w: ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w),
-        }
-    if act is not None:
-        return {
-            "cublas": lambda w: F.linear(ops.silu_and_mul(x), w),
-            "gemv": lambda w: ops.linear_small_m(ops.silu_and_mul(x), w),
-            "gemv+fused": lambda w: ops.linear_small_m(x, w, act=act),
-        }
-    return {"cublas": lambda w: F.linear(x, w), "gemv": lambda w: ops.linear_small_m(x, w)}
+        def run(w):
+            if fuse_norm:
+                y = ops.rms_norm_linear_small_m(
+                    x, residual, norm_w, 1e-6, w, act=act if fuse_act else None
+                )[0]
+            else:
+                h = ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0] if layer.norm_before else x
+                if path == "cublas":
+                    y = F.linear(h, w)
+                else:
+                    y = ops.linear_small_m(h, w, act=act if fuse_act else None)
+            return ops.silu_and_mul(y) if act is not None and not fuse_act else y
+
+        return run
+
+    return {path: path_fn(path) for path in small_m_paths(layer)}
 
 
 def graph_time(fn, replays: int = 5) -> float:

@@ -73,11 +73,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.gate_up_proj.norm_before = True
+        self.gate_up_proj.act_after = "silu_mul"  # it returns silu(gate) * up
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj.fused_act = "silu_mul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act="silu_mul")
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,10 +94,10 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
         hidden = attn.attend(positions, qkv)
-        gate_up, residual = mlp.gate_up_proj.forward_normed(
+        h, residual = mlp.gate_up_proj.forward_normed(
             hidden, residual, self.post_attention_layernorm
         )
-        return mlp.down_proj(gate_up, act="silu_mul"), residual
+        return mlp.down_proj(h), residual
 
 
 class LlamaModel(nn.Module):
