@@ -26,6 +26,8 @@ every program pays for the whole row.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +40,26 @@ from atom_kernels.tickets import ticket_counters
 MAX_NORM_ROW = 16384
 
 
+# What the GEMV does with its output (MODE): write it; SwiGLU over [gate; up] rows; or rotary
+# of q and k heads with k and v stored into the paged cache.
+PLAIN, SWIGLU, ROPE = 0, 1, 2
+
+
+class RopeStore(NamedTuple):
+    """What `gemv(..., rope=)` needs to finish a one-token qkv projection like
+    `ops.qk_norm_rope_store_` (without QK-norm): the token's position and cache slot (device
+    tensors of one element), the cos/sin table, the paged caches, and the head layout."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @triton.jit
 def _swiglu(gate, up, dtype: tl.constexpr):
     """silu(gate) * up from fp32 sums rounded to `dtype` first, as `silu_and_mul` over the
@@ -45,6 +67,84 @@ def _swiglu(gate, up, dtype: tl.constexpr):
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _paired_rows(offs, n_out, MODE: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The weight rows behind outputs `offs`: (first, second). SWIGLU pairs gate row j with up
+    row n_out + j; ROPE pairs dimension i of a head with i + HALF (rotate-halves rotary), so
+    output j is pair j: head j // HALF, dimension j % HALF. PLAIN uses `first` only."""
+    if MODE == 2:
+        first = (offs // HALF) * HEAD_DIM + offs % HALF
+        second = first + HALF
+    else:
+        first = offs
+        second = offs + n_out
+    return first, second
+
+
+@triton.jit
+def _epilogue(
+    y,
+    y2,
+    offs,
+    mask,
+    first,
+    second,
+    bias_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    cos_sin_stride,
+    cache_stride_slot,
+    num_heads,
+    num_kv_heads,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
+    second (y2). Every value is rounded to the output dtype where the unfused path would
+    hold it in memory."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
+        if MODE != 0:
+            y2 += tl.load(bias_ptr + second, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 0:
+        tl.store(out_ptr + offs, y.to(dtype), mask=mask)
+    elif MODE == 1:
+        tl.store(out_ptr + offs, _swiglu(y, y2, dtype).to(dtype), mask=mask)
+    else:
+        x1 = y.to(dtype).to(tl.float32)
+        x2 = y2.to(dtype).to(tl.float32)
+        head = offs // HALF
+        dim = offs % HALF
+        table = cos_sin_ptr + tl.load(pos_ptr).to(tl.int64) * cos_sin_stride + dim
+        cos = tl.load(table, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(table + HALF, mask=mask, other=0.0).to(tl.float32)
+        rotate = head < num_heads + num_kv_heads  # q and k heads; v heads pass through
+        o1 = tl.where(rotate, x1 * cos - x2 * sin, x1).to(dtype)
+        o2 = tl.where(rotate, x2 * cos + x1 * sin, x2).to(dtype)
+        tl.store(out_ptr + first, o1, mask=mask)
+        tl.store(out_ptr + second, o2, mask=mask)
+        # k heads (0 .. KV-1 past the q heads) and v heads (KV .. 2KV-1) into the cache slot;
+        # slot -1 is a padding row.
+        slot = tl.zeros_like(offs).to(tl.int64) + tl.load(slot_ptr).to(tl.int64)
+        kv = head - num_heads
+        live = mask & (kv >= 0) & (slot >= 0)
+        is_k = live & (kv < num_kv_heads)
+        is_v = live & (kv >= num_kv_heads)
+        kv = tl.where(is_v, kv - num_kv_heads, kv)
+        at = slot * cache_stride_slot + kv.to(tl.int64) * HEAD_DIM + dim
+        tl.store(k_cache_ptr + at, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+        tl.store(k_cache_ptr + at + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+        tl.store(v_cache_ptr + at, o1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+        tl.store(v_cache_ptr + at + HALF, o2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
 
 
 @triton.jit
@@ -58,13 +158,22 @@ def _gemv_kernel(
     residual_out_ptr,
     part_ptr,
     tickets_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     N,
     K,
     w_stride,
     k_per_split,
     eps,
+    cos_sin_stride,
+    cache_stride_slot,
+    num_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    MODE: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -72,21 +181,24 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    # N counts the weight's rows; with SWIGLU the output has N // 2 (gate rows, then up rows).
+    # N counts the weight's rows; a paired MODE has N // 2 outputs, each from two rows.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    if SWIGLU:
-        n_out = N // 2
-    else:
+    if MODE == 0:
         n_out = N
+    else:
+        n_out = N // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < n_out
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride
-    up_rows = w_ptr + (offs_n + n_out).to(tl.int64)[:, None] * w_stride
+    first, second = _paired_rows(offs_n, n_out, MODE, HALF, HEAD_DIM)
+    rows = w_ptr + first.to(tl.int64)[:, None] * w_stride
+    rows2 = w_ptr + second.to(tl.int64)[:, None] * w_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     dtype = x_ptr.dtype.element_ty
@@ -94,13 +206,13 @@ def _gemv_kernel(
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
         # (Names differ from the loop's below: Triton would carry them into the loop.)
-        first = (pid_n == 0) & (split == 0)
+        first_program = (pid_n == 0) & (split == 0)
         row_ks = tl.arange(0, ROW_BLOCK)
         row = tl.load(x_ptr + row_ks, mask=row_ks < K, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             row_r = tl.load(residual_ptr + row_ks, mask=row_ks < K, other=0.0).to(tl.float32)
             row = (row + row_r).to(dtype)
-            tl.store(residual_out_ptr + row_ks, row, mask=row_ks < tl.where(first, K, 0))
+            tl.store(residual_out_ptr + row_ks, row, mask=row_ks < tl.where(first_program, K, 0))
             row = row.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -118,24 +230,22 @@ def _gemv_kernel(
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(rows + ks[None, :], mask=w_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-        if SWIGLU:
-            w_up = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
-            acc_up += w_up.to(tl.float32) * x[None, :]
+        if MODE != 0:
+            w2 = tl.load(rows2 + ks[None, :], mask=w_mask, other=0.0)
+            acc2 += w2.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    y_up = tl.sum(acc_up, axis=1)
+    y2 = tl.sum(acc2, axis=1)
     if SPLIT == 1:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if SWIGLU:
-                y_up += tl.load(bias_ptr + n_out + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if SWIGLU:
-            y = _swiglu(y, y_up, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+        _epilogue(
+            y, y2, offs_n, n_mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
+            k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
+            num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+        )  # fmt: skip
     else:
-        # Partial rows are [SPLIT, N] fp32: gate sums then up sums with SWIGLU.
-        tl.store(part_ptr + split * N + offs_n, y, mask=n_mask)
-        if SWIGLU:
-            tl.store(part_ptr + split * N + n_out + offs_n, y_up, mask=n_mask)
+        # Partial sums are [SPLIT, N] fp32, indexed by weight row.
+        tl.store(part_ptr + split * N + first, y, mask=n_mask)
+        if MODE != 0:
+            tl.store(part_ptr + split * N + second, y2, mask=n_mask)
         if TICKETS:
             # The last split of this column block to arrive sums all of them (in split order,
             # so the result does not depend on which one that is) and resets the counter.
@@ -143,22 +253,19 @@ def _gemv_kernel(
             ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT - 1:
                 total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                total_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+                total2 = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
-                    part = part_ptr + s * N + offs_n
-                    total += tl.load(part, mask=n_mask, other=0.0, cache_modifier=".cg")
-                    if SWIGLU:
-                        part_up = part + n_out
-                        total_up += tl.load(part_up, mask=n_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                    if SWIGLU:
-                        total_up += tl.load(bias_ptr + n_out + offs_n, mask=n_mask, other=0.0).to(
-                            tl.float32
+                    part = part_ptr + s * N
+                    total += tl.load(part + first, mask=n_mask, other=0.0, cache_modifier=".cg")
+                    if MODE != 0:
+                        total2 += tl.load(
+                            part + second, mask=n_mask, other=0.0, cache_modifier=".cg"
                         )
-                if SWIGLU:
-                    total = _swiglu(total, total_up, out_ptr.dtype.element_ty)
-                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+                _epilogue(
+                    total, total2, offs_n, n_mask, first, second, bias_ptr, out_ptr, pos_ptr,
+                    cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride,
+                    cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+                )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
 
@@ -167,31 +274,41 @@ def _gemv_reduce_kernel(
     part_ptr,
     bias_ptr,
     out_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     N,
+    cos_sin_stride,
+    cache_stride_slot,
+    num_heads,
+    num_kv_heads,
     HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
+    MODE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    if SWIGLU:
-        n_out = N // 2
-    else:
+    if MODE == 0:
         n_out = N
+    else:
+        n_out = N // 2
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_out
+    first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     y = tl.zeros([BLOCK], dtype=tl.float32)
-    y_up = tl.zeros([BLOCK], dtype=tl.float32)
+    y2 = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        y += tl.load(part_ptr + s * N + offs, mask=mask, other=0.0)
-        if SWIGLU:
-            y_up += tl.load(part_ptr + s * N + n_out + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if SWIGLU:
-            y_up += tl.load(bias_ptr + n_out + offs, mask=mask, other=0.0).to(tl.float32)
-    if SWIGLU:
-        y = _swiglu(y, y_up, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y += tl.load(part_ptr + s * N + first, mask=mask, other=0.0)
+        if MODE != 0:
+            y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
+    _epilogue(
+        y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
+        v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads,
+        HAS_BIAS, MODE, HALF, HEAD_DIM,
+    )  # fmt: skip
 
 
 def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:
@@ -227,6 +344,7 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    rope: RopeStore | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     split: int | None = None,
@@ -237,52 +355,63 @@ def gemv(
     eps: float = 1e-6,
     merge: str = "tickets",
 ):
-    """See `atom_kernels.ops.linear_small_m`. Keyword-only arguments override the launch
-    shape (tests use them to reach the split path on small matrices). Shapes are checked by
-    the caller; `act="silu_mul"` returns silu(gate) * up of the [gate; up] rows, [1, N / 2].
-    With `norm_weight` (RMSNorm fused in front) returns (y, x + residual) when `residual` is
-    given, else y. `merge` picks how
-    split-K partial rows are summed: "tickets" (in the kernel) or "kernel" (a second launch)."""
+    """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
+    arguments override the launch shape (tests use them to reach the split path on small
+    matrices). Shapes are checked by the caller. `act="silu_mul"` returns silu(gate) * up of
+    the [gate; up] rows, [1, N / 2]; `rope` returns the qkv row with q and k rotated and stores
+    k and v into the cache. With `norm_weight` (RMSNorm fused in front) returns
+    (y, x + residual) when `residual` is given, else y. `merge` picks how split-K partial rows
+    are summed: "tickets" (in the kernel) or "kernel" (a second launch)."""
     if merge not in ("tickets", "kernel"):
         raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    if act is not None and rope is not None:
+        raise ValueError("act and rope cannot be combined")
     norm = norm_weight is not None
     if norm and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
-    swiglu = act == "silu_mul"
-    n_out = n // 2 if swiglu else n
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    mode = SWIGLU if act == "silu_mul" else ROPE if rope is not None else PLAIN
+    n_out = n if mode == PLAIN else n // 2
+    out = torch.empty((1, n if mode == ROPE else n_out), dtype=x.dtype, device=x.device)
     cfg = gemv_config(n_out, k, _multiprocessors(x.device))
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     split = split or cfg["split"]
     k_per_split, split = split_k(k, split, block_k)
-    has_bias = bias is not None
     programs_n = triton.cdiv(n_out, block_n)
     parts = tickets = None
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, programs_n) if merge == "tickets" else None
+    if rope is not None:
+        rope_args = (rope.positions, rope.cos_sin_cache, rope.k_cache, rope.v_cache)
+        rope_args += (rope.slot_mapping,)
+        rope_ints = (rope.cos_sin_cache.stride(0), rope.k_cache.stride(1))
+        rope_ints += (rope.num_heads, rope.num_kv_heads)
+        half, head_dim = rope.head_dim // 2, rope.head_dim
+    else:
+        rope_args, rope_ints, half, head_dim = (out,) * 5, (0, 0, 0, 0), 1, 2
+    consts = dict(HAS_BIAS=bias is not None, MODE=mode, HALF=half, HEAD_DIM=head_dim)
     _gemv_kernel[(programs_n, split)](
         x,
         weight,
-        bias if has_bias else weight,
+        bias if bias is not None else weight,
         out,
         residual if residual is not None else x,
         norm_weight if norm else x,
         residual_out if residual_out is not None else x,
         parts if parts is not None else out,
         tickets if tickets is not None else out,
+        *rope_args,
         n,
         k,
         weight.stride(0),
         k_per_split,
         eps,
-        HAS_BIAS=has_bias and (split == 1 or tickets is not None),
-        SWIGLU=swiglu,
+        *rope_ints,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
@@ -292,18 +421,20 @@ def gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if norm else 1,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
+        **consts,
     )
     if split > 1 and tickets is None:
         block = 1024
         _gemv_reduce_kernel[(triton.cdiv(n_out, block),)](
             parts,
-            bias if has_bias else parts,
+            bias if bias is not None else parts,
             out,
+            *rope_args,
             n,
-            HAS_BIAS=has_bias,
-            SWIGLU=swiglu,
+            *rope_ints,
             SPLIT=split,
             BLOCK=block,
             num_warps=4,
+            **consts,
         )
     return out if residual_out is None else (out, residual_out)

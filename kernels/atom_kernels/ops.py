@@ -340,6 +340,57 @@ def _check_small_m(x, weight, bias, act) -> None:
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
 
 
+def linear_rope_store_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """The qkv projection of one token and its attention preparation in one pass:
+    `F.linear(x, weight, bias)` (x `[1, K]`, weight `[(H + 2 KV) * D, K]`), then rotary of the
+    q and k heads and the store of k and v into the paged cache at `slot_mapping[0]` — what
+    `linear_small_m` followed by `qk_norm_rope_store_` without QK-norm gives. Returns the qkv
+    row `[1, (H + 2 KV) * D]` with q and k rotated. On a GPU one Triton GEMV launch whose
+    programs each own dimension pairs (i, i + D/2) of a head, rotated in the epilogue."""
+    _check_small_m(x, weight, bias, None)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if weight.shape[0] != width or head_dim % 2:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must have (num_heads + 2 * num_kv_heads) * head_dim "
+            f"= {width} rows, head_dim even"
+        )
+    if positions.shape != (1,) or slot_mapping.shape != (1,):
+        raise ValueError("positions and slot_mapping must hold one token each")
+    if cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
+    _check_cache(k_cache, v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
+    if _use_triton(x):
+        from atom_kernels.gemv import RopeStore
+
+        rope = RopeStore(
+            positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+            head_dim,
+        )  # fmt: skip
+        return _triton().gemv(x, weight, bias, rope=rope)
+    qkv = torch.nn.functional.linear(x, weight, bias)
+    reference.qk_norm_rope_store_(
+        qkv, positions, cos_sin_cache, None, None, 0.0, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    return qkv
+
+
 def rms_norm_linear_small_m(
     x: torch.Tensor,
     residual: torch.Tensor | None,

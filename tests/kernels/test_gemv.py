@@ -308,3 +308,66 @@ def test_gemv_with_fused_rms_norm_and_swiglu(gemv_mod, device, dtype, split, blo
     torch.testing.assert_close(y, want, **TOL[dtype])
     via_ops, _ = ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w, act="silu_mul")
     assert via_ops.shape == (1, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24: a 16-pair tile straddles heads
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])
+@pytest.mark.parametrize("merge", ["tickets", "kernel"])
+def test_gemv_rope_store_matches_the_unfused_path(
+    gemv_mod, device, dtype, head_dim, split, block_k, merge
+):
+    """The qkv GEMV with rotary and the cache store in its epilogue equals the GEMV, then
+    `qk_norm_rope_store_` (no QK-norm): q and k rotated in the returned row, v untouched, k and
+    v in the cache slot, nothing else in the cache written."""
+    heads, kv_heads, k = 4, 2, 96
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, b = _inputs(n, k, dtype, device, bias=True, act=None, seed=3)
+    g = torch.Generator().manual_seed(4)
+    angles = torch.rand(8, head_dim // 2, generator=g) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    cache_shape = (3, 4, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(cache_shape, generator=g).to(dtype).to(device)
+    positions = torch.tensor([5], device=device)
+    for slot in (6, -1):
+        slots = torch.tensor([slot], device=device)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        want = gemv_mod.gemv(x, w, b, split=split, block_k=block_k)
+        reference.qk_norm_rope_store_(
+            want, positions, cos_sin, None, None, 0.0, k_want, v_want, slots, heads, kv_heads,
+            head_dim,
+        )  # fmt: skip
+        rope = gemv_mod.RopeStore(
+            positions, cos_sin, k_cache, v_cache, slots, heads, kv_heads, head_dim
+        )
+        got = gemv_mod.gemv(x, w, b, rope=rope, split=split, block_k=block_k, merge=merge)
+        assert got.shape == (1, n)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        torch.testing.assert_close(k_cache, k_want, **TOL[dtype])
+        torch.testing.assert_close(v_cache, v_want, **TOL[dtype])
+    assert not torch.equal(got[:, : heads * head_dim], F.linear(x, w, b)[:, : heads * head_dim])
+
+
+def test_linear_rope_store_small_m_checks_and_routes(gemv_mod, device):
+    heads, kv_heads, head_dim, k = 2, 1, 8, 32
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, _ = _inputs(n, k, torch.float32, device, bias=False, act=None)
+    cos_sin = torch.cat([torch.ones(4, 4), torch.zeros(4, 4)], dim=-1).to(device)  # angle 0
+    caches = [torch.zeros(2, 4, kv_heads, head_dim, device=device) for _ in range(2)]
+    one = torch.tensor([1], device=device)
+    args = (one, cos_sin, *caches, one, heads, kv_heads, head_dim)
+    got = ops.linear_rope_store_small_m(x, w, None, *args)
+    want = F.linear(x, w)  # angle 0: rotation is the identity
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(caches[0][0, 1, 0], want[0, heads * head_dim : -head_dim])
+    torch.testing.assert_close(caches[1][0, 1, 0], want[0, -head_dim:])
+    with pytest.raises(ValueError, match="rows, head_dim even"):
+        ops.linear_rope_store_small_m(x, w[:-1], None, *args)
+    with pytest.raises(ValueError, match="one token each"):
+        ops.linear_rope_store_small_m(x, w, None, torch.tensor([1, 2]), *args[1:])
+    with pytest.raises(ValueError, match="does not hold"):
+        bad = [torch.zeros(2, 4, 2 * kv_heads, head_dim // 2, device=device)] * 2
+        ops.linear_rope_store_small_m(
+            x, w, None, one, cos_sin, *bad, one, heads, kv_heads, head_dim
+        )

@@ -1,6 +1,6 @@
 """The one-row projection paths the GPU takes at batch 1 when the GEMV wins (with the norm
-fused into qkv/gate_up and SwiGLU into down, or each in its own kernel first) give what the
-cuBLAS path gives. On CPU the ops run
+fused into qkv/gate_up, SwiGLU into gate_up's epilogue, rotary + the cache store into qkv's, or
+each in its own kernel) give what the cuBLAS path gives. On CPU the ops run
 their torch references, so this checks the model's plumbing (the residual returned instead of
 updated in place, the activation moved into the down projection); the Triton kernels behind
 them are checked in tests/kernels/test_gemv.py."""
@@ -28,15 +28,18 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
     assert any(m.act_after == "silu_mul" for m in layers)
-    # The GEMV with the norm and/or activation inside it, or each in its own kernel.
-    for fuse_norm, fuse_act in [(True, True), (True, False), (False, True), (False, False)]:
+    # Qwen2 has no QK-norm, so its qkv projection can take rotary + cache store in as well.
+    assert any(m.rope_after for m in layers) == (kind == "qwen2")
+    # The GEMV with the norm, activation and/or rotary inside it, or each in its own kernel.
+    for fuse in [(1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1)]:
         for m in layers:
-            m.gemv, m.fuse_norm, m.fuse_act = True, fuse_norm, fuse_act
+            m.gemv = True
+            m.fuse_norm, m.fuse_act, m.fuse_rope = map(bool, fuse)
         try:
             got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         finally:
             for m in layers:
-                m.gemv = m.fuse_norm = m.fuse_act = False
+                m.gemv = m.fuse_norm = m.fuse_act = m.fuse_rope = False
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)

@@ -56,6 +56,26 @@ class PagedAttention(nn.Module):
         )
         return qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
 
+    def prepare_one_row(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`prepare` of one token fused with the qkv projection that precedes it (no QK-norm):
+        one GEMV launch projects x, rotates q and k, and stores k and v in the cache. Returns q
+        as [1, num_heads, head_dim]."""
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
+        qkv = ops.linear_rope_store_small_m(
+            x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
+            get_attention_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
+            self.head_dim,
+        )  # fmt: skip
+        return qkv[:, : self.num_heads * self.head_dim].view(1, self.num_heads, self.head_dim)
+
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """Attention of q ([T, num_heads, head_dim]) over the cache, whose K/V for this step
         `prepare` already stored. Returns [T, num_heads * head_dim]."""

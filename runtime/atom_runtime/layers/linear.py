@@ -45,12 +45,16 @@ class LinearBase(nn.Module):
         # and the activation applied to its output ("silu_mul": SwiGLU over [gate; up] rows).
         self.norm_before = False
         self.act_after: str | None = None
+        # A qkv projection whose attention applies rotary and stores k/v right after it (no
+        # QK-norm in between): the GEMV can do both in its epilogue.
+        self.rope_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
         # group at start-up (`choose_small_m_kernels`), the norm and the activation fused into
         # it when `fuse_norm` / `fuse_act` (else each in its own kernel).
         self.gemv = False
         self.fuse_norm = False
         self.fuse_act = False
+        self.fuse_rope = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """act_after(x @ W.T + b)."""
@@ -74,6 +78,11 @@ class LinearBase(nn.Module):
             return self(norm(x)), x
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        """Whether this input goes through the GEMV with rotary and the cache store in its
+        epilogue (the attention then calls `PagedAttention.prepare_one_row`)."""
+        return self.rope_after and self.gemv and self.fuse_rope and x.shape[0] == 1
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias
@@ -199,10 +208,12 @@ def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
 
 def small_m_paths(layer: LinearBase) -> list[str]:
     """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
-    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act"."""
+    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope"."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
+    if layer.rope_after:
+        paths.append("gemv+rope")
     if layer.act_after is not None:
         paths.append("gemv+act")
         if layer.norm_before:
@@ -215,6 +226,7 @@ def use_small_m_path(layers: list[LinearBase], path: str) -> None:
         m.gemv = path != "cublas"
         m.fuse_norm = "+norm" in path
         m.fuse_act = "+act" in path
+        m.fuse_rope = "+rope" in path
 
 
 def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
@@ -267,16 +279,18 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
 
 def _one_row_paths(layer: LinearBase) -> dict:
     """{path name: function of a weight}: a one-row product with that weight along each of the
-    layer's paths, with the add + RMSNorm before it and the activation after it that the layer
-    has, each in its own kernel or fused into the GEMV as the path says."""
+    layer's paths, with the add + RMSNorm before it, the activation after it, and the rotary +
+    cache store after a qkv projection that the layer has, each in its own kernel or fused into
+    the GEMV as the path says."""
     like, act = layer.weight, layer.act_after
     k = like.shape[1]
     x = torch.randn(1, k, dtype=like.dtype, device=like.device)
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+    rope = _rope_target(layer) if layer.rope_after else None
 
     def path_fn(path: str):
-        fuse_norm, fuse_act = "+norm" in path, "+act" in path
+        fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
 
         def run(w):
             if fuse_norm:
@@ -287,13 +301,35 @@ def _one_row_paths(layer: LinearBase) -> dict:
                 h = ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0] if layer.norm_before else x
                 if path == "cublas":
                     y = F.linear(h, w)
+                elif fuse_rope:
+                    return ops.linear_rope_store_small_m(h, w, None, *rope)
                 else:
                     y = ops.linear_small_m(h, w, act=act if fuse_act else None)
+            if rope is not None:
+                ops.qk_norm_rope_store_(y, rope[0], rope[1], None, None, 0.0, *rope[2:])
             return ops.silu_and_mul(y) if act is not None and not fuse_act else y
 
         return run
 
     return {path: path_fn(path) for path in small_m_paths(layer)}
+
+
+def _rope_target(layer: LinearBase) -> tuple:
+    """Stand-ins for what a qkv projection's rotary + cache store touches, for timing:
+    (positions, cos/sin table, k cache, v cache, slot mapping, heads, kv heads, head_dim)."""
+    dev, dtype = layer.weight.device, layer.weight.dtype
+    heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    cache = (4, 16, kv_heads, dim)
+    return (
+        torch.tensor([3], device=dev),
+        torch.rand(8, dim, device=dev),
+        torch.zeros(cache, dtype=dtype, device=dev),
+        torch.zeros(cache, dtype=dtype, device=dev),
+        torch.tensor([5], device=dev),
+        heads,
+        kv_heads,
+        dim,
+    )
 
 
 def graph_time(fn, replays: int = 5) -> float:

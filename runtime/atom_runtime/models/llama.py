@@ -45,12 +45,29 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Without QK-norm, rotary and the cache store can run in the qkv GEMV's epilogue.
+        self.qkv_proj.rope_after = self.q_norm is None
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend_normed(self, positions, hidden, residual, norm):
+        """`norm` (adding `residual` first when given), the qkv projection, attention, o_proj.
+        Returns (output, residual after the add)."""
+        proj = self.qkv_proj
+        if proj.fuses_rope(hidden):
+            normed, residual = (
+                (norm(hidden), hidden) if residual is None else norm(hidden, residual)
+            )
+            q = self.attn.prepare_one_row(
+                normed, proj.weight, proj.bias, positions, self.rotary.cos_sin_cache
+            )
+            return self.o_proj(self.attn(q)), residual
+        qkv, residual = proj.forward_normed(hidden, residual, norm)
+        return self.attend(positions, qkv), residual
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
@@ -92,8 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm runs with the projection after it (one kernel for a one-row batch when
         # the GEMV won for that shape, see layers.linear).
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = attn.attend(positions, qkv)
+        hidden, residual = attn.attend_normed(positions, hidden, residual, self.input_layernorm)
         h, residual = mlp.gate_up_proj.forward_normed(
             hidden, residual, self.post_attention_layernorm
         )
