@@ -102,3 +102,38 @@ def test_bf16_stays_close_to_fp32_reference(tiny_models, kind):
     )
     for token, lp in out[0].outputs[0].logprobs[0].items():
         assert lp == pytest.approx(ref[token].item(), abs=0.15)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
+    """Every batch-1 projection path (cuBLAS, the GEMV, the GEMV with the norm, SwiGLU or
+    rotary + cache store fused in) run compiled inside the engine: the first decode step's top
+    logprobs agree within bf16's resolution and the greedy tokens mostly agree. Eager, so the
+    layer flags set here take effect (graphs keep what was captured)."""
+    from atom_runtime.layers.linear import small_m_groups, small_m_paths, use_small_m_path
+
+    llm = LLM(
+        str(tiny_models[kind]),
+        dtype="bfloat16",
+        device="cuda",
+        num_gpu_blocks_override=256,
+        enforce_eager=True,
+    )
+    groups = small_m_groups(llm.engine.runner.model)
+    prompt = {"prompt_token_ids": PROMPTS[4]}
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
+    results = {}
+    for pick in ("cublas", "gemv", "fused"):
+        for layers in groups.values():
+            paths = small_m_paths(layers[0])
+            use_small_m_path(layers, {"cublas": "cublas", "gemv": "gemv"}.get(pick, paths[-1]))
+        results[pick] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    if kind == "llama":  # no QK-norm: the qkv GEMV can take rotary + the cache store
+        assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
+    base = results["cublas"]
+    for pick, out in results.items():
+        same = sum(a == b for a, b in zip(out.token_ids, base.token_ids, strict=True))
+        assert same / len(base.token_ids) >= 0.75, pick
+        # Step 0 is the prefill (many rows: cuBLAS on every path); step 1 the first one-row step.
+        for token, lp in base.logprobs[1].items():
+            assert out.logprobs[1].get(token, lp) == pytest.approx(lp, abs=0.05), pick
