@@ -4,7 +4,8 @@
 # then the transformers peer in the same run.
 # Usage (repository root, on the GPU machine): OUT=results bash benchmarks/run_h200.sh [stage...]
 # Stages: tests enginetests bench kernels profile trace sweep asynccheck peer peerw2 peer8b final
-#   gemv (the GEMV's compiled tests, then W2 on the 8B with its one-row path choices)
+#   gemv (the GEMV's compiled tests and its paths in the engine, then W2 on the 8B with its
+#   one-row path choices)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
@@ -46,6 +47,7 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_qwen3_0.6b.json" ;;
     gemv)
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_tickets.py tests/kernels/test_triton_kernels_gpu.py 2>&1 | tail -3
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k one_row_paths 2>&1 | tail -3
       atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_llama_8b.json" ;;
     enginetests)
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py 2>&1 | tail -15 ;;
