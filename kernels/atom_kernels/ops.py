@@ -236,6 +236,16 @@ def rotary_embedding_(
         reference.rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
 
 
+def _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int) -> None:
+    if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
+        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
+    _check_cache(k_cache, v_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
+
+
 def qk_norm_rope_store_(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -263,13 +273,7 @@ def qk_norm_rope_store_(
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
-    if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
-        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
-    _check_cache(k_cache, v_cache)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
+    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
     args = (
         qkv,
         positions,
@@ -368,13 +372,7 @@ def linear_rope_store_small_m(
         )
     if positions.shape != (1,) or slot_mapping.shape != (1,):
         raise ValueError("positions and slot_mapping must hold one token each")
-    if cos_sin_cache.shape[-1] != head_dim:
-        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
-    _check_cache(k_cache, v_cache)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
+    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
     if _use_triton(x):
         from atom_kernels.gemv import RopeStore
 
