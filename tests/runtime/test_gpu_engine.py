@@ -107,9 +107,11 @@ def test_bf16_stays_close_to_fp32_reference(tiny_models, kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
     """Every batch-1 projection path (cuBLAS, the GEMV, the GEMV with the norm, SwiGLU or
-    rotary + cache store fused in) run compiled inside the engine: the first decode step's top
-    logprobs agree within bf16's resolution and the greedy tokens mostly agree. Eager, so the
-    layer flags set here take effect (graphs keep what was captured)."""
+    rotary + cache store fused in) run compiled inside the engine: the first decode step (the
+    first one-row step; the prefill has many rows and takes cuBLAS on every path) gives the
+    same top logprobs within bf16's resolution. Compared per step, not as greedy sequences: a
+    near-tie flipped by a rounding would make later tokens diverge. Eager, so the layer flags
+    set here take effect (graphs keep what was captured)."""
     from atom_runtime.layers.linear import small_m_groups, small_m_paths, use_small_m_path
 
     llm = LLM(
@@ -120,20 +122,21 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
         enforce_eager=True,
     )
     groups = small_m_groups(llm.engine.runner.model)
-    prompt = {"prompt_token_ids": PROMPTS[4]}
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
-    results = {}
+    if kind == "llama":  # no QK-norm: the qkv GEMV can take rotary + the cache store
+        assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, ignore_eos=True)
+    steps = {}
     for pick in ("cublas", "gemv", "fused"):
         for layers in groups.values():
             paths = small_m_paths(layers[0])
             use_small_m_path(layers, {"cublas": "cublas", "gemv": "gemv"}.get(pick, paths[-1]))
-        results[pick] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    if kind == "llama":  # no QK-norm: the qkv GEMV can take rotary + the cache store
-        assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
-    base = results["cublas"]
-    for pick, out in results.items():
-        same = sum(a == b for a, b in zip(out.token_ids, base.token_ids, strict=True))
-        assert same / len(base.token_ids) >= 0.75, pick
-        # Step 0 is the prefill (many rows: cuBLAS on every path); step 1 the first one-row step.
-        for token, lp in base.logprobs[1].items():
-            assert out.logprobs[1].get(token, lp) == pytest.approx(lp, abs=0.05), pick
+        steps[pick] = [
+            llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].logprobs[1]
+            for p in PROMPTS[1:5]  # several tokens each: the prefill never takes one-row paths
+        ]
+    for pick in ("gemv", "fused"):
+        for want, got in zip(steps["cublas"], steps[pick], strict=True):
+            common = set(want) & set(got)
+            assert len(common) >= 3, pick
+            for token in common:
+                assert got[token] == pytest.approx(want[token], abs=0.08), pick
