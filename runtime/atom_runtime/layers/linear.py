@@ -49,8 +49,9 @@ class LinearBase(nn.Module):
         # QK-norm in between): the GEMV can do both in its epilogue.
         self.rope_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
-        # group at start-up (`choose_small_m_kernels`), the norm and the activation fused into
-        # it when `fuse_norm` / `fuse_act` (else each in its own kernel).
+        # group at start-up (`choose_small_m_kernels`), with the norm, the activation or the
+        # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else
+        # each in its own kernel).
         self.gemv = False
         self.fuse_norm = False
         self.fuse_act = False
