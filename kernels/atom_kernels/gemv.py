@@ -16,6 +16,11 @@ pairs for its BLOCK_N outputs (two accumulators), rounds both sums to the output
 separate GEMV output would be) and applies the activation in fp32 once per output, so the
 activation needs no launch of its own and the [1, 2I] row is never written.
 
+`rope=RopeStore(...)` finishes a one-token qkv projection as `qk_norm_rope_store_` would
+without QK-norm: outputs are the dimension pairs (i, i + D/2) of every head, each program
+streams both rows of its pairs, and the epilogue rotates q and k heads (cos/sin of the token's
+position), returns the whole qkv row and stores k and v into the paged cache slot.
+
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
 `residual=` is given): every program first loads the whole row at once and sums its squares
 (x + residual, rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by

@@ -78,6 +78,7 @@ def _triton() -> SimpleNamespace:
             silu_and_mul=fused.silu_and_mul,
             gemv=gemv.gemv,
             max_norm_row=gemv.MAX_NORM_ROW,
+            RopeStore=gemv.RopeStore,
         )
     return _triton_impls
 
@@ -374,9 +375,7 @@ def linear_rope_store_small_m(
         raise ValueError("positions and slot_mapping must hold one token each")
     _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
     if _use_triton(x):
-        from atom_kernels.gemv import RopeStore
-
-        rope = RopeStore(
+        rope = _triton().RopeStore(
             positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             head_dim,
         )  # fmt: skip

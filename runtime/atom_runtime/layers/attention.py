@@ -37,8 +37,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """From the fused qkv projection: QK-norm (optional), rotary, and this step's K/V into the
         cache, in one pass. Returns q as [T, num_heads, head_dim] (a view into qkv)."""
-        if self.k_cache.numel() == 0:
-            raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
+        self._check_bound()
         meta = get_attention_metadata()
         ops.qk_norm_rope_store_(
             qkv,
@@ -67,14 +66,17 @@ class PagedAttention(nn.Module):
         """`prepare` of one token fused with the qkv projection that precedes it (no QK-norm):
         one GEMV launch projects x, rotates q and k, and stores k and v in the cache. Returns q
         as [1, num_heads, head_dim]."""
-        if self.k_cache.numel() == 0:
-            raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
+        self._check_bound()
         qkv = ops.linear_rope_store_small_m(
             x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
             get_attention_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
             self.head_dim,
         )  # fmt: skip
         return qkv[:, : self.num_heads * self.head_dim].view(1, self.num_heads, self.head_dim)
+
+    def _check_bound(self) -> None:
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         """Attention of q ([T, num_heads, head_dim]) over the cache, whose K/V for this step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,12 @@ from torch import nn
 from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
 
+if TYPE_CHECKING:
+    from atom_runtime.layers.norm import RMSNorm  # it imports this module
+
 log = logging.getLogger(__name__)
-# "auto" (default): time the paths per shape at start-up; "cublas": always cuBLAS; "gemv":
-# always the Triton GEMV, with the norm or activation fused in where the layer has one.
+# "auto" (default): time the paths per layer group at start-up; "cublas": always cuBLAS;
+# "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
 SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
 
 
@@ -65,7 +69,7 @@ class LinearBase(nn.Module):
             return y if fused is not None else self._activate(y)
         return self._activate(F.linear(x, self.weight, self._bias()))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module):
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
         """`norm` (an RMSNorm, adding `residual` first when given), then this layer. Returns
         (output, residual after the add; x itself without a residual). A one-row x runs the
         norm inside the GEMV when the layer's group chose that."""
@@ -75,9 +79,7 @@ class LinearBase(nn.Module):
                 x, residual, norm.weight, norm.eps, self.weight, self._bias(), act=fused
             )
             return (y if fused is not None else self._activate(y)), residual
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
+        normed, residual = norm.with_residual(x, residual)
         return self(normed), residual
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
@@ -233,9 +235,10 @@ def use_small_m_path(layers: list[LinearBase], path: str) -> None:
 def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
     """For each group of linear layers (`small_m_groups`), time a one-row product through every
     layer of the group (so weights stream from memory, as in a decode step) along each of its
-    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm before it and/or
-    the activation after it fused in), each replayed in a CUDA graph, the unfused ones paying
-    for the norm's or activation's own kernel; the layers take the fastest. cuBLAS picks poor kernels for some
+    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm before it, the
+    activation after it or the rotary + cache store after it fused in), each replayed in a CUDA
+    graph, the unfused ones paying for those kernels of their own; the layers take the
+    fastest. A path whose kernels fail to build is left out. cuBLAS picks poor kernels for some
     narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
     3.1 us) and wins on others; a fused prologue can cost more than the launch it saves (every
     program recomputes it). Alone, a projection can time differently than inside a decode

@@ -23,3 +23,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(normed, residual after the add) either way: x itself is the residual without one."""
+        return (self(x), x) if residual is None else self(x, residual)

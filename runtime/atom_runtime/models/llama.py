@@ -59,9 +59,7 @@ class LlamaAttention(nn.Module):
         Returns (output, residual after the add)."""
         proj = self.qkv_proj
         if proj.fuses_rope(hidden):
-            normed, residual = (
-                (norm(hidden), hidden) if residual is None else norm(hidden, residual)
-            )
+            normed, residual = norm.with_residual(hidden, residual)
             q = self.attn.prepare_one_row(
                 normed, proj.weight, proj.bias, positions, self.rotary.cos_sin_cache
             )
