@@ -2,6 +2,11 @@
 step: each timed graph runs one product through `--layers` distinct weights of the shape.
 
 python benchmarks/gemv_sweep.py --model benchmarks/configs/llama-3.1-8b [--out sweep.json]
+python benchmarks/gemv_sweep.py --model benchmarks/configs/llama-3.1-8b --paired
+
+`--paired` sweeps the epilogues that pair two weight rows per output instead: gate_up with
+SwiGLU and qkv with rotary + the K/V cache store, against the plain GEMV's default shape and
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from atom_kernels.gemv import gemv
+from atom_kernels.gemv import RopeStore, gemv, gemv_config
 from atom_runtime.layers.linear import graph_time
 
 
@@ -24,13 +29,76 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
+def paired_sweep(cfg: dict, layers: int) -> dict:
+    """gate_up with SwiGLU and qkv with rotary + cache store over a grid of launch shapes."""
+    (n_qkv, h), (n_gu, _) = shapes(cfg)["qkv"], shapes(cfg)["gate_up"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    cache = torch.zeros(64, 16, kv_heads, hd, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(4096, hd // 2, device="cuda")
+    rope = RopeStore(
+        torch.tensor([100], device="cuda"),
+        torch.cat([angles.cos(), angles.sin()], dim=-1),
+        cache,
+        cache.clone(),
+        torch.tensor([37], device="cuda"),
+        heads,
+        kv_heads,
+        hd,
+    )
+    mp = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = list(itertools.product((4, 8, 16), (128, 256), (1, 2, 4, 8), (4, 8)))
+    report = {}
+    for name, n, extra in (
+        ("qkv+rope", n_qkv, {"rope": rope}),
+        ("gate_up+silu", n_gu, {"act": "silu_mul"}),
+    ):
+        ws = [torch.randn(n, h, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+        mb = n * h * 2 / 1e6
+
+        def per_weight(fn, ws=ws):
+            return graph_time(lambda: [fn(w) for w in ws]) / layers * 1e3
+
+        base = {
+            "cublas": per_weight(lambda w, x=x: F.linear(x, w)),
+            "gemv plain": per_weight(lambda w, x=x: gemv(x, w)),
+            "paired, default shape": per_weight(lambda w, x=x, e=extra: gemv(x, w, **e)),
+        }
+        rows = []
+        for bn, bk, sp, nw in grid:
+
+            def fn(w, bn=bn, bk=bk, sp=sp, nw=nw, x=x, e=extra):
+                return gemv(x, w, block_n=bn, block_k=bk, split=sp, num_warps=nw, **e)
+
+            t = per_weight(fn)
+            rows.append((f"bn{bn} bk{bk} s{sp} w{nw}", round(t, 2), round(mb / t, 2)))
+        rows.sort(key=lambda r: r[1])
+        report[name] = {
+            "n": n,
+            "k": h,
+            "default": gemv_config(n, h, mp),
+            **{k: round(v, 2) for k, v in base.items()},
+            "best": rows[:8],
+        }
+        print(name, report[name], flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--out")
+    ap.add_argument("--paired", action="store_true", help="sweep the SwiGLU and rotary epilogues")
     args = ap.parse_args()
     cfg = json.load(open(f"{args.model}/config.json"))
+    if args.paired:
+        report = paired_sweep(cfg, args.layers)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     grid = list(itertools.product((8, 16, 32), (128, 256, 512), (1, 2, 4), (4, 8), (2, 4)))
     report = {}
     for name, (n, k) in shapes(cfg).items():

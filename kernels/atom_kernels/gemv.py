@@ -153,6 +153,44 @@ def _epilogue(
 
 
 @triton.jit
+def _finish_block(
+    y,
+    pid_n,
+    n_out,
+    bias_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    cos_sin_stride,
+    cache_stride_slot,
+    num_heads,
+    num_kv_heads,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The epilogue of one program's block from its rows' fp32 sums `y` (a paired MODE's rows
+    interleaved first, second, ...)."""
+    if MODE == 0:
+        offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y2 = y
+    else:
+        offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y, y2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+    first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
+    _epilogue(
+        y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
+        k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
+        num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+    )  # fmt: skip
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -189,21 +227,26 @@ def _gemv_kernel(
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    # N counts the weight's rows; a paired MODE has N // 2 outputs, each from two rows.
+    # N counts the weight's rows. A program multiplies BLOCK_N rows; a paired MODE has N // 2
+    # outputs, each from two rows, and its programs take BLOCK_N // 2 outputs with their rows
+    # interleaved (first, second, first, ...) in one tile, so the loop streams one tile a step
+    # as the plain product does.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    lane = tl.arange(0, BLOCK_N)
     if MODE == 0:
         n_out = N
+        row_n = pid_n * BLOCK_N + lane
+        row_mask = row_n < N
     else:
         n_out = N // 2
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pair = pid_n * (BLOCK_N // 2) + lane // 2
+        first_r, second_r = _paired_rows(pair, n_out, MODE, HALF, HEAD_DIM)
+        row_n = tl.where(lane % 2 == 0, first_r, second_r)
+        row_mask = pair < n_out
+    rows = w_ptr + row_n.to(tl.int64)[:, None] * w_stride
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < n_out
-    first, second = _paired_rows(offs_n, n_out, MODE, HALF, HEAD_DIM)
-    rows = w_ptr + first.to(tl.int64)[:, None] * w_stride
-    rows2 = w_ptr + second.to(tl.int64)[:, None] * w_stride
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     dtype = x_ptr.dtype.element_ty
@@ -232,44 +275,32 @@ def _gemv_kernel(
             x = (v * inv_rms * g).to(dtype).to(tl.float32)
         else:
             x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(rows + ks[None, :], mask=w_mask, other=0.0)
+        w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-        if MODE != 0:
-            w2 = tl.load(rows2 + ks[None, :], mask=w_mask, other=0.0)
-            acc2 += w2.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    y2 = tl.sum(acc2, axis=1)
     if SPLIT == 1:
-        _epilogue(
-            y, y2, offs_n, n_mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-            k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
-            num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+        _finish_block(
+            y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
+            slot_ptr, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS,
+            MODE, BLOCK_N, HALF, HEAD_DIM,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
-        tl.store(part_ptr + split * N + first, y, mask=n_mask)
-        if MODE != 0:
-            tl.store(part_ptr + split * N + second, y2, mask=n_mask)
+        tl.store(part_ptr + split * N + row_n, y, mask=row_mask)
         if TICKETS:
-            # The last split of this column block to arrive sums all of them (in split order,
-            # so the result does not depend on which one that is) and resets the counter.
+            # The last split of this block to arrive sums all of them (in split order, so the
+            # result does not depend on which one that is) and resets the counter.
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT - 1:
                 total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                total2 = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
-                    part = part_ptr + s * N
-                    total += tl.load(part + first, mask=n_mask, other=0.0, cache_modifier=".cg")
-                    if MODE != 0:
-                        total2 += tl.load(
-                            part + second, mask=n_mask, other=0.0, cache_modifier=".cg"
-                        )
-                _epilogue(
-                    total, total2, offs_n, n_mask, first, second, bias_ptr, out_ptr, pos_ptr,
-                    cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride,
-                    cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+                    part = part_ptr + s * N + row_n
+                    total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
+                _finish_block(
+                    total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
+                    v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
+                    num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -381,12 +412,14 @@ def gemv(
     mode = SWIGLU if act == "silu_mul" else ROPE if rope is not None else PLAIN
     n_out = n if mode == PLAIN else n // 2
     out = torch.empty((1, n if mode == ROPE else n_out), dtype=x.dtype, device=x.device)
-    cfg = gemv_config(n_out, k, _multiprocessors(x.device))
+    cfg = gemv_config(n, k, _multiprocessors(x.device))
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     split = split or cfg["split"]
     k_per_split, split = split_k(k, split, block_k)
-    programs_n = triton.cdiv(n_out, block_n)
+    if mode != PLAIN and (block_n < 2 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n={block_n}: a paired epilogue needs a power of two >= 2")
+    programs_n = triton.cdiv(n_out, block_n if mode == PLAIN else block_n // 2)
     parts = tickets = None
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)

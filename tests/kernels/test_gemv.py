@@ -110,17 +110,27 @@ def test_gemv_other_block_n_and_strided_weight_rows(gemv_mod, device, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])
-def test_gemv_swiglu_matches_the_two_step_path(gemv_mod, device, dtype, split, block_k):
+@pytest.mark.parametrize("block_n", [None, 4, 32])  # 32 rows: 16 outputs, a ragged block
+def test_gemv_swiglu_matches_the_two_step_path(gemv_mod, device, dtype, split, block_k, block_n):
     """Against the GEMV's own [gate; up] output then silu_and_mul, as the runtime runs it
     without the fusion; the ticket sum and the reduce kernel agree bit for bit."""
     n, k = 24, 300
     x, w, b = _inputs(n, k, dtype, device, bias=True, act="silu_mul", seed=5)
-    got = gemv_mod.gemv(x, w, b, act="silu_mul", split=split, block_k=block_k)
+    shape = dict(split=split, block_k=block_k, block_n=block_n)
+    got = gemv_mod.gemv(x, w, b, act="silu_mul", **shape)
     assert got.shape == (1, n)
     want = ops.silu_and_mul(gemv_mod.gemv(x, w, b, split=split, block_k=block_k))
     torch.testing.assert_close(got, want, **TOL[dtype])
-    merged = gemv_mod.gemv(x, w, b, act="silu_mul", split=split, block_k=block_k, merge="kernel")
+    merged = gemv_mod.gemv(x, w, b, act="silu_mul", **shape, merge="kernel")
     assert torch.equal(got, merged)
+
+
+def test_gemv_paired_epilogue_needs_an_even_power_of_two_block(gemv_mod, device):
+    """A paired epilogue interleaves each output's two rows in its block of rows."""
+    x, w, _ = _inputs(8, 64, torch.float32, device, bias=False, act="silu_mul")
+    for block_n in (1, 6):
+        with pytest.raises(ValueError, match=f"block_n={block_n}"):
+            gemv_mod.gemv(x, w, act="silu_mul", block_n=block_n)
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
