@@ -12,14 +12,16 @@ be set up during CUDA-graph capture).
 
 `act="silu_mul"` applies SwiGLU to the output of the gate_up projection: W is [gate; up]
 (2I rows) and the result is silu(gate) * up, [1, I]. Each program streams the I-th-apart row
-pairs for its BLOCK_N outputs (two accumulators), rounds both sums to the output dtype (as the
-separate GEMV output would be) and applies the activation in fp32 once per output, so the
-activation needs no launch of its own and the [1, 2I] row is never written.
+pairs for its BLOCK_N // 2 outputs, interleaved (gate, up, gate, ...) in one [BLOCK_N, BLOCK_K]
+tile so the loop is the plain product's (two tiles with two accumulators ran qkv with rotary
+40% slower), rounds both sums to the output dtype (as the separate GEMV output would be) and
+applies the activation in fp32 once per output, so the activation needs no launch of its own
+and the [1, 2I] row is never written.
 
 `rope=RopeStore(...)` finishes a one-token qkv projection as `qk_norm_rope_store_` would
 without QK-norm: outputs are the dimension pairs (i, i + D/2) of every head, each program
 streams both rows of its pairs, and the epilogue rotates q and k heads (cos/sin of the token's
-position), returns the whole qkv row and stores k and v into the paged cache slot.
+position; both paired epilogues share the interleaved tile), returns the whole qkv row and stores k and v into the paged cache slot.
 
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
 `residual=` is given): every program first loads the whole row at once and sums its squares
@@ -393,7 +395,8 @@ def gemv(
 ):
     """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
     arguments override the launch shape (tests use them to reach the split path on small
-    matrices). Shapes are checked by the caller. `act="silu_mul"` returns silu(gate) * up of
+    matrices); `block_n` counts weight rows a program streams (a paired epilogue's program
+    finishes block_n // 2 outputs). Shapes are checked by the caller. `act="silu_mul"` returns silu(gate) * up of
     the [gate; up] rows, [1, N / 2]; `rope` returns the qkv row with q and k rotated and stores
     k and v into the cache. With `norm_weight` (RMSNorm fused in front) returns
     (y, x + residual) when `residual` is given, else y. `merge` picks how split-K partial rows
