@@ -1,5 +1,6 @@
 """Lifecycle of `atom serve`: client disconnects abort and free blocks, SIGTERM drains and exits 0,
-a dead engine core turns /health to 503 and ends the server with a non-zero code, /v1 needs the
+a dead engine core turns /health to 503 and ends the server with a non-zero code (a hung one is
+killed after the stall timeout), /v1 needs the
 API key when one is set, and startup failures exit non-zero with the reason."""
 
 from __future__ import annotations
@@ -177,6 +178,56 @@ def test_engine_core_death_fails_requests_with_503_and_ends_server(tiny_models, 
     assert result["blocking"].json()["error"]["type"] == "service_unavailable_error"
     assert srv.proc.wait(15) == 1
     assert "the engine core process died" in srv.log()
+
+
+def test_hung_engine_core_is_killed_after_the_stall_timeout(tiny_models, tmp_path):
+    """A healthy engine core survives idle and busy stretches longer than the stall timeout
+    (its heartbeats and step outputs keep it alive); a stopped one (SIGSTOP: alive, silent, as
+    a hung GPU kernel leaves it) is killed once the timeout passes, its requests fail with 503
+    and the server exits 1, the reason in its log."""
+    srv = launch(tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS,
+                 "--engine-stall-timeout", "3")  # fmt: skip
+    time.sleep(5)  # idle longer than the timeout
+    done = httpx.post(f"{srv.url}/v1/completions", json=LONG, timeout=60)
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 980
+
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
+    result: dict = {}
+    started = threading.Event()
+
+    def streaming():
+        try:
+            for _ in client.completions.create(
+                model=str(tiny_models["llama"]), prompt="Hello", max_tokens=980, stream=True,
+                extra_body={"ignore_eos": True},
+            ):  # fmt: skip
+                started.set()
+            result["stream"] = "completed"
+        except openai.APIError as e:
+            result["stream"] = e
+        result["at"] = time.monotonic()
+
+    thread = threading.Thread(target=streaming)
+    thread.start()
+    assert started.wait(30)
+    engine = srv.engine_pid()
+    os.kill(engine, signal.SIGSTOP)
+    stopped = time.monotonic()
+    thread.join(20)
+    assert isinstance(result["stream"], openai.APIError), result
+    assert "engine core died" in str(result["stream"])
+    assert 3 <= result["at"] - stopped < 10
+    assert srv.proc.wait(15) == 1
+    assert re.search(r"the engine core sent nothing for \d+ s \(stall timeout 3 s", srv.log())
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine, 0)
+
+
+def test_engine_stall_timeout_is_checked(tmp_path):
+    srv = launch(tmp_path, "--engine-stall-timeout", "0.5", wait=False)
+    assert srv.proc.wait(30) == 2
+    assert "--engine-stall-timeout must be 0 (off) or more than 1 s, got 0.5" in srv.log()
 
 
 def test_api_key_guards_v1_and_health_is_503_while_loading(tiny_models, tmp_path):

@@ -5,6 +5,12 @@ OutputProcessor (n fan-out, detokenization, stop strings) and the resulting Requ
 handed to per-request `RequestStream`s; stop-string finishes are aborted in the engine. The
 process sentinel is watched on the event loop: when the engine core dies, every open stream
 fails with EngineDeadError at once and `on_death` runs.
+
+A hung engine core (a GPU kernel or collective that never returns) is alive but silent: it sends
+something at least every HEARTBEAT_S, busy or idle, so a watchdog kills it when nothing has come
+for `stall_timeout` seconds, and the death path above takes over (the server then exits and its
+supervisor restarts it). A frontend event loop that was itself blocked does not count: the
+watchdog skips a tick that woke up late, giving the reader the time to catch up first.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +33,7 @@ import zmq.asyncio
 
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_proc import (
+    HEARTBEAT_S,
     AbortRequests,
     AddRequests,
     AddResult,
@@ -83,14 +91,25 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+    def __init__(
+        self, config: EngineConfig, log_level: str = "INFO", stall_timeout: float = 0.0
+    ) -> None:
+        """`stall_timeout`: seconds without a message from the engine core after which it is
+        taken for hung and killed (0 turns the watchdog off; must exceed HEARTBEAT_S)."""
+        if stall_timeout < 0 or 0 < stall_timeout <= HEARTBEAT_S:
+            raise ValueError(
+                f"stall_timeout: expected 0 (off) or more than {HEARTBEAT_S} s, got {stall_timeout}"
+            )
         self.config = config
         self.log_level = log_level
+        self.stall_timeout = stall_timeout
         self.ready: Ready | None = None
         self.stats: EngineStats | None = None
         self.processor: OutputProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
         self.dead = False
+        self.death_reason = "the engine core process died"
+        self.last_heard = time.monotonic()
         self.on_death: Callable[[], None] | None = None
         self.on_outputs: Callable[[Outputs, list[RequestOutput]], None] | None = None
         self._ids = itertools.count()
@@ -108,6 +127,7 @@ class EngineCoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -140,7 +160,10 @@ class EngineCoreClient:
         self.stats = msg.stats
         loop.remove_reader(self.proc.sentinel)
         loop.add_reader(self.proc.sentinel, self._engine_died)
+        self.last_heard = time.monotonic()
         self._reader = asyncio.ensure_future(self._read_loop())
+        if self.stall_timeout:
+            self._watchdog = asyncio.ensure_future(self._watch_for_stalls())
         return msg
 
     def attach_processor(self, processor: OutputProcessor) -> None:
@@ -161,8 +184,8 @@ class EngineCoreClient:
         if self._closing:
             return
         self.dead = True
-        log.error("the engine core process died (exit code %s)", self._exitcode())
-        error = EngineDeadError("the engine core process died")
+        log.error("%s (exit code %s)", self.death_reason, self._exitcode())
+        error = EngineDeadError(self.death_reason)
         for stream in self.streams.values():
             stream.fail(error)
         self.streams.clear()
@@ -188,10 +211,11 @@ class EngineCoreClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 2)
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
         self._ctx.term()
@@ -275,6 +299,7 @@ class EngineCoreClient:
         try:
             while True:
                 frame = await self._from_engine.recv(copy=False)
+                self.last_heard = time.monotonic()
                 msg = self._decoder.decode(frame.buffer)
                 if isinstance(msg, Outputs):
                     self._on_outputs(msg)
@@ -291,6 +316,25 @@ class EngineCoreClient:
             log.exception("engine output reader failed")
             if self.proc is not None and self.proc.is_alive():
                 self.proc.kill()
+
+    async def _watch_for_stalls(self) -> None:
+        tick = min(1.0, self.stall_timeout / 4)
+        woke = time.monotonic()
+        while not self.dead and not self._closing:
+            await asyncio.sleep(tick)
+            now, slept = time.monotonic(), time.monotonic() - woke
+            woke = now
+            if slept > 2 * tick:
+                continue  # this loop was blocked: let the reader drain what queued up first
+            silent = now - self.last_heard
+            if silent > self.stall_timeout and self.proc is not None and self.proc.is_alive():
+                self.death_reason = (
+                    f"the engine core sent nothing for {silent:.0f} s (stall timeout "
+                    f"{self.stall_timeout:g} s: a step that never finished); it was killed"
+                )
+                log.error("%s; in flight: %d requests", self.death_reason, len(self.streams))
+                self.proc.kill()  # the sentinel then runs the death path
+                return
 
     def _on_outputs(self, msg: Outputs) -> None:
         self.stats = msg.stats

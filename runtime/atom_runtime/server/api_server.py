@@ -60,6 +60,7 @@ class ServerConfig:
     log_level: str = "info"
     log_requests: bool = True
     shutdown_grace_period: float = 10.0
+    engine_stall_timeout: float = 300.0
 
 
 class ServerState:
@@ -68,7 +69,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine_config: EngineConfig) -> None:
         self.config = config
         self.engine_config = engine_config
-        self.client = EngineCoreClient(engine_config, config.log_level)
+        self.client = EngineCoreClient(engine_config, config.log_level, config.engine_stall_timeout)
         self.metrics = ServerMetrics(lambda: self.client.stats)
         self.serving: OpenAIServing | None = None
         self.server: uvicorn.Server | None = None
@@ -189,7 +190,7 @@ def build_app(state: ServerState) -> FastAPI:
         if state.healthy:
             return json_response({"status": "ok"})
         if state.client.dead:
-            reason = "the engine core died"
+            reason = state.client.death_reason
         elif state.serving is None:
             reason = "the model is still loading"
         else:

@@ -38,13 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
+    g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the engine core may go without a sign of life (it sends one at least "
+        "every second, busy or idle) before it is taken for hung, killed, and the server "
+        "exits 1 for its supervisor to restart it; 0 turns the check off (default 300)",
+    )
     add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from atom_runtime.engine.core_proc import LOG_FORMAT
+    from atom_runtime.engine.core_proc import HEARTBEAT_S, LOG_FORMAT
     from atom_runtime.server.api_server import ServerConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
@@ -53,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.shutdown_grace_period < 0:
         print("atom serve: error: --shutdown-grace-period must be >= 0", file=sys.stderr)
+        return 2
+    if args.engine_stall_timeout != 0 and not args.engine_stall_timeout > HEARTBEAT_S:
+        print(
+            f"atom serve: error: --engine-stall-timeout must be 0 (off) or more than "
+            f"{HEARTBEAT_S:g} s, got {args.engine_stall_timeout:g}",
+            file=sys.stderr,
+        )
         return 2
     try:
         engine_config = EngineConfig.from_args(args)
@@ -67,5 +82,6 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_requests=not args.disable_log_requests,
         shutdown_grace_period=args.shutdown_grace_period,
+        engine_stall_timeout=args.engine_stall_timeout,
     )
     return asyncio.run(serve(config, engine_config))
