@@ -534,8 +534,17 @@ class ModelRunner:
             t.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
             t.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
         banned_rows, banned_tokens = [], []
+        bias: tuple[list, list, list] = ([], [], [])
+        allowed: tuple[list, list, list] = ([], [], [])
         for row, seq in enumerate(seqs):
             p = seq.sampling_params
+            for tok, value in (p.logit_bias or {}).items():
+                for column, item in zip(bias, (row, tok, value), strict=True):
+                    column.append(item)
+            if p.allowed_token_ids is not None:
+                allowed[0].append(row)
+                allowed[1].extend([len(allowed[0]) - 1] * len(p.allowed_token_ids))
+                allowed[2].extend(p.allowed_token_ids)
             if seq.num_output_tokens < p.min_tokens:
                 stop_ids = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
@@ -550,6 +559,14 @@ class ModelRunner:
                     self.generators[seq.request_id] = gen
                 t.generators = t.generators or {}
                 t.generators[row] = gen
+        if bias[0]:
+            t.bias_rows = _to_device(np.array(bias[0], dtype=np.int64), dev)
+            t.bias_tokens = _to_device(np.array(bias[1], dtype=np.int64), dev)
+            t.bias_values = _to_device(np.array(bias[2], dtype=np.float32), dev)
+        if allowed[0]:
+            t.allowed_rows, t.allowed_index, t.allowed_tokens = (
+                _to_device(np.array(column, dtype=np.int64), dev) for column in allowed
+            )
         if banned_rows:
             t.banned_rows = _to_device(np.array(banned_rows, dtype=np.int64), dev)
             t.banned_tokens = _to_device(np.array(banned_tokens, dtype=np.int64), dev)
@@ -601,11 +618,13 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Argmax alone decides this row: greedy, no logprobs, no penalties, no banned tokens."""
+    """Argmax alone decides this row: greedy, no logprobs, no penalties, no logit edits, no
+    banned tokens."""
     p = seq.sampling_params
     return (
         p.greedy
         and p.logprobs is None
         and not p.has_penalties
+        and not p.edits_logits
         and seq.num_output_tokens >= p.min_tokens
     )

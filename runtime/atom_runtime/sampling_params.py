@@ -28,6 +28,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -106,6 +108,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             f"must be in (0, 2], got {self.repetition_penalty!r}",
         )
 
+        if self.logit_bias is not None:
+            _check(
+                isinstance(self.logit_bias, dict)
+                and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                "logit_bias",
+                "must map non-negative integer token ids to numbers",
+            )
+            bad = next(
+                (b for b in self.logit_bias.values() if not (_is_number(b) and -100 <= b <= 100)),
+                None,
+            )
+            _check(bad is None, "logit_bias", f"biases must be in [-100, 100], got {bad!r}")
+        if self.allowed_token_ids is not None:
+            _check(
+                isinstance(self.allowed_token_ids, list)
+                and len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of non-negative integers",
+            )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
@@ -117,6 +140,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def edits_logits(self) -> bool:
+        """A logit bias or an allowed-token set changes this request's logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """Every token id the request names, by field (the engine checks them against the
+        vocabulary)."""
+        named = {
+            "stop_token_ids": self.stop_token_ids or [],
+            "logit_bias": list(self.logit_bias or ()),
+            "allowed_token_ids": self.allowed_token_ids or [],
+        }
+        return {field: ids for field, ids in named.items() if ids}
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

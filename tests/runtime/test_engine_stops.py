@@ -66,6 +66,31 @@ def test_seeded_sampling_is_reproducible_and_seed_sensitive(llm):
     assert draw(7) != draw(8)
 
 
+def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
+    free = _greedy(llm, ignore_eos=True).token_ids
+    target = next(t for t in range(100, 200) if t not in free)
+    assert _greedy(llm, ignore_eos=True, logit_bias={target: 100}).token_ids == [target] * 8
+    # A -100 bias on the first greedy token moves the first step elsewhere.
+    assert _greedy(llm, ignore_eos=True, logit_bias={free[0]: -100}).token_ids[0] != free[0]
+    allowed = [target, target + 1, free[3]]
+    out = _greedy(llm, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(out.token_ids) <= set(allowed)
+    drawn = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True,
+                           allowed_token_ids=allowed)  # fmt: skip
+    assert set(llm.generate(PROMPT, drawn, use_tqdm=False)[0].outputs[0].token_ids) <= set(allowed)
+    # In one batch, each request keeps its own edits and the plain one is unchanged.
+    batch = llm.generate(
+        [PROMPT] * 3,
+        [
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={target: 100}),
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+        ],
+        use_tqdm=False,
+    )
+    assert [b.outputs[0].token_ids for b in batch] == [[target] * 8, free, out.token_ids]
+
+
 def test_abort_frees_every_block(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -87,6 +112,9 @@ def test_abort_frees_every_block(llm):
         ([10**9], {}, "prompt"),
         (list(range(1, 1100)), {}, "prompt"),
         ([1, 2], {"max_tokens": 5000}, "max_tokens"),
+        ([1, 2], {"stop_token_ids": [3, 10**6]}, "stop_token_ids"),
+        ([1, 2], {"logit_bias": {10**6: 1.0}}, "logit_bias"),
+        ([1, 2], {"allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
     ],
 )
 def test_bad_requests_raise_naming_the_field_and_queue_nothing(llm, prompt, kwargs, field):

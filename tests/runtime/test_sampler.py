@@ -92,6 +92,52 @@ def test_penalties_lower_seen_tokens():
     assert apply_penalties(logits, t).tolist() == [[-1.0, 0.0, 0.0, 0.0]]
 
 
+def _bias_and_allowed(bias: dict[int, dict[int, float]], allowed: dict[int, list[int]]) -> dict:
+    """SamplingTensors fields as the model runner builds them: bias {row: {token: value}},
+    allowed {row: [tokens]}."""
+    triples = [(r, tok, v) for r, b in bias.items() for tok, v in b.items()]
+    rows = sorted(allowed)
+    pairs = [(i, tok) for i, r in enumerate(rows) for tok in allowed[r]]
+    kw = {}
+    if triples:
+        kw["bias_rows"] = torch.tensor([r for r, _, _ in triples])
+        kw["bias_tokens"] = torch.tensor([tok for _, tok, _ in triples])
+        kw["bias_values"] = torch.tensor([v for _, _, v in triples], dtype=torch.float32)
+    if rows:
+        kw["allowed_rows"] = torch.tensor(rows)
+        kw["allowed_index"] = torch.tensor([i for i, _ in pairs])
+        kw["allowed_tokens"] = torch.tensor([tok for _, tok in pairs])
+    return kw
+
+
+def test_logit_bias_and_allowed_tokens_steer_each_row_alone():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    best = logits.argmax(-1)
+    second = logits.topk(2).indices[:, 1]
+    kw = _bias_and_allowed(
+        {0: {7: 100.0}, 1: {int(best[1]): -100.0}}, {2: [3, 9], 3: [int(second[3]), 11]}
+    )
+    out = sample(logits, _tensors(4, temperature=0.0, max_logprobs=0, **kw))
+    want_2 = 3 if logits[2, 3] >= logits[2, 9] else 9
+    want_3 = int(second[3]) if logits[3, second[3]] >= logits[3, 11] else 11
+    assert out.token_ids.tolist() == [7, int(second[1]), want_2, want_3]
+    # Logprobs stay those of the model's own distribution, as with the penalties.
+    ref = logits.log_softmax(-1).gather(1, out.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(out.logprobs, ref)
+
+
+def test_sampled_tokens_stay_inside_the_allowed_set():
+    logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(6))
+    allowed = {row: [row, 50 + row, 99] for row in range(0, 32, 2)}
+    kw = _bias_and_allowed({1: {42: 100.0}}, allowed)
+    for _ in range(5):
+        out = sample(logits, _tensors(32, temperature=1.5, **kw))
+        for row, tokens in allowed.items():
+            assert out.token_ids[row].item() in tokens
+        assert out.token_ids[1].item() == 42  # +100 outweighs any other logit here
+    assert len({sample(logits, _tensors(32, **kw)).token_ids[0].item() for _ in range(20)}) > 1
+
+
 def test_logprobs_are_raw_log_softmax():
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(4))
     out = sample(logits, _tensors(2, temperature=0.0, max_logprobs=3))
@@ -118,6 +164,12 @@ def test_logprobs_are_raw_log_softmax():
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"seed": "x"}, "seed"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):

@@ -208,6 +208,38 @@ def test_logprobs_completions_and_chat(client, model_name):
         assert item.bytes == list(item.token.encode())
 
 
+def test_logit_bias_and_allowed_token_ids(client, model_name, server):
+    """OpenAI's logit_bias (string token ids) forces or bans tokens; vLLM's allowed_token_ids
+    restricts the draw; both in completions and chat."""
+    target = tokenize(server, prompt=" fox")[-1]
+    word = httpx.post(f"{server.url}/detokenize", json={"tokens": [target] * 3}).json()["prompt"]
+    out = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=3, logit_bias={str(target): 100}, **GREEDY
+    )
+    assert out.choices[0].text == word
+    free = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, **GREEDY)
+    first = tokenize(server, prompt=PROMPT + free.choices[0].text)[
+        len(tokenize(server, prompt=PROMPT)) :
+    ]
+    banned = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=1, logit_bias={str(first[0]): -100}, **GREEDY
+    )
+    assert banned.choices[0].text != free.choices[0].text
+    allowed = tokenize(server, prompt=" the lazy dog")
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=6,
+        temperature=1.0,
+        logprobs=True,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    texts = {httpx.post(f"{server.url}/detokenize", json={"tokens": [t]}).json()["prompt"]
+             for t in allowed}  # fmt: skip
+    assert [item.token for item in chat.choices[0].logprobs.content] != []
+    assert {item.token for item in chat.choices[0].logprobs.content} <= texts
+
+
 def test_kv_transfer_params_are_passed_through(client, model_name):
     params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
     out = client.completions.create(

@@ -139,6 +139,10 @@ class EngineCore:
                 f"length of {self.max_model_len} tokens"
             )
         params = request.sampling_params
+        for field, ids in params.token_ids_named().items():
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceed the "

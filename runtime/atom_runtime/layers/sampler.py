@@ -1,4 +1,4 @@
-"""The sampler: penalties, temperature, top-k, top-p and min-p, then a draw — all torch ops on the
+"""The sampler: penalties, logit bias, allowed tokens, temperature, top-k, top-p and min-p, then a draw — all torch ops on the
 logits' device, so a GPU step needs no host round trip until the sampled ids are read back.
 
 Unseeded rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)) in one batched op;
@@ -30,6 +30,14 @@ class SamplingTensors:
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
+    # Logit bias: (rows, token ids, biases), added after the penalties.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # Rows restricted to allowed token ids: the rows, and (index into those rows, token id).
+    allowed_rows: torch.Tensor | None = None
+    allowed_index: torch.Tensor | None = None
+    allowed_tokens: torch.Tensor | None = None
     # Tokens banned this step per row (EOS and stop ids before min_tokens): (rows, token ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
@@ -54,6 +62,20 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = torch.where(seen & (logits <= 0), logits * rep, logits)
     logits = logits - t.frequency.unsqueeze(1) * t.output_counts
     logits = logits - t.presence.unsqueeze(1) * (t.output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Add each row's logit bias, then mask (to -inf) every token outside a row's allowed set."""
+    if t.bias_rows is not None:
+        logits = logits.index_put((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
+    if t.allowed_rows is not None:
+        keep = torch.zeros(
+            (t.allowed_rows.shape[0], logits.shape[1]), dtype=torch.bool, device=logits.device
+        )
+        keep[t.allowed_index, t.allowed_tokens] = True
+        restricted = logits[t.allowed_rows].masked_fill(~keep, float("-inf"))
+        logits = logits.index_copy(0, t.allowed_rows, restricted)
     return logits
 
 
@@ -84,7 +106,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits: [S, V] fp32 (one row per sequence that samples this step)."""
     raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs >= 0 else None
-    logits = apply_penalties(logits, t)
+    logits = apply_bias_and_allowed(apply_penalties(logits, t), t)
     if t.banned_rows is not None:
         logits = logits.index_put((t.banned_rows, t.banned_tokens), torch.tensor(float("-inf")))
     greedy = logits.argmax(dim=-1)

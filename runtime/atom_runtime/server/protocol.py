@@ -45,13 +45,12 @@ class _SamplingFields(_Body):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: dict | None = None
 
     def _common_sampling(self) -> dict:
-        if self.logit_bias:
-            raise bad_request("logit_bias: not supported", "logit_bias", "unsupported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         fields = {
@@ -68,6 +67,8 @@ class _SamplingFields(_Body):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
+            "logit_bias": _token_keys(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
         }
@@ -206,3 +207,18 @@ def _build(fields: dict, renames: dict[str, str]) -> SamplingParams:
         return SamplingParams(**fields)
     except ValueError as e:
         raise from_value_error(e, renames) from None
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(
+                f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+    return out
