@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgspec
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128  # completions per request (OpenAI's bound): each is an engine request of its own
+_INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 to the engine core
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -36,7 +38,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(
-            isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}"
+            _int_in(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}"
         )
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
@@ -49,7 +51,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             f"must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int) and self.top_k >= -1,
+            _int_in(self.top_k, -1, _INT64_MAX),
             "top_k",
             f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
         )
@@ -59,17 +61,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             f"must be in [0, 1], got {self.min_p!r}",
         )
         _check(
-            self.seed is None or isinstance(self.seed, int),
+            self.seed is None or _int_in(self.seed, -_INT64_MAX - 1, _INT64_MAX),
             "seed",
-            f"must be an integer, got {self.seed!r}",
+            f"must be a 64-bit integer, got {self.seed!r}",
         )
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or _int_in(self.max_tokens, 1, _INT64_MAX),
             "max_tokens",
             f"must be an integer >= 1, got {self.max_tokens!r}",
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _int_in(self.min_tokens, 0, _INT64_MAX),
             "min_tokens",
             f"must be an integer >= 0, got {self.min_tokens!r}",
         )
@@ -88,7 +90,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.stop_token_ids is not None:
             _check(
                 isinstance(self.stop_token_ids, list)
-                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                and all(_int_in(t, 0, _INT64_MAX) for t in self.stop_token_ids),
                 "stop_token_ids",
                 "must be a list of non-negative integers",
             )
@@ -111,7 +113,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.logit_bias is not None:
             _check(
                 isinstance(self.logit_bias, dict)
-                and all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                and all(_int_in(t, 0, _INT64_MAX) for t in self.logit_bias),
                 "logit_bias",
                 "must map non-negative integer token ids to numbers",
             )
@@ -124,7 +126,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(
                 isinstance(self.allowed_token_ids, list)
                 and len(self.allowed_token_ids) > 0
-                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                and all(_int_in(t, 0, _INT64_MAX) for t in self.allowed_token_ids),
                 "allowed_token_ids",
                 "must be a non-empty list of non-negative integers",
             )
@@ -158,6 +160,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _is_number(value: object) -> bool:

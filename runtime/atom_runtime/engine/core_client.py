@@ -239,6 +239,10 @@ class EngineCoreClient:
         ("field: message") when the engine refuses it, EngineDeadError when it is gone."""
         if self.dead or self.processor is None:
             raise EngineDeadError("the engine core is not running")
+        vocab = self.ready.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # refused here too: an id past int64 cannot even be sent
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
         reqs: list[EngineRequest] = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, kv_transfer_params
         )
