@@ -36,6 +36,7 @@ from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import PENDING_TOKEN, Sequence
+from atom_runtime.structured_outputs import fill_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -563,6 +564,11 @@ class ModelRunner:
             t.bias_rows = _to_device(np.array(bias[0], dtype=np.int64), dev)
             t.bias_tokens = _to_device(np.array(bias[1], dtype=np.int64), dev)
             t.bias_values = _to_device(np.array(bias[2], dtype=np.float32), dev)
+        guided = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if guided:
+            masks = fill_bitmasks([seqs[row].matcher for row in guided], vocab)
+            t.guided_rows = _to_device(np.array(guided, dtype=np.int64), dev)
+            t.guided_bitmask = _to_device(masks, dev)
         if allowed[0]:
             t.allowed_rows, t.allowed_index, t.allowed_tokens = (
                 _to_device(np.array(column, dtype=np.int64), dev) for column in allowed

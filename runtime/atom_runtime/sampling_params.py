@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from atom_runtime.structured_outputs import StructuredOutputs
+
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # completions per request (OpenAI's bound): each is an engine request of its own
 _INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 to the engine core
@@ -32,6 +34,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     allowed_token_ids: list[int] | None = None  # sample only among these
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice, grammar
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -146,7 +149,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def edits_logits(self) -> bool:
         """A logit bias or an allowed-token set changes this request's logits before sampling."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (
+            bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.structured_outputs is not None
+        )
 
     def token_ids_named(self) -> dict[str, list[int]]:
         """Every token id the request names, by field (the engine checks them against the

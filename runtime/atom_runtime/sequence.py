@@ -69,8 +69,12 @@ class Sequence:
         # further step.
         self.num_pending = 0
         self.final_pending = False
-        # Penalties read the output tokens themselves: such a sequence never runs on pending ones.
-        self.needs_token_history = sampling_params.has_penalties
+        # Penalties read the output tokens themselves, a grammar's mask needs the last token
+        # consumed: such a sequence never runs on pending ones.
+        self.needs_token_history = (
+            sampling_params.has_penalties or sampling_params.structured_outputs is not None
+        )
+        self.matcher = None  # llguidance matcher of a guided sequence (structured_outputs.py)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

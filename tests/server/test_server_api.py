@@ -240,6 +240,73 @@ def test_logit_bias_and_allowed_token_ids(client, model_name, server):
     assert {item.token for item in chat.choices[0].logprobs.content} <= texts
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_every_way_to_ask(client, model_name):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_* and
+    structured_outputs fields, streamed and not."""
+    import json
+
+    import jsonschema
+
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Who?"}],
+        max_tokens=300,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    streamed = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Who?"}],
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    compact = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=100,
+        temperature=1.0,
+        n=3,
+        extra_body={"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
+    )
+    for choice in compact.choices:
+        jsonschema.validate(json.loads(choice.text), PERSON)
+    regex = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=20, extra_body={"guided_regex": "[A-Z]{2}[0-9]"}
+    )
+    assert re.fullmatch("[A-Z]{2}[0-9]", regex.choices[0].text)
+    choice = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Pick"}],
+        max_tokens=10,
+        extra_body={"guided_choice": ["red", "green"]},
+    )
+    assert choice.choices[0].message.content in ("red", "green")
+    obj = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Any JSON"}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert obj.choices[0].message.content.lstrip().startswith("{")
+
+
 def test_kv_transfer_params_are_passed_through(client, model_name):
     params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
     out = client.completions.create(

@@ -37,6 +37,7 @@ from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import ScheduledBatch, Scheduler
 from atom_runtime.sequence import FinishReason, Sequence
+from atom_runtime.structured_outputs import Guides
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class EngineCore:
     def _finish_init(self, config: EngineConfig) -> None:
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
         self.runner.eos_token_ids = self.eos_token_ids
+        self.guides = Guides(str(self.model_path), self.model_config.vocab_size, self.eos_token_ids)
         self.block_size = config.block_size
         self.max_model_len = self._decide_max_model_len()
         self.runner.capture_cudagraphs(self.max_model_len)
@@ -148,8 +150,12 @@ class EngineCore:
                 f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceed the "
                 f"context length of {self.max_model_len} tokens"
             )
+        matcher = (
+            self.guides.matcher(params.structured_outputs) if params.structured_outputs else None
+        )
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
         seq.kv_transfer_params = request.kv_transfer_params
+        seq.matcher = matcher
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
@@ -215,6 +221,8 @@ class EngineCore:
                 token = token_ids[row]
                 want = seq.sampling_params.logprobs
                 seq.resolve_pending(token, logprobs[row] if want is not None else None)
+                if seq.matcher is not None:
+                    seq.matcher.consume_token(token)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq, token)
@@ -237,6 +245,10 @@ class EngineCore:
         a later step in flight) do not count."""
         p = seq.sampling_params
         num_output = seq.num_output_tokens - seq.num_pending
+        if seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+            # The grammar is complete (or the token broke it: a stop-id edit, say): done.
+            seq.finish(FinishReason.STOP)
+            return
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish(FinishReason.STOP)

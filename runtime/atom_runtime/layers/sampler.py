@@ -38,6 +38,10 @@ class SamplingTensors:
     allowed_rows: torch.Tensor | None = None
     allowed_index: torch.Tensor | None = None
     allowed_tokens: torch.Tensor | None = None
+    # Guided rows (structured outputs) and their grammars' bitmasks, [R, ceil(V / 32)] int32:
+    # bit t of a row's mask set when its grammar allows token t next.
+    guided_rows: torch.Tensor | None = None
+    guided_bitmask: torch.Tensor | None = None
     # Tokens banned this step per row (EOS and stop ids before min_tokens): (rows, token ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
@@ -66,7 +70,8 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def apply_bias_and_allowed(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Add each row's logit bias, then mask (to -inf) every token outside a row's allowed set."""
+    """Add each row's logit bias, then mask (to -inf) every token outside a row's allowed set
+    and every token a guided row's grammar cannot take next."""
     if t.bias_rows is not None:
         logits = logits.index_put((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
     if t.allowed_rows is not None:
@@ -76,6 +81,12 @@ def apply_bias_and_allowed(logits: torch.Tensor, t: SamplingTensors) -> torch.Te
         keep[t.allowed_index, t.allowed_tokens] = True
         restricted = logits[t.allowed_rows].masked_fill(~keep, float("-inf"))
         logits = logits.index_copy(0, t.allowed_rows, restricted)
+    if t.guided_rows is not None:
+        vocab = logits.shape[1]
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((t.guided_bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]
+        guided = logits[t.guided_rows].masked_fill(allowed == 0, float("-inf"))
+        logits = logits.index_copy(0, t.guided_rows, guided)
     return logits
 
 

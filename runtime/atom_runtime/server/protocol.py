@@ -7,12 +7,16 @@ SamplingParams and the error param back into the name the client used.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server.errors import bad_request, from_value_error
+from atom_runtime.structured_outputs import FIELD as STRUCTURED
+from atom_runtime.structured_outputs import StructuredOutputs
 
 
 class _Body(BaseModel):
@@ -22,6 +26,26 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# structured_outputs keys that tune a constraint rather than being one.
+OPTIONS = ("disable_any_whitespace",)
+# vLLM's guided-decoding fields (the request's name -> StructuredOutputs' field).
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
 
 
 class _SamplingFields(_Body):
@@ -49,6 +73,65 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: dict | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+
+    def _structured_asked(self) -> dict[str, dict]:
+        """{the field the request used: StructuredOutputs fields} for each way it asked."""
+        asked = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked["response_format"] = {"json_object": True}
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request(
+                    "response_format.json_schema: required when type is json_schema",
+                    "response_format.json_schema",
+                )
+            asked["response_format"] = {"json": json.dumps(rf.json_schema.schema_)}
+        for name, key in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                asked[name] = {key: value if isinstance(value, (str, list)) else json.dumps(value)}
+        fields = {k: v for k, v in (self.structured_outputs or {}).items() if k not in OPTIONS}
+        if isinstance(fields.get("json"), dict):
+            fields["json"] = json.dumps(fields["json"])
+        if fields:
+            asked[STRUCTURED] = fields
+        return asked
+
+    def _structured_options(self) -> dict:
+        """structured_outputs' options (disable_any_whitespace), which also apply to a
+        constraint asked for another way (response_format, guided_json)."""
+        return {k: v for k, v in (self.structured_outputs or {}).items() if k in OPTIONS}
+
+    def _structured(self) -> StructuredOutputs | None:
+        asked = self._structured_asked()
+        if not asked:
+            if self._structured_options():
+                raise bad_request(
+                    f"{STRUCTURED}: options given without a constraint (json, regex, choice, "
+                    "grammar, json_object, or response_format / guided_*)",
+                    STRUCTURED,
+                )
+            return None
+        names = list(asked)
+        if len(names) > 1:
+            raise bad_request(f"{names[1]}: cannot be combined with {names[0]}", names[1])
+        try:
+            return msgspec.convert(asked[names[0]] | self._structured_options(), StructuredOutputs)
+        except (ValueError, msgspec.ValidationError) as e:
+            text = str(e).removeprefix(f"{STRUCTURED}: ")
+            raise bad_request(f"{names[0]}: {text}", names[0]) from None
+
+    def _structured_source(self) -> str:
+        """The name this request gave its structured-output constraint (for engine errors)."""
+        return next(iter(self._structured_asked()), STRUCTURED)
 
     def _common_sampling(self) -> dict:
         if self.stream_options is not None and not self.stream:
@@ -71,6 +154,7 @@ class _SamplingFields(_Body):
             "allowed_token_ids": self.allowed_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": self._structured(),
         }
         return {k: v for k, v in fields.items() if v is not None}
 
@@ -102,7 +186,7 @@ class CompletionRequest(_SamplingFields):
 
     def renames(self) -> dict[str, str]:
         """Engine/SamplingParams field name -> the name this request used."""
-        return {}
+        return {STRUCTURED: self._structured_source()}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: each item a string or a list of token ids."""
@@ -142,10 +226,6 @@ class ChatMessage(_Body):
         return out
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -154,7 +234,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
 
@@ -181,6 +260,7 @@ class ChatCompletionRequest(_SamplingFields):
     def renames(self) -> dict[str, str]:
         """Engine/SamplingParams field name -> the name this request used."""
         renames = {"logprobs": "top_logprobs", "prompt": "messages"}
+        renames[STRUCTURED] = self._structured_source()
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
