@@ -61,6 +61,7 @@ class ServerConfig:
     log_requests: bool = True
     shutdown_grace_period: float = 10.0
     engine_stall_timeout: float = 300.0
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto"
 
 
 class ServerState:
@@ -112,7 +113,12 @@ class ServerState:
         self.client.attach_processor(OutputProcessor(tokenizer))
         self.client.on_death = self.on_engine_death
         self.serving = OpenAIServing(
-            self.client, tokenizer, self.model_names, self.metrics, self.config.log_requests
+            self.client,
+            tokenizer,
+            self.model_names,
+            self.metrics,
+            self.config.log_requests,
+            self.config.tool_call_parser,
         )
         apply_gc_policy()
         c = self.config

@@ -12,6 +12,7 @@ import os
 import sys
 
 from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.server.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "ATOM_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -46,6 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every second, busy or idle) before it is taken for hung, killed, and the server "
         "exits 1 for its supervisor to restart it; 0 turns the check off (default 300)",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how tool calls are read out of the model's text: hermes (<tool_call>{...}</tool_call>, "
+        "Qwen2.5/Qwen3 and Hermes models)",
+    )
     add_engine_arguments(parser)
 
 
@@ -61,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.shutdown_grace_period < 0:
         print("atom serve: error: --shutdown-grace-period must be >= 0", file=sys.stderr)
+        return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print(
+            "atom serve: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr
+        )
         return 2
     if args.engine_stall_timeout != 0 and not args.engine_stall_timeout > HEARTBEAT_S:
         print(
@@ -83,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
         log_requests=not args.disable_log_requests,
         shutdown_grace_period=args.shutdown_grace_period,
         engine_stall_timeout=args.engine_stall_timeout,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     return asyncio.run(serve(config, engine_config))

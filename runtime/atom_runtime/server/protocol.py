@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server.errors import bad_request, from_value_error
+from atom_runtime.server.tools import ToolPlan
 from atom_runtime.structured_outputs import FIELD as STRUCTURED
 from atom_runtime.structured_outputs import StructuredOutputs
 
@@ -110,8 +111,16 @@ class _SamplingFields(_Body):
         constraint asked for another way (response_format, guided_json)."""
         return {k: v for k, v in (self.structured_outputs or {}).items() if k in OPTIONS}
 
-    def _structured(self) -> StructuredOutputs | None:
+    def _structured(self, tool: StructuredOutputs | None = None) -> StructuredOutputs | None:
+        """The request's structured-output constraint: the one it asked for, or `tool` (what
+        its tool_choice holds the output to), with structured_outputs' options."""
         asked = self._structured_asked()
+        if tool is not None:
+            if asked:
+                raise bad_request(
+                    f"tool_choice: cannot be combined with {next(iter(asked))}", "tool_choice"
+                )
+            return msgspec.structs.replace(tool, **self._structured_options())
         if not asked:
             if self._structured_options():
                 raise bad_request(
@@ -133,7 +142,7 @@ class _SamplingFields(_Body):
         """The name this request gave its structured-output constraint (for engine errors)."""
         return next(iter(self._structured_asked()), STRUCTURED)
 
-    def _common_sampling(self) -> dict:
+    def _common_sampling(self, tool: StructuredOutputs | None = None) -> dict:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         fields = {
@@ -154,7 +163,7 @@ class _SamplingFields(_Body):
             "allowed_token_ids": self.allowed_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
-            "structured_outputs": self._structured(),
+            "structured_outputs": self._structured(tool),
         }
         return {k: v for k, v in fields.items() if v is not None}
 
@@ -213,6 +222,7 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
 
     def template_dict(self) -> dict:
         content = self.content
@@ -223,6 +233,9 @@ class ChatMessage(_Body):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates (Qwen, Hermes) write the arguments with `tojson`: give them the object.
+            out["tool_calls"] = [_template_call(call) for call in self.tool_calls]
         return out
 
 
@@ -237,16 +250,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
 
-    def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported", "tools", "unsupported")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice: tool calling is not supported", "tool_choice")
+    def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
                 "top_logprobs: requires logprobs to be true", "top_logprobs", "invalid_value"
             )
-        fields = self._common_sampling()
+        fields = self._common_sampling(tools.constraint if tools is not None else None)
         # max_completion_tokens is the current name; max_tokens the deprecated one. Neither:
         # up to the context length.
         if self.max_completion_tokens is not None:
@@ -302,3 +311,14 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
                 f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
             ) from None
     return out
+
+
+def _template_call(call: dict) -> dict:
+    """An assistant message's tool call as chat templates read it: arguments as an object."""
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # leave it as the string it is
+    return {**call, "function": fn, **fn}

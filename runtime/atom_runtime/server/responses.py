@@ -109,14 +109,18 @@ def completion_choice(
 
 def chat_choice(
     index: int,
-    content: str,
+    content: str | None,
     finish_reason: str | None,
     stop_reason: int | str | None,
     logprobs: dict | None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
+    message = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
-        "message": {"role": "assistant", "content": content},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,

@@ -37,6 +37,7 @@ from atom_runtime.server.errors import (
 )
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from atom_runtime.server.tools import ToolPlan, plan_tools
 from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
@@ -99,8 +100,10 @@ class OpenAIServing:
         model_names: list[str],
         metrics: ServerMetrics,
         log_requests: bool = True,
+        tool_parser: str | None = None,
     ) -> None:
         self.client = client
+        self.tool_parser = tool_parser
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
@@ -162,12 +165,16 @@ class OpenAIServing:
         arrival = (time.monotonic(), time.time())
         req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
         model = self.check_model(req.model)
-        params = req.sampling_params()
+        tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
+        params = req.sampling_params(tools)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_kwargs["tools"] = req.tools
         try:
             prompt_ids = self.tokenizer.encode_chat(
                 req.conversation(),
                 add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except ValueError as e:
             raise from_value_error(e, req.renames()) from None
@@ -178,6 +185,7 @@ class OpenAIServing:
             rid, [(None, prompt_ids)], params, req.kv_transfer_params, req.renames(), arrival
         )
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=True)
+        shape.tools = tools
         if req.stream:
             return _sse(self._stream(runs, shape))
         outs = await self._collect(request, runs)
@@ -186,7 +194,9 @@ class OpenAIServing:
             lp = None
             if params.logprobs is not None:
                 lp = R.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, self.token_text)
-            choices.append(R.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason, lp))
+            content, calls = tools.parse(c.text) if c.finish_reason else (c.text, [])
+            reason = tools.finish_reason(calls, c.finish_reason)
+            choices.append(R.chat_choice(c.index, content, reason, c.stop_reason, lp, calls))
         return json_response(
             R.completion_body(
                 rid,
@@ -295,13 +305,16 @@ class OpenAIServing:
                         if index in done:
                             continue
                         chars, ntok = sent.get(index, (0, 0))
-                        text, new_ids = c.text[chars:], c.token_ids[ntok:]
+                        upto = (
+                            len(c.text) if shape.tools is None else shape.tools.streamable(c.text)
+                        )
+                        text, new_ids = c.text[chars:upto], c.token_ids[ntok:]
                         if not text and not new_ids and c.finish_reason is None:
                             continue
                         choices.append(
                             self._chunk_choice(shape, index, c, text, new_ids, ntok, chars)
                         )
-                        sent[index] = (len(c.text), len(c.token_ids))
+                        sent[index] = (chars + len(text), len(c.token_ids))
                         if c.finish_reason is not None:
                             done.add(index)
                     if choices:
@@ -324,7 +337,18 @@ class OpenAIServing:
             if k is not None:
                 lp = R.chat_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text)
             delta = {"content": text} if text else {}
-            return R.chat_delta_choice(index, delta, c.finish_reason, c.stop_reason, lp)
+            reason = c.finish_reason
+            if shape.tools is not None and reason is not None:
+                # The held-back rest: the calls, and any content the parser gives back.
+                content, calls = shape.tools.parse(c.text)
+                rest = (content or "") if calls else c.text
+                held = rest[chars + len(text) :]
+                if held:
+                    delta["content"] = text + held
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                reason = shape.tools.finish_reason(calls, reason)
+            return R.chat_delta_choice(index, delta, reason, c.stop_reason, lp)
         lp = None
         if k is not None:
             lp = R.completion_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text, chars)
@@ -371,6 +395,7 @@ class _Shape:
     params: SamplingParams
     include_usage: bool
     chat: bool
+    tools: ToolPlan | None = None
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:
         return R.completion_body(
