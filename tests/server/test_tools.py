@@ -104,7 +104,8 @@ def test_streaming_holds_back_what_may_become_a_call():
     assert auto.streamable("Hello <tool") == len("Hello ")
     assert auto.streamable("Hello <tool_call>{") == len("Hello ")
     assert auto.streamable("a < b") == 5  # "<" followed by a space cannot open a call
-    assert ToolPlan("named", {"f": {}}, "f").streamable("{}") == 0
+    assert ToolPlan("named", {"f": {}}, "f").streamable("{}") == 2  # as the arguments
+    assert ToolPlan("required", {"f": {}}).streamable("[{") == 0
     assert ToolPlan("none", {}).streamable("<tool") == 5
     assert auto.finish_reason([{}], "stop") == "tool_calls"
     assert auto.finish_reason([], "stop") == "stop"
@@ -140,10 +141,13 @@ def test_named_function_is_called_with_valid_arguments(client, model_name):
     )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not any(d.content for d in deltas)
-    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0
-    assert calls[0].function.name == "get_weather"
-    assert calls[0].function.arguments == call.function.arguments
+    pieces = [tc for d in deltas for tc in (d.tool_calls or [])]
+    # The arguments stream as they are written: the first piece names the call, the rest extend
+    # its arguments.
+    assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
+    assert pieces[0].id.startswith("chatcmpl-tool-") and pieces[0].function.name == "get_weather"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -37,7 +37,7 @@ from atom_runtime.server.errors import (
 )
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from atom_runtime.server.tools import ToolPlan, plan_tools
+from atom_runtime.server.tools import ToolPlan, named_call_delta, plan_tools
 from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
@@ -338,7 +338,14 @@ class OpenAIServing:
                 lp = R.chat_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text)
             delta = {"content": text} if text else {}
             reason = c.finish_reason
-            if shape.tools is not None and reason is not None:
+            if shape.tools is not None and shape.tools.mode == "named":
+                # The text is the call's arguments: stream them as such.
+                first = index not in shape.called
+                shape.called.add(index)
+                delta = {}
+                if text or first:
+                    delta["tool_calls"] = [named_call_delta(shape.tools.name, text, first)]
+            elif shape.tools is not None and reason is not None:
                 # The held-back rest: the calls, and any content the parser gives back.
                 content, calls = shape.tools.parse(c.text)
                 rest = (content or "") if calls else c.text
@@ -396,6 +403,7 @@ class _Shape:
     include_usage: bool
     chat: bool
     tools: ToolPlan | None = None
+    called: set[int] = field(default_factory=set)  # choices whose named call has begun
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:
         return R.completion_body(

@@ -73,10 +73,11 @@ class ToolPlan:
         return text, []
 
     def streamable(self, text: str) -> int:
-        """How much of a choice's text so far can be streamed as content."""
-        if self.mode in ("named", "required"):
+        """How much of a choice's text so far can be streamed (as content; for a named function,
+        as its call's arguments)."""
+        if self.mode == "required":
             return 0
-        if self.mode == "none":
+        if self.mode in ("none", "named"):
             return len(text)
         start = text.find(HERMES_OPEN)
         if start >= 0:
@@ -119,6 +120,13 @@ def _call(name: str, arguments: str) -> dict:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def named_call_delta(name: str, arguments: str, first: bool) -> dict:
+    """A streamed piece of a named function's call: the first carries its id and name."""
+    if first:
+        return {"index": 0, **_call(name, arguments)}
+    return {"index": 0, "function": {"arguments": arguments}}
 
 
 def plan_tools(
