@@ -25,8 +25,8 @@ class BlockManager:
         """Blocks serving the leading run of seq's full blocks already in the cache.
 
         The block holding the last token is never a hit: its logits must be computed."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)
         hits = []

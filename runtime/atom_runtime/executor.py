@@ -221,7 +221,7 @@ class TPExecutor:
         self._check_alive()
         inputs, samplers = self.runner.prepare_inputs(batch)
         self._send_all(self._encoder.encode(encode_step(inputs)))
-        logits = self._guarded(self.runner.forward, inputs)
+        logits = self.runner.take_prompt_logprobs(self._guarded(self.runner.forward, inputs))
         self._check_alive()
         if logits is None:
             return [], None

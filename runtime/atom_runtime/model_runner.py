@@ -119,6 +119,11 @@ class ModelRunner:
         if self.small_m_kernels and small_m_mode() == "auto":
             self._refine_small_m_kernels()
         self.generators: dict[str, torch.Generator] = {}
+        # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
+        # first logits row, rows), and where the sampling rows sit among the logits rows (None:
+        # every logits row samples).
+        self._prompt_jobs: list[tuple[Sequence, int, int, int]] = []
+        self._sampler_pos: list[int] | None = None
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
         # The last step's samplers and sampled ids, on the device: the next step's inputs may
@@ -358,7 +363,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         """Run the batch; returns the sequences that sample this step and their samples."""
         inputs, samplers = self.prepare_inputs(batch)
-        logits = self.forward(inputs)
+        logits = self.take_prompt_logprobs(self.forward(inputs))
         if logits is None:
             self._last_samplers, self._last_token_ids = [], None
             return [], None
@@ -429,11 +434,15 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""
-        if all(n == 1 for n in batch.num_new_tokens):
+        self._prompt_jobs, self._sampler_pos = [], None
+        if all(n == 1 for n in batch.num_new_tokens) and not any(
+            seq.wants_prompt_lp and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+            for seq in batch.seqs
+        ):
             return self._prepare_decode(batch.seqs)
         bs = self.block_size
         ids_parts, pos_parts, slot_parts = [], [], []
-        seq_lens, q_lens, sample_rows, samplers = [], [], [], []
+        seq_lens, q_lens, sample_rows, samplers, sampler_pos = [], [], [], [], []
         pending_rows, pending_seqs = [], []
         offset = 0
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
@@ -456,7 +465,13 @@ class ModelRunner:
                     raise RuntimeError(f"{seq!r}: a chunk runs over tokens not yet sampled")
                 pending_rows.append(offset - 1)
                 pending_seqs.append(seq)
+            wanted = seq.prompt_lp_wanted(start, end)
+            if wanted:  # logits rows for prompt_logprobs (always before the sampling row)
+                first = offset - n + wanted.start - start
+                self._prompt_jobs.append((seq, wanted.start, len(sample_rows), len(wanted)))
+                sample_rows.extend(range(first, first + len(wanted)))
             if end == seq.num_tokens:  # the chunk reaches the last known token: sample
+                sampler_pos.append(len(sample_rows))
                 sample_rows.append(offset - 1)
                 samplers.append(seq)
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
@@ -473,7 +488,31 @@ class ModelRunner:
         )
         if pending_rows:
             inputs.pending_sources = self._pending_sources(pending_rows, pending_seqs)
+        if self._prompt_jobs:
+            self._sampler_pos = sampler_pos
         return inputs, samplers
+
+    def take_prompt_logprobs(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Given the logits of the last prepared step's rows: record its prompt_logprobs in
+        their sequences and return the sampling rows' logits (None when none samples)."""
+        jobs, self._prompt_jobs = self._prompt_jobs, []
+        if not jobs or logits is None:
+            return logits
+        for seq, first, at, count in jobs:
+            lps = logits[at : at + count].log_softmax(dim=-1)
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            targets = torch.tensor(targets.tolist(), dtype=torch.int64, device=lps.device)
+            picked = lps.gather(1, targets[:, None]).squeeze(1).tolist()
+            k = seq.sampling_params.prompt_logprobs
+            ids, vals = [[]] * count, [[]] * count
+            if k:
+                top_lps, top_ids = lps.topk(k, dim=-1)
+                ids, vals = top_ids.tolist(), top_lps.tolist()
+            seq.prompt_lp.extend(zip(picked, ids, vals, strict=True))
+        pos, self._sampler_pos = self._sampler_pos, None
+        if not pos:
+            return None
+        return logits[torch.tensor(pos, dtype=torch.int64, device=logits.device)]
 
     def _prepare_decode(self, seqs: list[Sequence]) -> tuple[StepInputs, list[Sequence]]:
         """One new token per sequence: plain lists, no per-sequence numpy work (the hot path)."""

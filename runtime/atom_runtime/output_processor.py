@@ -42,6 +42,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None
+    # With prompt_logprobs: per prompt token, {its id: logprob, and the top ones}; None first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class SequenceText:
@@ -142,6 +144,7 @@ class RequestState:
         }
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
@@ -159,7 +162,17 @@ class RequestState:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    def take_prompt_logprobs(self, out: EngineOutput) -> None:
+        ids = self.prompt_token_ids
+        entries: list[dict[int, float] | None] = [None]
+        for i, lp in enumerate(out.prompt_logprobs):
+            entry = {ids[i + 1]: lp}
+            entry.update(zip(out.prompt_top_ids[i], out.prompt_top_logprobs[i], strict=True))
+            entries.append(entry)
+        self.prompt_logprobs = entries
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -218,6 +231,8 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.take_prompt_logprobs(out)
             if out.first_token_time and state.first_token_time is None:
                 state.first_token_time = out.first_token_time
             if out.first_scheduled_time and state.first_scheduled_time is None:

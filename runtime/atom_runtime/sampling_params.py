@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per output token (0: the sampled token's only)
+    prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -101,6 +102,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             "logprobs",
             f"must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        _check(
+            self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, 20),
+            "prompt_logprobs",
+            f"must be an integer in [0, 20], got {self.prompt_logprobs!r}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

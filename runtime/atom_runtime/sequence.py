@@ -75,6 +75,11 @@ class Sequence:
             sampling_params.has_penalties or sampling_params.structured_outputs is not None
         )
         self.matcher = None  # llguidance matcher of a guided sequence (structured_outputs.py)
+        # prompt_logprobs: per prompt token from the second on, (logprob, top ids, top logprobs),
+        # filled as the prompt's chunks run; sent once, with the first output token.
+        self.prompt_lp: list[tuple[float, list[int], list[float]]] = []
+        self.prompt_lp_sent = False
+        self.wants_prompt_lp = sampling_params.prompt_logprobs is not None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 
@@ -102,6 +107,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> array:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prompt_lp_wanted(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits give a prompt token's logprob still missing
+        (position p predicts prompt token p + 1)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_lp)), min(end, self.num_prompt_tokens - 1))
 
     @property
     def last_token_id(self) -> int:

@@ -91,6 +91,34 @@ def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
     assert [b.outputs[0].token_ids for b in batch] == [[target] * 8, free, out.token_ids]
 
 
+@pytest.mark.parametrize("budget", [None, 7])  # 7: the prompt runs in chunks
+def test_prompt_logprobs_match_transformers(tiny_models, budget):
+    import torch
+    import transformers
+
+    path = str(tiny_models["qwen2"])
+    kw = {} if budget is None else {"max_num_batched_tokens": budget}
+    llm = LLM(path, dtype="float32", num_gpu_blocks_override=64, **kw)
+    prompt = list(range(300, 337))
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, n=2)
+    # Twice: the second run must not take the first's prompt from the prefix cache.
+    for _ in range(2):
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert all(
+            len(e) >= 3 and prompt[i + 1] in e for i, e in enumerate(out.prompt_logprobs[1:])
+        )
+    llm.shutdown()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = torch.tensor([e[prompt[i + 1]] for i, e in enumerate(out.prompt_logprobs[1:])])
+    torch.testing.assert_close(got, want[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0],
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    top = [sorted(e, key=e.get, reverse=True)[:3] for e in out.prompt_logprobs[1:]]
+    assert top == want[:-1].topk(3).indices.tolist()
+
+
 def test_abort_frees_every_block(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=50, ignore_eos=True)

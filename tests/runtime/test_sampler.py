@@ -164,6 +164,7 @@ def test_logprobs_are_raw_log_softmax():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),

@@ -307,6 +307,29 @@ def test_structured_outputs_every_way_to_ask(client, model_name):
     assert obj.choices[0].message.content.lstrip().startswith("{")
 
 
+def test_echo_returns_the_prompt_with_its_logprobs(client, model_name, tiny_models):
+    """lm-eval-harness' loglikelihood request: echo + logprobs + max_tokens 1."""
+    from atom_runtime import LLM, SamplingParams
+
+    out = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(PROMPT) and len(choice.text) > len(PROMPT)
+    lp = choice.logprobs
+    ids = out.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == ids + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == sorted(lp.text_offset)
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", num_gpu_blocks_override=64)
+    (ref,) = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    llm.shutdown()
+    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], strict=True)]
+    assert lp.token_logprobs[1:ids] == pytest.approx(want, abs=1e-4)
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert choice.text == PROMPT + plain.choices[0].text
+
+
 def test_kv_transfer_params_are_passed_through(client, model_name):
     params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
     out = client.completions.create(

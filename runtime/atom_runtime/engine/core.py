@@ -262,6 +262,19 @@ class EngineCore:
             seq.finish(FinishReason.LENGTH)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
+        out = self._plain_output(seq, new_tokens)
+        if (
+            seq.sampling_params.prompt_logprobs is not None
+            and new_tokens
+            and not seq.prompt_lp_sent
+        ):
+            seq.prompt_lp_sent = True
+            out.prompt_logprobs = [lp for lp, _, _ in seq.prompt_lp]
+            out.prompt_top_ids = [ids for _, ids, _ in seq.prompt_lp]
+            out.prompt_top_logprobs = [lps for _, _, lps in seq.prompt_lp]
+        return out
+
+    def _plain_output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
         return EngineOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,

@@ -38,6 +38,10 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # The request's kv_transfer_params, returned with its final output. With no KV connector the
     # engine hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
     kv_transfer_params: dict | None = None
+    # prompt_logprobs, with the first output: per prompt token from the second on.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):

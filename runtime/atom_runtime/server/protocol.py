@@ -181,8 +181,8 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo: not supported", "echo", "unsupported")
+        if self.echo and self.stream:
+            raise bad_request("echo: not supported with stream", "echo", "unsupported")
         if self.suffix is not None:
             raise bad_request("suffix: not supported", "suffix", "unsupported")
         if self.best_of is not None and self.best_of != self.n:
@@ -191,6 +191,8 @@ class CompletionRequest(_SamplingFields):
         fields["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
+            if self.echo:  # the prompt's tokens come back with their logprobs too
+                fields["prompt_logprobs"] = self.logprobs
         return _build(fields, self.renames())
 
     def renames(self) -> dict[str, str]:

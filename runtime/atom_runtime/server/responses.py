@@ -66,6 +66,32 @@ def completion_logprobs(
     }
 
 
+def echoed_logprobs(
+    prompt_ids: Sequence[int],
+    prompt_logprobs: Sequence[dict[int, float] | None],
+    output: dict,
+    k: int,
+    token_text: TokenText,
+) -> dict:
+    """/v1/completions `logprobs` with `echo`: the prompt's tokens first (the first has no
+    logprob), then the output's (`output`, whose text offsets already count the prompt)."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    token_lps = [None] + [
+        float(e[t]) for t, e in zip(prompt_ids[1:], prompt_logprobs[1:], strict=True)
+    ]
+    tops = [None] + [
+        {token_text(t): float(lp) for t, lp in _top(e, k)} if k else None
+        for e in prompt_logprobs[1:]
+    ]
+    return {
+        "tokens": tokens + output["tokens"],
+        "token_logprobs": token_lps + output["token_logprobs"],
+        "top_logprobs": tops + output["top_logprobs"],
+        "text_offset": offsets + output["text_offset"],
+    }
+
+
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], k: int, token_text: TokenText
 ) -> dict:

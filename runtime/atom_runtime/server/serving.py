@@ -144,16 +144,21 @@ class OpenAIServing:
             return _sse(self._stream(runs, shape))
         outs = await self._collect(request, runs)
         choices = []
-        for run, out in zip(runs, outs, strict=True):
+        for run, out, (text, ids) in zip(runs, outs, prompts, strict=True):
+            echo = ""
+            if req.echo:
+                echo = text if text is not None else self.tokenizer.decode(ids)
             for c in out.outputs:
                 lp = None
                 if params.logprobs is not None:
-                    lp = R.completion_logprobs(
-                        c.token_ids, c.logprobs, params.logprobs, self.token_text, 0
-                    )
+                    k = params.logprobs
+                    start = sum(len(self.token_text(t)) for t in ids) if req.echo else 0
+                    lp = R.completion_logprobs(c.token_ids, c.logprobs, k, self.token_text, start)
+                    if req.echo:
+                        lp = R.echoed_logprobs(ids, out.prompt_logprobs, lp, k, self.token_text)
                 index = run.prompt_index * params.n + c.index
                 choices.append(
-                    R.completion_choice(index, c.text, c.finish_reason, c.stop_reason, lp)
+                    R.completion_choice(index, echo + c.text, c.finish_reason, c.stop_reason, lp)
                 )
         return json_response(
             R.completion_body(
