@@ -221,7 +221,8 @@ def test_hung_engine_core_is_killed_after_the_stall_timeout(tiny_models, tmp_pat
     thread.join(20)
     assert isinstance(result["stream"], openai.APIError), result
     assert "engine core died" in str(result["stream"])
-    assert 3 <= result["at"] - stopped < 10
+    # Killed once 3 s passed since its last message (sent a moment before the SIGSTOP).
+    assert 2.5 <= result["at"] - stopped < 10
     assert srv.proc.wait(15) == 1
     assert re.search(r"the engine core sent nothing for \d+ s \(stall timeout 3 s", srv.log())
     with pytest.raises(ProcessLookupError):
