@@ -91,6 +91,7 @@ ROWS = [
     ("top_logprobs without logprobs", "/v1/chat/completions", _with(CHAT, top_logprobs=2), 400, BAD_REQUEST, "top_logprobs"),
     ("chat negative temperature", "/v1/chat/completions", _with(CHAT, temperature=-1), 400, BAD_REQUEST, "temperature"),
     ("chat n zero", "/v1/chat/completions", _with(CHAT, n=0), 400, BAD_REQUEST, "n"),
+    ("named tool with an invalid parameters schema", "/v1/chat/completions", _with(CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], tool_choice={"type": "function", "function": {"name": "f"}}), 400, BAD_REQUEST, "tools"),
     ("tool of unknown type", "/v1/chat/completions", _with(CHAT, tools=[{"type": "retrieval"}]), 400, BAD_REQUEST, "tools[0]"),
     ("tool_choice names no tool", "/v1/chat/completions", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400, BAD_REQUEST, "tool_choice"),
     ("chat unknown model", "/v1/chat/completions", _with(CHAT, model="gpt-4"), 404, BAD_REQUEST, "model"),

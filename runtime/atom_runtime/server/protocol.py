@@ -272,6 +272,8 @@ class ChatCompletionRequest(_SamplingFields):
         """Engine/SamplingParams field name -> the name this request used."""
         renames = {"logprobs": "top_logprobs", "prompt": "messages"}
         renames[STRUCTURED] = self._structured_source()
+        if self.tools and not self._structured_asked():
+            renames[STRUCTURED] = "tools"  # a function's parameters schema held the output
         if self.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
         return renames
