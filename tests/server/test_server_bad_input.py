@@ -175,3 +175,54 @@ def test_other_requests_are_unaffected(server):
     m = httpx.get(f"{server.url}/metrics").text
     assert "atom:requests_running 0.0" in m
     assert "atom:kv_cache_usage_ratio 0.0" in m
+
+
+# Request fields both endpoints know, and odd values to put in them.
+FUZZ_FIELDS = {
+    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+                        "logprobs", "echo", "logit_bias", "top_k", "min_p", "min_tokens",
+                        "stop_token_ids", "allowed_token_ids", "stream", "stream_options",
+                        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                        "structured_outputs", "response_format", "best_of", "suffix"],
+    "/v1/chat/completions": ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                             "tools", "tool_choice", "temperature", "n", "seed", "logit_bias",
+                             "allowed_token_ids", "guided_regex", "structured_outputs",
+                             "response_format", "chat_template_kwargs", "stop"],
+}  # fmt: skip
+ODD = [None, True, 0, -1, 2**63, 2**65, -(2**70), 0.5, 1e308, "", "x" * 40, [], {}]
+
+
+def _odd(rng, depth=0):
+    pick = rng.randrange(len(ODD) + 2)
+    if pick < len(ODD) or depth > 1:
+        return ODD[pick % len(ODD)]
+    if pick == len(ODD):
+        return [_odd(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["type", "json", "name", "function", "regex", "0", "5", "role", "content"]
+    return {rng.choice(keys): _odd(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def test_random_bodies_never_get_a_500_nor_hurt_the_server(server):
+    """300 valid requests with one to three fields set to odd values (huge or negative
+    integers, wrong types, nested junk): every answer is a 200 or a 4xx with an OpenAI error
+    body, and the server stays healthy and answers normally afterwards."""
+    import json
+    import random
+
+    rng = random.Random(20261129)
+    for _ in range(300):
+        path = rng.choice(list(FUZZ_FIELDS))
+        body = dict(COMPLETION if path == "/v1/completions" else CHAT, max_tokens=3)
+        for _ in range(rng.randrange(1, 4)):
+            body[rng.choice(FUZZ_FIELDS[path])] = _odd(rng)
+        r = httpx.post(
+            f"{server.url}{path}",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION).status_code == 200
