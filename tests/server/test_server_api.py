@@ -328,6 +328,23 @@ def test_echo_returns_the_prompt_with_its_logprobs(client, model_name, tiny_mode
     assert lp.token_logprobs[1:ids] == pytest.approx(want, abs=1e-4)
     plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, temperature=0)
     assert choice.text == PROMPT + plain.choices[0].text
+    # Streamed, n = 2, several tokens: the first chunk of each choice carries the prompt.
+    kw = dict(model=model_name, prompt=PROMPT, max_tokens=5, logprobs=2, echo=True, n=2, **GREEDY)
+    whole = client.completions.create(**kw)
+    texts, tokens, lps, offsets = {}, {}, {}, {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+                offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+    for c in whole.choices:
+        assert texts[c.index] == c.text and c.text.startswith(PROMPT)
+        assert tokens[c.index] == c.logprobs.tokens
+        assert offsets[c.index] == c.logprobs.text_offset
+        assert lps[c.index][0] is None
+        assert lps[c.index][1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-5)
 
 
 def test_kv_transfer_params_are_passed_through(client, model_name):

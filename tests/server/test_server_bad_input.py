@@ -55,7 +55,6 @@ ROWS = [
     ("empty stop string", "/v1/completions", _with(COMPLETION, stop=[""]), 400, BAD_REQUEST, "stop"),
     ("logprobs too many", "/v1/completions", _with(COMPLETION, logprobs=21), 400, BAD_REQUEST, "logprobs"),
     ("seed as string", "/v1/completions", _with(COMPLETION, seed="x"), 400, BAD_REQUEST, "seed"),
-    ("echo with stream", "/v1/completions", _with(COMPLETION, echo=True, stream=True), 400, BAD_REQUEST, "echo"),
     ("stream_options without stream", "/v1/completions", _with(COMPLETION, stream_options={"include_usage": True}), 400, BAD_REQUEST, "stream_options"),
     ("logit_bias key not a token id", "/v1/completions", _with(COMPLETION, logit_bias={"abc": 1}), 400, BAD_REQUEST, "logit_bias"),
     ("logit_bias above 100", "/v1/completions", _with(COMPLETION, logit_bias={"5": 101}), 400, BAD_REQUEST, "logit_bias"),

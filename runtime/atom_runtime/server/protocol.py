@@ -181,8 +181,6 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo and self.stream:
-            raise bad_request("echo: not supported with stream", "echo", "unsupported")
         if self.suffix is not None:
             raise bad_request("suffix: not supported", "suffix", "unsupported")
         if self.best_of is not None and self.best_of != self.n:

@@ -140,26 +140,17 @@ class OpenAIServing:
             rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
         )
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=False)
+        if req.echo:
+            shape.echo = [self._echo(text, ids) for text, ids in prompts]
         if req.stream:
             return _sse(self._stream(runs, shape))
         outs = await self._collect(request, runs)
         choices = []
-        for run, out, (text, ids) in zip(runs, outs, prompts, strict=True):
-            echo = ""
-            if req.echo:
-                echo = text if text is not None else self.tokenizer.decode(ids)
+        for run, out in zip(runs, outs, strict=True):
             for c in out.outputs:
-                lp = None
-                if params.logprobs is not None:
-                    k = params.logprobs
-                    start = sum(len(self.token_text(t)) for t in ids) if req.echo else 0
-                    lp = R.completion_logprobs(c.token_ids, c.logprobs, k, self.token_text, start)
-                    if req.echo:
-                        lp = R.echoed_logprobs(ids, out.prompt_logprobs, lp, k, self.token_text)
                 index = run.prompt_index * params.n + c.index
-                choices.append(
-                    R.completion_choice(index, echo + c.text, c.finish_reason, c.stop_reason, lp)
-                )
+                choice = self._chunk_choice(shape, index, c, c.text, c.token_ids, 0, 0, run)
+                choices.append(self._echoed(shape, run, out, choice))
         return json_response(
             R.completion_body(
                 rid, shape.created, model, choices, _usage(runs, outs), _kv_transfer(outs)
@@ -316,9 +307,12 @@ class OpenAIServing:
                         text, new_ids = c.text[chars:upto], c.token_ids[ntok:]
                         if not text and not new_ids and c.finish_reason is None:
                             continue
-                        choices.append(
-                            self._chunk_choice(shape, index, c, text, new_ids, ntok, chars)
+                        choice = self._chunk_choice(
+                            shape, index, c, text, new_ids, ntok, chars, run
                         )
+                        if index not in sent:  # a choice's first chunk carries the echo
+                            choice = self._echoed(shape, run, out, choice)
+                        choices.append(choice)
                         sent[index] = (chars + len(text), len(c.token_ids))
                         if c.finish_reason is not None:
                             done.add(index)
@@ -335,7 +329,26 @@ class OpenAIServing:
             self._finish(runs, aborted)
         yield R.SSE_DONE
 
-    def _chunk_choice(self, shape, index, c, text, new_ids, ntok, chars) -> dict:
+    def _echo(self, text: str | None, ids: list[int]) -> tuple[str, list[int], int]:
+        """What `echo` puts in front of a prompt's choices: its text, its ids, and the length
+        of its tokens' text (where the output's text offsets start)."""
+        prompt = text if text is not None else self.tokenizer.decode(ids)
+        return prompt, ids, sum(len(self.token_text(t)) for t in ids)
+
+    def _echoed(self, shape, run: Run, out: RequestOutput, choice: dict) -> dict:
+        """A completion choice (or its first chunk) with the prompt in front, its logprobs too."""
+        if shape.echo is None:
+            return choice
+        prompt, ids, _ = shape.echo[run.prompt_index]
+        choice["text"] = prompt + choice["text"]
+        if choice["logprobs"] is not None and out.prompt_logprobs is not None:
+            k = shape.params.logprobs
+            choice["logprobs"] = R.echoed_logprobs(
+                ids, out.prompt_logprobs, choice["logprobs"], k, self.token_text
+            )
+        return choice
+
+    def _chunk_choice(self, shape, index, c, text, new_ids, ntok, chars, run) -> dict:
         k = shape.params.logprobs
         if shape.chat:
             lp = None
@@ -363,7 +376,8 @@ class OpenAIServing:
             return R.chat_delta_choice(index, delta, reason, c.stop_reason, lp)
         lp = None
         if k is not None:
-            lp = R.completion_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text, chars)
+            base = 0 if shape.echo is None else shape.echo[run.prompt_index][2]
+            lp = R.completion_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text, base + chars)
         return R.completion_choice(index, text, c.finish_reason, c.stop_reason, lp)
 
     def _finish(self, runs: list[Run], aborted: bool) -> None:
@@ -409,6 +423,7 @@ class _Shape:
     chat: bool
     tools: ToolPlan | None = None
     called: set[int] = field(default_factory=set)  # choices whose named call has begun
+    echo: list[tuple[str, list[int], int]] | None = None  # per prompt, with `echo`: _echo()
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:
         return R.completion_body(
