@@ -502,13 +502,14 @@ class ModelRunner:
             lps = logits[at : at + count].log_softmax(dim=-1)
             targets = seq.token_ids[first + 1 : first + 1 + count]
             targets = torch.tensor(targets.tolist(), dtype=torch.int64, device=lps.device)
-            picked = lps.gather(1, targets[:, None]).squeeze(1).tolist()
+            picked = lps.gather(1, targets[:, None])
+            ranks = ((lps > picked).sum(dim=-1) + 1).tolist()  # 1: the most likely token
             k = seq.sampling_params.prompt_logprobs
             ids, vals = [[]] * count, [[]] * count
             if k:
                 top_lps, top_ids = lps.topk(k, dim=-1)
                 ids, vals = top_ids.tolist(), top_lps.tolist()
-            seq.prompt_lp.extend(zip(picked, ids, vals, strict=True))
+            seq.prompt_lp.extend(zip(picked.squeeze(1).tolist(), ids, vals, ranks, strict=True))
         pos, self._sampler_pos = self._sampler_pos, None
         if not pos:
             return None

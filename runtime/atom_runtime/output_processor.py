@@ -42,8 +42,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None
-    # With prompt_logprobs: per prompt token, {its id: logprob, and the top ones}; None first.
+    # With prompt_logprobs: per prompt token, {its id: logprob, and the top ones}; None first;
+    # and each prompt token's rank (1: the model's first choice there).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class SequenceText:
@@ -145,6 +147,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprob_ranks: list[int | None] | None = None
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
@@ -163,6 +166,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=self.kv_transfer_params,
             prompt_logprobs=self.prompt_logprobs,
+            prompt_logprob_ranks=self.prompt_logprob_ranks,
         )
 
     def take_prompt_logprobs(self, out: EngineOutput) -> None:
@@ -173,6 +177,7 @@ class RequestState:
             entry.update(zip(out.prompt_top_ids[i], out.prompt_top_logprobs[i], strict=True))
             entries.append(entry)
         self.prompt_logprobs = entries
+        self.prompt_logprob_ranks = [None, *out.prompt_ranks]
 
 
 def child_id(request_id: str, index: int, n: int) -> str:

@@ -75,9 +75,9 @@ class Sequence:
             sampling_params.has_penalties or sampling_params.structured_outputs is not None
         )
         self.matcher = None  # llguidance matcher of a guided sequence (structured_outputs.py)
-        # prompt_logprobs: per prompt token from the second on, (logprob, top ids, top logprobs),
-        # filled as the prompt's chunks run; sent once, with the first output token.
-        self.prompt_lp: list[tuple[float, list[int], list[float]]] = []
+        # prompt_logprobs: per prompt token from the second on, (logprob, top ids, top logprobs,
+        # rank), filled as the prompt's chunks run; sent once, with the first output token.
+        self.prompt_lp: list[tuple[float, list[int], list[float], int]] = []
         self.prompt_lp_sent = False
         self.wants_prompt_lp = sampling_params.prompt_logprobs is not None
         self.first_scheduled_time: float | None = None

@@ -347,6 +347,29 @@ def test_echo_returns_the_prompt_with_its_logprobs(client, model_name, tiny_mode
         assert lps[c.index][1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-5)
 
 
+def test_vllm_prompt_logprobs(client, model_name, server):
+    ids = tokenize(server, prompt=PROMPT)
+    out = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token, entry in zip(ids[1:], entries[1:], strict=True):
+        own = entry[str(token)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        best = max(entry.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1 and (own["rank"] == 1) == (own["logprob"] == best["logprob"])
+        assert len(entry) in (2, 3)  # the top 2, and the prompt's token when not among them
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    top = chat.model_extra["prompt_logprobs"]
+    assert top[0] is None and all(len(e) == 1 for e in top[1:])
+
+
 def test_kv_transfer_params_are_passed_through(client, model_name):
     params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
     out = client.completions.create(

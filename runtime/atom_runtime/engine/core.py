@@ -269,9 +269,10 @@ class EngineCore:
             and not seq.prompt_lp_sent
         ):
             seq.prompt_lp_sent = True
-            out.prompt_logprobs = [lp for lp, _, _ in seq.prompt_lp]
-            out.prompt_top_ids = [ids for _, ids, _ in seq.prompt_lp]
-            out.prompt_top_logprobs = [lps for _, _, lps in seq.prompt_lp]
+            out.prompt_logprobs = [lp for lp, _, _, _ in seq.prompt_lp]
+            out.prompt_top_ids = [ids for _, ids, _, _ in seq.prompt_lp]
+            out.prompt_top_logprobs = [lps for _, _, lps, _ in seq.prompt_lp]
+            out.prompt_ranks = [rank for _, _, _, rank in seq.prompt_lp]
         return out
 
     def _plain_output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:

@@ -42,6 +42,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    prompt_ranks: list[int] | None = None  # each prompt token's rank among the vocabulary
 
 
 class EngineStats(msgspec.Struct, array_like=True):

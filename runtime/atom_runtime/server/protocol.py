@@ -71,6 +71,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_transfer_params: dict | None = None
@@ -161,6 +162,7 @@ class _SamplingFields(_Body):
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": _token_keys(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids,
+            "prompt_logprobs": self.prompt_logprobs,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "structured_outputs": self._structured(tool),
@@ -190,7 +192,7 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
             if self.echo:  # the prompt's tokens come back with their logprobs too
-                fields["prompt_logprobs"] = self.logprobs
+                fields["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return _build(fields, self.renames())
 
     def renames(self) -> dict[str, str]:

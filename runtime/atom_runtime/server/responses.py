@@ -92,6 +92,30 @@ def echoed_logprobs(
     }
 
 
+def prompt_logprobs(
+    prompt_ids: Sequence[int],
+    entries: Sequence[dict[int, float] | None],
+    ranks: Sequence[int | None],
+    k: int,
+    token_text: TokenText,
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), {token id: {logprob,
+    rank, decoded_token}} for the prompt's own token and the k most likely there."""
+    out: list[dict | None] = [None]
+    for token, entry, rank in zip(prompt_ids[1:], entries[1:], ranks[1:], strict=True):
+        item = {
+            str(t): {"logprob": float(lp), "rank": i + 1, "decoded_token": token_text(t)}
+            for i, (t, lp) in enumerate(_top(entry, k))
+        }
+        item[str(token)] = {
+            "logprob": float(entry[token]),
+            "rank": rank,
+            "decoded_token": token_text(token),
+        }
+        out.append(item)
+    return out
+
+
 def chat_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], k: int, token_text: TokenText
 ) -> dict:

@@ -140,6 +140,7 @@ class OpenAIServing:
             rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
         )
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=False)
+        shape.prompt_logprobs = req.prompt_logprobs
         if req.echo:
             shape.echo = [self._echo(text, ids) for text, ids in prompts]
         if req.stream:
@@ -186,6 +187,7 @@ class OpenAIServing:
             return _sse(self._stream(runs, shape))
         outs = await self._collect(request, runs)
         choices = []
+        shape.prompt_logprobs = req.prompt_logprobs
         for c in outs[0].outputs:
             lp = None
             if params.logprobs is not None:
@@ -193,17 +195,12 @@ class OpenAIServing:
             content, calls = tools.parse(c.text) if c.finish_reason else (c.text, [])
             reason = tools.finish_reason(calls, c.finish_reason)
             choices.append(R.chat_choice(c.index, content, reason, c.stop_reason, lp, calls))
-        return json_response(
-            R.completion_body(
-                rid,
-                shape.created,
-                model,
-                choices,
-                _usage(runs, outs),
-                _kv_transfer(outs),
-                chat=True,
-            )
+        body = R.completion_body(
+            rid, shape.created, model, choices, _usage(runs, outs), _kv_transfer(outs), chat=True
         )
+        if req.prompt_logprobs is not None:  # vLLM puts a chat's at the top level
+            body["prompt_logprobs"] = self._prompt_logprobs(shape, prompt_ids, outs[0])
+        return json_response(body)
 
     # -- submitting and collecting ---------------------------------------------------------------
 
@@ -335,8 +332,20 @@ class OpenAIServing:
         prompt = text if text is not None else self.tokenizer.decode(ids)
         return prompt, ids, sum(len(self.token_text(t)) for t in ids)
 
+    def _prompt_logprobs(self, shape, ids: list[int], out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs` of a prompt, when the request asked for them."""
+        k = shape.prompt_logprobs
+        if k is None or out.prompt_logprobs is None:
+            return None
+        return R.prompt_logprobs(
+            ids, out.prompt_logprobs, out.prompt_logprob_ranks, k, self.token_text
+        )
+
     def _echoed(self, shape, run: Run, out: RequestOutput, choice: dict) -> dict:
-        """A completion choice (or its first chunk) with the prompt in front, its logprobs too."""
+        """A completion choice (or its first chunk) with the prompt in front, its logprobs too,
+        and vLLM's prompt_logprobs when asked for."""
+        if shape.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(shape, out.prompt_token_ids, out)
         if shape.echo is None:
             return choice
         prompt, ids, _ = shape.echo[run.prompt_index]
@@ -424,6 +433,7 @@ class _Shape:
     tools: ToolPlan | None = None
     called: set[int] = field(default_factory=set)  # choices whose named call has begun
     echo: list[tuple[str, list[int], int]] | None = None  # per prompt, with `echo`: _echo()
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for: how many top ones
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:
         return R.completion_body(
