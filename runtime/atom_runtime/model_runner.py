@@ -564,6 +564,8 @@ class ModelRunner:
             counts = torch.zeros((len(seqs), vocab), dtype=torch.float32, device=dev)
             prompt_mask = torch.zeros((len(seqs), vocab), dtype=torch.bool, device=dev)
             for row, seq in enumerate(seqs):
+                if not seq.sampling_params.has_penalties:
+                    continue  # neutral row (its tokens may still be pending under async)
                 out_ids = torch.from_numpy(np.asarray(seq.output_token_ids, dtype=np.int64)).to(dev)
                 counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
                 prompt_ids = torch.from_numpy(np.asarray(seq.prompt_token_ids, dtype=np.int64)).to(

@@ -65,7 +65,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.final_pending:  # its last token is being sampled right now: nothing to run
+            if seq.final_pending or (seq.needs_token_history and seq.num_pending):
+                # Its last token is being sampled right now, or its next step needs the token
+                # still in flight (penalties, a grammar's mask): nothing to run this step.
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

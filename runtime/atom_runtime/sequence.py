@@ -70,7 +70,8 @@ class Sequence:
         self.num_pending = 0
         self.final_pending = False
         # Penalties read the output tokens themselves, a grammar's mask needs the last token
-        # consumed: such a sequence never runs on pending ones.
+        # consumed: such a sequence never runs on pending ones (the scheduler skips it while
+        # its token is in flight).
         self.needs_token_history = (
             sampling_params.has_penalties or sampling_params.structured_outputs is not None
         )

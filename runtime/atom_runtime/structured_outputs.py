@@ -8,8 +8,8 @@ Rust), built against the model's own tokenizer. Each step the model runner asks 
 sequence's matcher for its bitmask of allowed tokens and the sampler masks the rest; the engine
 feeds each sampled token back to the matcher, and finishes the sequence when the grammar is
 complete. A guided sequence's next step waits for its previous token (like the penalties, it
-needs its history), so while one runs, the engine completes each step before it schedules the
-next: the whole batch loses async scheduling's overlap meanwhile.
+needs its history): with async scheduling it sits out the steps prepared while its token is in
+flight (the scheduler skips it), and the rest of the batch keeps overlapping.
 """
 
 from __future__ import annotations

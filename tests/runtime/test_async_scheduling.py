@@ -88,6 +88,34 @@ def test_logprobs_and_penalties_match(engines):
         assert all(abs(a[k] - b[k]) < 1e-5 for k in a)
 
 
+def test_a_request_needing_its_history_skips_steps_instead_of_stalling_the_batch(engines):
+    """Penalties (and a grammar's mask) need the previous token, which async scheduling has not
+    read back when it prepares the next step. Such a request sits out the step while its token
+    is in flight (it advances every other step); the others keep the pipeline: the engine never
+    waits for a launched step before scheduling the next. Tokens stay those of the sync loop."""
+    on, off = engines
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hist = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)
+    finished_at, tokens = {}, {}
+    on.engine.add_request(EngineRequest("plain", PROMPTS[0], plain))
+    on.engine.add_request(EngineRequest("hist", PROMPTS[1], hist))
+    steps = 0
+    while on.engine.has_unfinished_requests():
+        steps += 1
+        for out in on.engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finished_at[out.request_id] = steps
+    assert finished_at["plain"] <= 14  # one token a step, one step behind
+    assert finished_at["hist"] >= 2 * 12 - 2  # one token every other step
+    want = off.generate(
+        [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
+        [plain, hist],
+        use_tqdm=False,
+    )
+    assert [tokens["plain"], tokens["hist"]] == [w.outputs[0].token_ids for w in want]
+
+
 def test_one_step_stays_in_flight_and_outputs_come_one_step_later(engines):
     on, off = engines
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -177,11 +177,6 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         outputs = []
-        if self._in_flight is not None and any(
-            seq.needs_token_history for seq in self._in_flight.samplers
-        ):
-            outputs += self._complete(self._in_flight)
-            self._in_flight = None
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         if self._in_flight is not None:
