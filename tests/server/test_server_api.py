@@ -255,7 +255,7 @@ def test_structured_outputs_every_way_to_ask(client, model_name):
 
     import jsonschema
 
-    chat = client.chat.completions.create(
+    ask = dict(
         model=model_name,
         messages=[{"role": "user", "content": "Who?"}],
         max_tokens=300,
@@ -263,17 +263,10 @@ def test_structured_outputs_every_way_to_ask(client, model_name):
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
         extra_body={"structured_outputs": {"disable_any_whitespace": True}},
     )
+    chat = client.chat.completions.create(**ask)
     assert chat.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
-    streamed = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "Who?"}],
-        max_tokens=300,
-        temperature=0,
-        stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
-        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
-    )
+    streamed = client.chat.completions.create(**ask, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == chat.choices[0].message.content
     compact = client.completions.create(

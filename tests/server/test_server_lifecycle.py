@@ -132,31 +132,37 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_models, tmp_p
     assert "SIGTERM handled" in srv.log()
 
 
-def test_engine_core_death_fails_requests_with_503_and_ends_server(tiny_models, tmp_path):
-    srv = launch(tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS)
+def _long_stream(srv, model: str, result: dict) -> tuple[threading.Thread, threading.Event]:
+    """A thread streaming a 980-token completion with the openai client; `result["stream"]` ends
+    as "completed" or the APIError, `result["at"]` when it ended. The event: streaming began."""
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
-    result: dict = {}
     started = threading.Event()
 
     def streaming():
         try:
             for _ in client.completions.create(
-                model=str(tiny_models["llama"]),
-                prompt="Hello",
-                max_tokens=980,
-                stream=True,
+                model=model, prompt="Hello", max_tokens=980, stream=True,
                 extra_body={"ignore_eos": True},
-            ):
+            ):  # fmt: skip
                 started.set()
             result["stream"] = "completed"
         except openai.APIError as e:
             result["stream"] = e
+        result["at"] = time.monotonic()
+
+    return threading.Thread(target=streaming), started
+
+
+def test_engine_core_death_fails_requests_with_503_and_ends_server(tiny_models, tmp_path):
+    srv = launch(tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS)
+    result: dict = {}
+    stream, started = _long_stream(srv, str(tiny_models["llama"]), result)
 
     def blocking():
         r = httpx.post(f"{srv.url}/v1/completions", json=LONG, timeout=30)
         result["blocking"] = r
 
-    threads = [threading.Thread(target=streaming), threading.Thread(target=blocking)]
+    threads = [stream, threading.Thread(target=blocking)]
     for t in threads:
         t.start()
     assert started.wait(30)
@@ -196,23 +202,8 @@ def test_hung_engine_core_is_killed_after_the_stall_timeout(tiny_models, tmp_pat
     assert done.status_code == 200, done.text
     assert done.json()["usage"]["completion_tokens"] == 980
 
-    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
     result: dict = {}
-    started = threading.Event()
-
-    def streaming():
-        try:
-            for _ in client.completions.create(
-                model=str(tiny_models["llama"]), prompt="Hello", max_tokens=980, stream=True,
-                extra_body={"ignore_eos": True},
-            ):  # fmt: skip
-                started.set()
-            result["stream"] = "completed"
-        except openai.APIError as e:
-            result["stream"] = e
-        result["at"] = time.monotonic()
-
-    thread = threading.Thread(target=streaming)
+    thread, started = _long_stream(srv, str(tiny_models["llama"]), result)
     thread.start()
     assert started.wait(30)
     engine = srv.engine_pid()

@@ -29,7 +29,12 @@ import torch
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
-from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
+from atom_runtime.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    check_token_ids,
+)
 from atom_runtime.executor import make_executor
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.layers.sampler import SamplerOutput
@@ -132,9 +137,7 @@ class EngineCore:
         if not prompt:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        check_token_ids("prompt", prompt, vocab)
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt)} tokens leave no room to generate within the context "
@@ -142,9 +145,7 @@ class EngineCore:
             )
         params = request.sampling_params
         for field, ids in params.token_ids_named().items():
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
+            check_token_ids(field, ids, vocab)
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceed the "

@@ -46,7 +46,7 @@ from atom_runtime.engine.core_proc import (
     UtilityResult,
     run_engine_core,
 )
-from atom_runtime.engine.messages import EngineRequest, EngineStats
+from atom_runtime.engine.messages import EngineRequest, EngineStats, check_token_ids
 from atom_runtime.output_processor import OutputProcessor, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -239,10 +239,8 @@ class EngineCoreClient:
         ("field: message") when the engine refuses it, EngineDeadError when it is gone."""
         if self.dead or self.processor is None:
             raise EngineDeadError("the engine core is not running")
-        vocab = self.ready.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:  # refused here too: an id past int64 cannot even be sent
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+        # Refused here too, not only in the engine: an id past int64 cannot even be sent.
+        check_token_ids("prompt", prompt_token_ids, self.ready.vocab_size)
         reqs: list[EngineRequest] = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, kv_transfer_params
         )
@@ -326,8 +324,8 @@ class EngineCoreClient:
         woke = time.monotonic()
         while not self.dead and not self._closing:
             await asyncio.sleep(tick)
-            now, slept = time.monotonic(), time.monotonic() - woke
-            woke = now
+            now = time.monotonic()
+            slept, woke = now - woke, now
             if slept > 2 * tick:
                 continue  # this loop was blocked: let the reader drain what queued up first
             silent = now - self.last_heard

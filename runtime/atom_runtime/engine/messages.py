@@ -11,6 +11,13 @@ import msgspec
 from atom_runtime.sampling_params import SamplingParams
 
 
+def check_token_ids(field: str, ids, vocab_size: int) -> None:
+    """ValueError naming `field` for the first id outside [0, vocab_size)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 class EngineRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]

@@ -7,6 +7,7 @@ cannot hold (msgspec raises TypeError on an `array`), so a missed conversion fai
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -76,7 +77,7 @@ def echoed_logprobs(
     """/v1/completions `logprobs` with `echo`: the prompt's tokens first (the first has no
     logprob), then the output's (`output`, whose text offsets already count the prompt)."""
     tokens = [token_text(t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
     token_lps = [None] + [
         float(e[t]) for t, e in zip(prompt_ids[1:], prompt_logprobs[1:], strict=True)
     ]
