@@ -313,3 +313,18 @@ def test_a_second_gather_into_one_slot_is_refused():
     with pytest.raises(RuntimeError, match="already queued"):
         maint.queue_restore("b", 2, hit)
     assert store.total_pins == 1
+
+
+def test_a_flush_carries_copies_that_hold_slots_when_nothing_can_be_scheduled():
+    store, maint = _setup()
+    staged = store.stage(42, BS)
+    maint.queue_store("a", 0, staged, after_batch=1)
+    assert maint.needs_flush is False  # the request still owns its slot
+    assert maint.free_request("a", 0) == []
+    assert maint.needs_flush is True  # slot 0 waits on a copy no batch carries yet
+    assert maint.take_for_batch(2, 0) is None  # an empty batch still drains nothing
+    ops = maint.take_for_batch(3, 0, flush=True)
+    assert [op.ref for op in ops.stores] == [staged.ref]
+    assert maint.needs_flush is False  # in flight now: batch_done will release it
+    outcome = maint.batch_done(3)
+    assert outcome.released_slots == [0] and outcome.published == [staged.ref]

@@ -306,15 +306,18 @@ class StateMaintenance:
 
     # -- the batch boundary --------------------------------------------------------------------
 
-    def take_for_batch(self, batch_id: int, num_scheduled: int) -> StateMaintenanceOps | None:
+    def take_for_batch(
+        self, batch_id: int, num_scheduled: int, *, flush: bool = False
+    ) -> StateMaintenanceOps | None:
         """The ops batch_id carries, drained exactly once; None when it carries none. A batch
-        that schedules no sequence runs no launch: it drains nothing and unpins nothing."""
+        that schedules no sequence runs no launch: it drains nothing and unpins nothing, unless
+        flush says the engine will run the launch alone (see `needs_flush`)."""
         if self._last_batch is not None and batch_id <= self._last_batch:
             raise ValueError(
                 f"batch_id: {batch_id} is not after the last batch taken ({self._last_batch})"
             )
         self._last_batch = batch_id
-        if num_scheduled <= 0:
+        if num_scheduled <= 0 and not flush:
             return None
         stores, keep = [], []
         for after, op in self._stores:
@@ -392,6 +395,20 @@ class StateMaintenance:
         return sorted(set(released))
 
     # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def needs_flush(self) -> bool:
+        """True when slots are held by queued copies that no batch carries yet. With nothing to
+        schedule (every slot held, say) no real batch would come to carry them and admission
+        would wait forever: the engine then runs a maintenance-only launch (flush=True)."""
+        return any(self._queued_refs(s) for s in self._released_pending)
+
+    def _queued_refs(self, slot: int) -> bool:
+        return (
+            any(op.slot == slot for _, op in self._stores)
+            or any(op.slot == slot for op in self._restores)
+            or any(slot in (op.src_slot, op.dst_slot) for op in self._relocations)
+        )
 
     @property
     def num_outstanding_restores(self) -> int:
