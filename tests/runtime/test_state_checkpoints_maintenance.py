@@ -169,7 +169,9 @@ def _ready_hit(store, maint, prefix_hash=7, batch=0):
     staged = store.stage(prefix_hash, BS)
     store.launch(staged.ref, batch)
     store.publish(batch)
-    return store.lookup([prefix_hash], 1)
+    hit = store.lookup([prefix_hash], 1)
+    store.acquire(hit.ref)  # admission pins right after the lookup
+    return hit
 
 
 def test_an_empty_batch_does_not_drain_or_unpin_a_queued_restore():
@@ -223,10 +225,21 @@ def test_a_restore_in_flight_when_its_request_is_freed_unpins_when_the_batch_ran
 def test_a_vanished_checkpoint_raises_when_a_restore_is_queued():
     store, maint = _setup(max_units=3)
     hit = _ready_hit(store, maint, prefix_hash=7)
-    _ready_hit(store, maint, prefix_hash=8, batch=1)  # evicts 7's record
+    store.release(hit.ref)  # looked up and pinned, then given up
+    assert store.reclaim(3) == 3  # live KV took it
     with pytest.raises(RuntimeError, match="vanished"):
         maint.queue_restore("a", 2, hit)
+    with pytest.raises(RuntimeError, match="vanished"):
+        store.acquire(hit.ref)
     assert maint.queued() == (0, 0, 0)
+
+
+def test_a_restore_queued_without_a_pin_is_refused():
+    store, maint = _setup()
+    hit = _ready_hit(store, maint)
+    store.release(hit.ref)
+    with pytest.raises(RuntimeError, match="without a pin"):
+        maint.queue_restore("a", 2, hit)
 
 
 def test_a_store_rides_the_first_real_batch_after_the_one_that_reached_the_boundary():
@@ -310,8 +323,10 @@ def test_a_second_gather_into_one_slot_is_refused():
     store, maint = _setup()
     hit = _ready_hit(store, maint)
     maint.queue_restore("a", 2, hit)
+    store.acquire(hit.ref)
     with pytest.raises(RuntimeError, match="already queued"):
         maint.queue_restore("b", 2, hit)
+    store.release(hit.ref)
     assert store.total_pins == 1
 
 

@@ -192,6 +192,11 @@ class StateCheckpointStore:
         rec = self._find(ref)
         return rec.state if rec is not None else None
 
+    def pins_of(self, ref: CheckpointRef) -> int:
+        """Readers pinning the record; 0 when the reference no longer names a live record."""
+        rec = self._find(ref)
+        return rec.pins if rec is not None else 0
+
     # -- staging and publication ---------------------------------------------------------------
 
     def stage(

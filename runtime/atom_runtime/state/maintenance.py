@@ -283,12 +283,19 @@ class StateMaintenance:
         return op
 
     def queue_restore(self, seq_id: str, slot: int, hit: CheckpointHit) -> RestoreOp:
-        """Gather a READY checkpoint into seq's slot on the next real batch; pins it until then."""
+        """Gather a checkpoint into seq's slot on the next real batch. The caller pinned it with
+        `store.acquire(hit.ref)` right after the lookup (before allocating KV, which may reclaim
+        checkpoints); this op takes that pin over and drops it once the carrying batch has run,
+        or when the request is freed first."""
         slot = _slot(slot)
         if any(r.slot == slot for r in self._restores):
             raise RuntimeError(f"slot {slot}: a restore into it is already queued")
-        units = self.store.acquire(hit.ref)
-        op = RestoreOp(seq_id, slot, hit.ref, units)
+        if self.store.pins_of(hit.ref) < 1:
+            raise RuntimeError(
+                f"state checkpoint {hit.ref.index}.{hit.ref.generation}: restore queued without "
+                "a pin (acquire it right after the lookup), or it vanished"
+            )
+        op = RestoreOp(seq_id, slot, hit.ref, hit.units)
         self._restores.append(op)
         self._slot_refs[slot] += 1
         return op
@@ -417,8 +424,9 @@ class StateMaintenance:
 
     @property
     def held_slots(self) -> set[int]:
-        """Slots freed by their request that a queued or in-flight copy still references."""
-        return {s for s in self._released_pending if self._slot_refs[s] > 0}
+        """Slots freed by their request and not handed back yet: a queued or in-flight copy
+        still references them, or the next batch_done returns them."""
+        return {s for s in self._released_pending if self._slot_refs[s] > 0} | set(self._backlog)
 
     def queued(self) -> tuple[int, int, int]:
         """(stores, restores, relocations) waiting for a real batch."""
