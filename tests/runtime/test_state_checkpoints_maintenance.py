@@ -343,3 +343,14 @@ def test_a_flush_carries_copies_that_hold_slots_when_nothing_can_be_scheduled():
     assert maint.needs_flush is False  # in flight now: batch_done will release it
     outcome = maint.batch_done(3)
     assert outcome.released_slots == [0] and outcome.published == [staged.ref]
+
+
+def test_a_store_queued_after_a_later_batch_was_taken_is_refused():
+    store, maint = _setup()
+    maint.take_for_batch(5, 1)
+    maint.take_for_batch(6, 1)  # may have advanced the slot past batch 5's boundary
+    staged = store.stage(42, BS)
+    with pytest.raises(RuntimeError, match="queued too late"):
+        maint.queue_store("a", 0, staged, after_batch=5)
+    maint.queue_store("a", 0, staged, after_batch=6)  # right after the batch that reached it
+    assert maint.queued() == (1, 0, 0)

@@ -277,6 +277,14 @@ class StateMaintenance:
         slot to the boundary) is behind: it rides the first real batch after it."""
         if not self.store.is_pending_copy(staged.ref):
             raise RuntimeError(f"state checkpoint {staged.ref}: not a queued copy (vanished?)")
+        if self._last_batch is not None and after_batch < self._last_batch:
+            # A later batch was already taken: it may have moved the slot past the boundary,
+            # so the copy would capture the wrong state.
+            raise RuntimeError(
+                f"state checkpoint {staged.ref}: queued too late (after batch {after_batch}, "
+                f"but batch {self._last_batch} is already taken); stage a boundary before "
+                "taking the next batch"
+            )
         op = StoreOp(seq_id, _slot(slot), staged.ref, staged.units)
         self._stores.append((after_batch, op))
         self._slot_refs[op.slot] += 1
