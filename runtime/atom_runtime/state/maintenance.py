@@ -94,7 +94,9 @@ class StateMaintenanceOps:
     def __bool__(self) -> bool:
         return bool(self.relocations or self.stores or self.restores)
 
-    def unit_table(self, spec: PagedStateCheckpointSpec, num_pool_units: int, num_slots: int):
+    def unit_table(
+        self, spec: PagedStateCheckpointSpec, num_pool_units: int, num_slots: int
+    ) -> UnitCopyTable:
         return plan_unit_table(self, spec, num_pool_units, num_slots)
 
 
