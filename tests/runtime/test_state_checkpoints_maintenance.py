@@ -95,13 +95,20 @@ class _Pools:
     """A KV pool of per-layer K/V tensors and a slot pool of per-layer GDN state tensors, shaped as
     the engine holds them, with awkward sizes: the image does not fill its last unit."""
 
-    def __init__(self, num_blocks=9, num_slots=5):
+    def __init__(self, num_blocks=9, num_slots=5, device="cpu", kv_dtype=torch.float32):
         state = gated_deltanet_state_tensors(2, 10, 4, 2, 8, 5, torch.bfloat16, torch.float32)
-        self.plan = StatePoolPlan(8, 1, 1, 6, torch.float32, state)
+        # 384-byte units whatever the KV dtype: head_dim 6 in fp32, 12 in bf16.
+        self.plan = StatePoolPlan(8, 1, 1, 24 // kv_dtype.itemsize, kv_dtype, state)
         self.spec = PagedStateCheckpointSpec.from_plan(self.plan)
         g = torch.Generator().manual_seed(0)
-        self.kv = [torch.randn((num_blocks, 8, 1, 6), generator=g) for _ in range(2)]
-        self.state = [torch.randn((num_slots, *t.shape), generator=g).to(t.dtype) for t in state]
+        kv_shape = (num_blocks, 8, 1, self.plan.head_dim)
+        self.kv = [
+            torch.randn(kv_shape, generator=g).to(device=device, dtype=kv_dtype) for _ in range(2)
+        ]
+        self.state = [
+            torch.randn((num_slots, *t.shape), generator=g).to(device=device, dtype=t.dtype)
+            for t in state
+        ]
         self.num_blocks, self.num_slots = num_blocks, num_slots
 
     def run(self, ops):
@@ -114,8 +121,15 @@ class _Pools:
         )
 
 
-def test_reference_store_then_restore_is_bitwise_exact():
-    pools = _Pools()
+@pytest.mark.parametrize(
+    "device, kv_dtype",
+    [
+        ("cpu", torch.float32),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
+def test_reference_store_then_restore_is_bitwise_exact(device, kv_dtype):
+    pools = _Pools(device=device, kv_dtype=kv_dtype)
     assert pools.spec.page_unit_bytes == 384 and pools.spec.image_bytes == 760
     assert pools.spec.units_per_image == 2
     original = [t[1].clone() for t in pools.state]
