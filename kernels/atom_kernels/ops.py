@@ -420,3 +420,181 @@ def rms_norm_linear_small_m(
         return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
     normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
     return linear_small_m(normed, weight, bias, act=act), total
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid (linear-attention) models. Shapes: T tokens of the batch packed back to back, B
+# sequences, S slots in the state pool. query_start_loc int32 [B+1] (0 first); slot_ids int32
+# [B] (-1: padding row, nothing read or written, zero output); has_initial_state bool [B]
+# (False: start from zero state whatever the slot holds).
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_rows(query_start_loc, slot_ids, has_initial_state, device) -> None:
+    if query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32:
+        raise ValueError(
+            f"query_start_loc must be int32 [B+1], got {query_start_loc.dtype} "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    b = query_start_loc.shape[0] - 1
+    if b < 0:
+        raise ValueError("query_start_loc must hold at least one entry (0)")
+    if slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        raise ValueError(
+            f"slot_ids must be int32 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}"
+        )
+    if has_initial_state.dtype != torch.bool or tuple(has_initial_state.shape) != (b,):
+        raise ValueError(
+            f"has_initial_state must be bool [{b}], got {has_initial_state.dtype} "
+            f"{tuple(has_initial_state.shape)}"
+        )
+    for name, t in (
+        ("query_start_loc", query_start_loc),
+        ("slot_ids", slot_ids),
+        ("has_initial_state", has_initial_state),
+    ):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d over packed sequences, with a per-slot rolling input state.
+
+    x `[T, D]`; weight `[D, W]`; bias `[D]` or None; conv_state `[S, D, W-1]` holds the last
+    W-1 inputs of each slot's sequence, oldest first. Sequence b (tokens `query_start_loc[b]:
+    query_start_loc[b+1]`) is convolved over `[conv_state[slot] (or zeros) ; x_b]`, and the
+    slot is overwritten in place with the last W-1 inputs of that concatenation (so a
+    sequence shorter than W-1 keeps part of the old state). Returns y `[T, D]` in x's dtype,
+    `act(conv + bias)` (activation "silu" or None); padding rows (slot -1) give zeros."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
+    d = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != d or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [{d}, W] with W >= 2, got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (d,):
+        raise ValueError(f"bias must be [{d}], got {tuple(bias.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (d, width - 1):
+        raise ValueError(f"conv_state must be [S, {d}, {width - 1}], got {tuple(conv_state.shape)}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r}: expected 'silu' or None")
+    _check_rows(query_start_loc, slot_ids, has_initial_state, x.device)
+    args = (x, weight, bias, conv_state, query_start_loc, slot_ids, has_initial_state, activation)
+    if _use_triton(x):
+        return _triton().causal_conv1d_(*args)
+    return reference.causal_conv1d_(*args)
+
+
+def gated_delta_rule_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) over packed sequences.
+
+    q, k `[T, Hk, Dk]`; v `[T, Hv, Dv]`, Hv a multiple of Hk (k head h serves v heads
+    `h * Hv/Hk ...`); g `[T, Hv]` fp32 log decay (<= 0); beta `[T, Hv]` in (0, 1); state
+    `[S, Hv, Dk, Dv]` updated in place for every real row's slot. Per head, in fp32: q and k
+    L2-normalised over Dk when `use_qk_l2norm` (eps 1e-6), q scaled by `scale`, then per token
+    `S = S * exp(g); S = S + k^T (beta * (v - k S)); o = q S`. Returns o `[T, Hv, Dv]` in v's
+    dtype (zeros on padding rows)."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must both be [T, Hk, Dk], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    t, hk, dk = q.shape
+    if v.dim() != 3 or v.shape[0] != t or v.shape[1] % hk:
+        raise ValueError(
+            f"v must be [{t}, Hv, Dv] with Hv a multiple of {hk}, got {tuple(v.shape)}"
+        )
+    hv, dv = v.shape[1], v.shape[2]
+    if tuple(g.shape) != (t, hv) or g.dtype != torch.float32:
+        raise ValueError(f"g must be fp32 [{t}, {hv}], got {g.dtype} {tuple(g.shape)}")
+    if tuple(beta.shape) != (t, hv):
+        raise ValueError(f"beta must be [{t}, {hv}], got {tuple(beta.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"state must be [S, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
+    _check_rows(query_start_loc, slot_ids, has_initial_state, q.device)
+    args = (q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale)
+    if _use_triton(q):
+        return _triton().gated_delta_rule_(*args, use_qk_l2norm)
+    return reference.gated_delta_rule_(*args, use_qk_l2norm)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rms_norm(x) * weight * silu(z)` over the last dim (Qwen3-Next's RMSNormGated, norm
+    before gate): x, z `[N, D]`, weight `[D]`; fp32 math, returned in x's dtype."""
+    if x.dim() != 2 or z.shape != x.shape:
+        raise ValueError(f"x and z must both be [N, D], got {tuple(x.shape)}, {tuple(z.shape)}")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+    if _use_triton(x):
+        return _triton().gated_rms_norm(x, z, weight, eps)
+    return reference.gated_rms_norm(x, z, weight, eps)
+
+
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: softmax over the E experts in fp32 (`router_logits [T, E]`), the top_k
+    experts, their weights rescaled to sum 1 when `renormalize`. Returns (topk_weights fp32
+    `[T, top_k]`, topk_ids int32 `[T, top_k]`). Torch on every device (one softmax + topk)."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}]")
+    return reference.moe_topk(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Sparse MoE with SwiGLU experts: `y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e,
+    :I] @ x[t]) * (w13[e, I:] @ x[t]))`, e = topk_ids[t, j].
+
+    x `[T, H]`; w13 `[E, 2I, H]` (gate rows then up rows); w2 `[E, H, I]`; topk_weights fp32
+    `[T, K]`; topk_ids int32 `[T, K]` in [0, E). Returns `[T, H]` in x's dtype. On a GPU:
+    tokens sorted by expert and two grouped Triton GEMMs (no loop over experts)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    t, h = x.shape
+    if w13.dim() != 3 or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, {h}], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"w2 must be [{e}, {h}, {inter}], got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype != torch.int32:
+        raise ValueError(
+            f"topk_ids must be int32 [{t}, K], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
+            f"{tuple(topk_weights.shape)}"
+        )
+    if _use_triton(x):
+        return _triton().fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
