@@ -58,10 +58,13 @@ def _triton() -> SimpleNamespace:
     global _triton_impls
     if _triton_impls is None:
         from atom_kernels import (
+            conv1d,
             decode_attention,
             fused,
+            gdn,
             gemv,
             kv_cache,
+            moe,
             norm,
             prefill_attention,
             rotary,
@@ -79,6 +82,10 @@ def _triton() -> SimpleNamespace:
             gemv=gemv.gemv,
             max_norm_row=gemv.MAX_NORM_ROW,
             RopeStore=gemv.RopeStore,
+            causal_conv1d_=conv1d.causal_conv1d_,
+            gated_delta_rule_=gdn.gated_delta_rule_,
+            gated_rms_norm=norm.gated_rms_norm,
+            fused_moe=moe.fused_moe,
         )
     return _triton_impls
 
