@@ -28,6 +28,7 @@ KERNEL_MODULES = (
     "atom_kernels.conv1d",
     "atom_kernels.gdn",
     "atom_kernels.moe",
+    "atom_kernels.state_copy",
 )
 
 

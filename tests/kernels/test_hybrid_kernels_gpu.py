@@ -171,3 +171,34 @@ def test_decode_step_replays_in_a_cuda_graph_with_new_slots(kernels):
         torch.testing.assert_close(got, ref, **BF16)
     torch.testing.assert_close(conv["conv_state"], conv_want_state, **BF16)
     torch.testing.assert_close(gdn["state"], gdn_want_state, **BF16)
+
+
+def test_state_copy_large_units_and_graph_replay_with_a_new_table(kernels):
+    """State-checkpoint byte copy: 1 MiB-class units between a slot pool and a page pool,
+    captured in a CUDA graph with its table on the device, replayed after the table changed."""
+    from atom_kernels.copy_table import state_copy_table
+
+    unit = 64 * 1024 + 16  # words of 8 bytes, a tail past the 2048-word block
+    pages = torch.randint(0, 256, (40 * unit,), dtype=torch.uint8, device="cuda")
+    slots = torch.randint(0, 256, (8 * unit,), dtype=torch.uint8, device="cuda")
+    sizes = [pages.numel(), slots.numel()]
+    first = state_copy_table(
+        [(1, 0, unit, 0, 3 * unit, 5 * unit, 4), (0, 30 * unit, unit, 1, 6 * unit, unit, 2)],
+        sizes, unit,
+    ).cuda()  # fmt: skip
+    second = state_copy_table(
+        [(1, 2 * unit, unit, 0, 0, unit, 3), (0, 20 * unit, -unit, 1, 5 * unit, unit, 3)],
+        sizes, unit,
+    ).cuda()  # fmt: skip
+    table = first.clone()
+    ops.state_copy_([pages, slots], table, unit, 8)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.state_copy_([pages, slots], table, unit, 8)
+    table.copy_(second)
+    want = [pages.clone(), slots.clone()]
+    reference.state_copy_(want, second, unit, 8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(pages, want[0]) and torch.equal(slots, want[1])
