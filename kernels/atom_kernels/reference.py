@@ -366,7 +366,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
         u = writes_v[:, c] - writes_s[:, c] @ state  # the chunk's writes given the entry state
         out[:, c] = q_decayed[:, c] @ state + attn[:, c] @ u
         state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
-    return out.reshape(heads, n * chunk, -1)[:, :length], state
+    return out.reshape(heads, n * chunk, v.shape[-1])[:, :length], state
 
 
 def gated_delta_rule_(

@@ -139,3 +139,44 @@ def test_ops_dispatch_hybrid_ops_to_triton(kernels, device, monkeypatch):
     finally:
         monkeypatch.delenv("ATOM_KERNEL_BACKEND")
         ops.refresh_backend()
+
+
+def test_fla_prefill_wrapper_gathers_and_scatters_slot_states(kernels, monkeypatch):
+    """The fla-core path's own logic (slot gather, zero initial states where a row does not
+    resume, padding rows zeroed, final states back to the real rows' slots) on CPU, with a
+    stand-in for fla's `chunk_gated_delta_rule` (which needs a GPU) that follows fla's
+    documented varlen contract: q, k `[1, T, H, K]` (H = HV here), initial_state `[N, HV, K,
+    V]` fp32, returns (o `[1, T, HV, V]`, final states `[N, HV, K, V]`)."""
+    gdn = kernels["gdn"]
+    seen = {}
+
+    def fla_chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                  cu_seqlens, use_qk_l2norm_in_kernel):  # fmt: skip
+        seen.update(heads=q.shape[2], cu=cu_seqlens.dtype, h0=initial_state.clone())
+        assert output_final_state
+        o = torch.empty(v.shape, dtype=v.dtype)
+        finals = []
+        bounds = cu_seqlens.tolist()
+        for n in range(len(bounds) - 1):
+            lo, hi = bounds[n], bounds[n + 1]
+            qs, ks, vs, gs, bs = reference._gdn_inputs(
+                q[0, lo:hi], k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi], scale,
+                use_qk_l2norm_in_kernel,
+            )  # fmt: skip
+            out, s = reference.gdn_chunked(qs, ks, vs, gs, bs, initial_state[n])
+            o[0, lo:hi] = out.transpose(0, 1).to(o.dtype)
+            finals.append(s)
+        return o, torch.stack(finals)
+
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: fla_chunk)
+    case = gdn_case(
+        lens=[7, 1, 3, 0, 5], slots=[2, 0, -1, 4, 1], resume=[True, False, True, True, False],
+        hk=1, hv=2, dk=8, dv=4, seed=28,
+    )  # fmt: skip
+    want_state = case["state"].clone()
+    want = reference.gated_delta_rule_(**{**case, "state": want_state})
+    got = gdn.gated_delta_rule_chunked_fla_(**case)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(case["state"], want_state, atol=1e-5, rtol=1e-5)
+    assert seen["heads"] == 2 and seen["cu"] == torch.int64
+    assert torch.count_nonzero(seen["h0"][[1, 2, 4]]) == 0  # fresh, padding, fresh rows
