@@ -39,7 +39,7 @@ import asyncio
 import datetime
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -250,6 +250,90 @@ def _report(body: kopf.Body, results: Iterable[apply.Applied]) -> None:
 # --- change handlers --------------------------------------------------------------------------
 
 
+Step = Callable[[apply.KubeAPI, list[dict[str, Any]], str], Awaitable[list[apply.Applied] | None]]
+
+
+async def converge(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    step: Step,
+) -> list[apply.Applied] | None:
+    """The one path every change takes: plan (validate and render every child), apply `step`
+    to the plan, report what changed as an event, write status with observedGeneration.
+
+    `step(api, children, uid)` does the writes and returns what happened, or None when it had
+    nothing to do for this change (then nothing is reported and status is left alone).
+    """
+    meta = body.get("metadata") or {}
+    try:
+        children = plan(body)
+    except SpecError as error:
+        raise _refuse_invalid(body, patch, role_deployments, error) from error
+    api = _connection(memo).api()
+    try:
+        results = await step(api, children, meta["uid"])
+    except (apply.ApiError, apply.OwnershipError) as error:
+        raise _api_failure(body, error, retry) from error
+    if results is None:
+        return None
+    _report(body, results)
+    write_status(
+        body,
+        patch,
+        _owned(role_deployments, meta["namespace"], meta["name"]),
+        applied_generation=meta.get("generation"),
+        with_generation=True,
+    )
+    return results
+
+
+def apply_everything(namespace: str) -> Step:
+    """The reconcile step: create-or-patch every child, then delete the ones not rendered."""
+
+    async def step(
+        api: apply.KubeAPI, children: list[dict[str, Any]], uid: str
+    ) -> list[apply.Applied]:
+        instance = children[0]["metadata"]["labels"][status.DEPLOYMENT_LABEL]
+        results = await apply.apply_children(api, children, uid)
+        return results + await apply.prune_children(
+            api,
+            children,
+            namespace=namespace,
+            selector=f"{status.DEPLOYMENT_LABEL}={instance}",
+            uid=uid,
+        )
+
+    return step
+
+
+def apply_replicas(role: str, spec: Mapping[str, Any]) -> Step:
+    """The scale step: only spec.replicas of the role's Deployment (everything when it is
+    missing); nothing when the role is gone or an autoscaler owns its replica count."""
+
+    async def step(
+        api: apply.KubeAPI, children: list[dict[str, Any]], uid: str
+    ) -> list[apply.Applied] | None:
+        if role not in spec:
+            return None  # the role was removed in the same edit; the change handler does that
+        if spec[role]["autoscaling"]["enabled"]:
+            return None
+        deployment = next(
+            c
+            for c in children
+            if c["kind"] == "Deployment"
+            and c["metadata"].get("labels", {}).get(status.ROLE_LABEL) == role
+        )
+        result = await apply.scale_deployment(api, deployment, uid)
+        if result is None:
+            return await apply.apply_children(api, children, uid)
+        return [result]
+
+    return step
+
+
 async def reconcile(
     body: kopf.Body,
     patch: kopf.Patch,
@@ -258,58 +342,12 @@ async def reconcile(
     role_deployments: kopf.Index,
     logger: logging.Logger | logging.LoggerAdapter,
 ) -> None:
-    """Render everything, then create-or-patch each child, then write status."""
-    meta = body.get("metadata") or {}
-    try:
-        children = plan(body)
-    except SpecError as error:
-        raise _refuse_invalid(body, patch, role_deployments, error) from error
-    api = _connection(memo).api()
-    selector = (
-        f"{status.DEPLOYMENT_LABEL}={children[0]['metadata']['labels'][status.DEPLOYMENT_LABEL]}"
+    """Render everything, then create-or-patch each child, prune, then write status."""
+    namespace = (body.get("metadata") or {})["namespace"]
+    results = await converge(
+        body, patch, memo, retry, role_deployments, apply_everything(namespace)
     )
-    try:
-        results = await apply.apply_children(api, children, meta["uid"])
-        results += await apply.prune_children(
-            api, children, namespace=meta["namespace"], selector=selector, uid=meta["uid"]
-        )
-    except (apply.ApiError, apply.OwnershipError) as error:
-        raise _api_failure(body, error, retry) from error
-    _report(body, results)
-    logger.info("applied: %s", ", ".join(str(r) for r in results))
-    write_status(
-        body,
-        patch,
-        _owned(role_deployments, meta["namespace"], meta["name"]),
-        applied_generation=meta.get("generation"),
-        with_generation=True,
-    )
-
-
-@kopf.on.create(GROUP, VERSION, PLURAL)
-async def on_create(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    await reconcile(body, patch, memo, retry, role_deployments, logger)
-
-
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-async def on_resume(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    await reconcile(body, patch, memo, retry, role_deployments, logger)
+    logger.info("applied: %s", ", ".join(str(r) for r in results or []))
 
 
 def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
@@ -318,8 +356,10 @@ def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
     return bool(paths) and all(path in REPLICA_FIELDS for path in paths)
 
 
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, when=lambda diff, **_: not only_replicas_changed(diff))
-async def on_update(
+async def on_change(
     body: kopf.Body,
     patch: kopf.Patch,
     memo: kopf.Memo,
@@ -328,6 +368,8 @@ async def on_update(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
+    """Creation, resumption after an operator restart, and any edit other than a replica
+    count: the whole reconcile."""
     await reconcile(body, patch, memo, retry, role_deployments, logger)
 
 
@@ -341,45 +383,16 @@ async def scale(
     logger: logging.Logger | logging.LoggerAdapter,
 ) -> None:
     """Patch only spec.replicas of the role's Deployment (whole reconcile if it is missing)."""
-    meta = body.get("metadata") or {}
-    try:
-        children = plan(body)
-    except SpecError as error:
-        raise _refuse_invalid(body, patch, role_deployments, error) from error
-    spec = apply_defaults(dict(body.get("spec") or {}))
-    if role not in spec:
-        return  # the role was removed in the same edit; on_update handles that
-    if spec[role]["autoscaling"]["enabled"]:
-        logger.info("spec.%s.replicas ignored: the role's HorizontalPodAutoscaler owns it", role)
-        return
-    deployment = next(
-        c
-        for c in children
-        if c["kind"] == "Deployment"
-        and c["metadata"].get("labels", {}).get(status.ROLE_LABEL) == role
-    )
-    api = _connection(memo).api()
-    try:
-        result = await apply.scale_deployment(api, deployment, meta["uid"])
-        results = (
-            [result]
-            if result is not None
-            else await apply.apply_children(api, children, meta["uid"])
-        )
-    except (apply.ApiError, apply.OwnershipError) as error:
-        raise _api_failure(body, error, retry) from error
-    _report(body, results)
-    write_status(
-        body,
-        patch,
-        _owned(role_deployments, meta["namespace"], meta["name"]),
-        applied_generation=meta.get("generation"),
-        with_generation=True,
-    )
+    spec = apply_defaults(_plain(body)["spec"])
+    results = await converge(body, patch, memo, retry, role_deployments, apply_replicas(role, spec))
+    if results is None and role in spec:
+        logger.info("spec.%s.replicas ignored: the role's autoscaler owns it", role)
 
 
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.decode.replicas")
-async def on_decode_replicas(
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.prefill.replicas", param="prefill")
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.decode.replicas", param="decode")
+async def on_replicas(
+    param: str,
     reason: str,
     body: kopf.Body,
     patch: kopf.Patch,
@@ -389,23 +402,9 @@ async def on_decode_replicas(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
+    """A change of one role's replica count; `param` names the role."""
     if reason == "update":  # creation and resumption are whole reconciles already
-        await scale("decode", body, patch, memo, retry, role_deployments, logger)
-
-
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.prefill.replicas")
-async def on_prefill_replicas(
-    reason: str,
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    if reason == "update":
-        await scale("prefill", body, patch, memo, retry, role_deployments, logger)
+        await scale(param, body, patch, memo, retry, role_deployments, logger)
 
 
 # --- status -----------------------------------------------------------------------------------
