@@ -39,17 +39,21 @@ import asyncio
 import datetime
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
-from atom_operator import apply, status
-from atom_operator.render import endpoint_url, render_children
-from atom_operator.schema import GROUP, PLURAL, VERSION
-from atom_operator.spec import SpecError, apply_defaults
+from atom_operator import apply, autoscale, status
+from atom_operator.render import endpoint_url, label_value, render_children
+from atom_operator.schema import ENGINE_HTTP_PORT, GROUP, PLURAL, VERSION
+from atom_operator.spec import ROLES, SpecError, apply_defaults, validate_spec
 
 STATUS_INTERVAL = float(os.environ.get("ATOM_OPERATOR_STATUS_INTERVAL", "10"))
+AUTOSCALE_INTERVAL = float(os.environ.get("ATOM_OPERATOR_AUTOSCALE_INTERVAL", "10"))
+SCRAPE_TIMEOUT = float(os.environ.get("ATOM_OPERATOR_SCRAPE_TIMEOUT", "3"))
 REPLICA_FIELDS = {("spec", "decode", "replicas"), ("spec", "prefill", "replicas")}
 ANNOTATION_PREFIX = GROUP  # kopf's bookkeeping annotations live under serving.atom.dev/
 
@@ -446,3 +450,201 @@ async def fold_children_status(
         applied_generation=current.get("observedGeneration"),
         with_generation=False,
     )
+
+
+# --- the built-in autoscaler --------------------------------------------------------------------
+
+
+def builtin_roles(spec: Mapping[str, Any]) -> list[str]:
+    """Roles that autoscale with provider builtin (on a defaulted spec)."""
+    return [
+        role
+        for role in ROLES
+        if role in spec
+        and spec[role]["autoscaling"]["enabled"]
+        and spec[role]["autoscaling"]["provider"] == "builtin"
+    ]
+
+
+def _autoscaled(spec: Mapping[str, Any], **_: Any) -> bool:
+    try:
+        return bool(builtin_roles(apply_defaults(_thaw(spec))))
+    except TypeError:
+        return False
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    """Running, Ready, with an IP, and not being deleted."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    state = pod.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in state.get("conditions") or []
+    )
+    return ready and bool(state.get("podIP"))
+
+
+def metrics_url(pod: Mapping[str, Any]) -> str:
+    """http://<pod IP>:<port>/metrics, the port being the container port named `http` (the
+    engine's and the router's), so a pod says itself where its metrics are."""
+    ip = pod["status"]["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip
+    port = ENGINE_HTTP_PORT
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for entry in container.get("ports") or []:
+            if entry.get("name") == "http" and entry.get("containerPort"):
+                port = int(entry["containerPort"])
+                break
+        else:
+            continue
+        break
+    return f"http://{host}:{port}/metrics"
+
+
+async def _scrape(session: aiohttp.ClientSession, pod: Mapping[str, Any]) -> str:
+    async with session.get(metrics_url(pod)) as response:
+        if response.status != 200:
+            raise autoscale.MetricsError(f"/metrics answered {response.status}")
+        return await response.text()
+
+
+async def scrape_engine(
+    session: aiohttp.ClientSession, pod: Mapping[str, Any]
+) -> autoscale.PodMetrics:
+    """One engine pod's metrics; a failed or unusable scrape is a PodMetrics with `error`."""
+    name = pod["metadata"]["name"]
+    try:
+        return autoscale.parse_engine_metrics(name, await _scrape(session, pod))
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, autoscale.MetricsError) as exc:
+        return autoscale.PodMetrics(pod=name, error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+async def scrape_router_demand(
+    session: aiohttp.ClientSession, pods: Iterable[Mapping[str, Any]]
+) -> dict[str, float] | None:
+    """role -> requests queued at the router pods; None when no router pod answered."""
+    total: dict[str, float] | None = None
+    for pod in pods:
+        try:
+            queued = autoscale.parse_router_queue(await _scrape(session, pod))
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, autoscale.MetricsError):
+            continue
+        total = total or {}
+        for role, value in queued.items():
+            total[role] = total.get(role, 0.0) + value
+    return total
+
+
+def _decision_status(decision: autoscale.Decision, now: str, before: Mapping[str, Any]) -> dict:
+    record = {
+        "currentReplicas": decision.current,
+        "desiredReplicas": decision.desired,
+        "recommendedReplicas": decision.recommended,
+        "reason": decision.reason,
+        "limited": decision.limited,
+        "metrics": {k: str(v) for k, v in decision.metrics.items()},
+        "lastScaleTime": before.get("lastScaleTime"),
+    }
+    if decision.changed:
+        record["lastScaleTime"] = now
+    return {k: v for k, v in record.items() if v is not None}
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_INTERVAL, when=_autoscaled)
+async def autoscale_roles(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """provider builtin: scrape each ready pod of every builtin-autoscaled role (and the router's
+    queued demand), decide the role's replicas (`autoscale.decide`) and write them to its
+    Deployment, the only writer of that field; record the decision in status.autoscaling and,
+    when the replicas change or the role hits maxReplicas, as an event."""
+    plain = _plain(body)
+    try:
+        validate_spec(plain["spec"])
+    except SpecError:
+        return  # SpecValid=False is reported by the change handlers; nothing to scale on
+    spec = apply_defaults(plain["spec"])
+    meta = plain["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    owned = {d.role: d for d in _owned(role_deployments, namespace, name) if d.owner_uid == uid}
+    api = _connection(memo).api()
+    selector = f"{status.DEPLOYMENT_LABEL}={label_value(name)}"
+    try:
+        pods = await api.list(f"/api/v1/namespaces/{namespace}/pods", selector)
+    except apply.ApiError as error:
+        logger.warning("autoscaler: cannot list pods: %s", error)
+        return
+    ready = [p for p in pods if pod_is_ready(p)]
+
+    def of_role(role: str) -> list[dict[str, Any]]:
+        return [
+            p for p in ready if (p["metadata"].get("labels") or {}).get(status.ROLE_LABEL) == role
+        ]
+
+    histories: dict[str, autoscale.History] = memo.setdefault("autoscale_history", {})
+    before = dict((body.get("status") or {}).get("autoscaling") or {})
+    records: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        demand = (
+            await scrape_router_demand(session, of_role("router")) if "prefill" in spec else None
+        )
+        for role in builtin_roles(spec):
+            deployment = owned.get(role)
+            if deployment is None:
+                continue  # the change handlers create it; nothing to scale yet
+            scraped = await asyncio.gather(*(scrape_engine(session, p) for p in of_role(role)))
+            policy = autoscale.Policy.from_spec(spec[role]["autoscaling"])
+            decision, histories[role] = autoscale.decide(
+                policy,
+                now=time.monotonic(),
+                current=deployment.desired,
+                pods=scraped,
+                router_queued=None if demand is None else demand.get(role, 0.0),
+                history=histories.get(role, autoscale.History()),
+            )
+            previous = before.get(role) or {}
+            if decision.changed:
+                target = {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": {"name": deployment.name, "namespace": namespace},
+                    "spec": {"replicas": decision.desired},
+                }
+                try:
+                    await apply.scale_deployment(
+                        api, target, uid, field_manager=apply.AUTOSCALER_MANAGER
+                    )
+                except (apply.ApiError, apply.OwnershipError) as error:
+                    logger.warning("autoscaler: cannot scale %s: %s", deployment.name, error)
+                    continue
+                metrics = ", ".join(f"{k}={v:g}" for k, v in decision.metrics.items())
+                kopf.event(
+                    body,
+                    type="Normal",
+                    reason="Autoscaled",
+                    message=f"{role}: {decision.current} -> {decision.desired} replicas: "
+                    f"{decision.reason} [{metrics}]",
+                )
+            if decision.limited and previous.get("limited") != decision.limited:
+                kopf.event(
+                    body,
+                    type="Warning",
+                    reason="ScalingLimited",
+                    message=f"{role} is at maxReplicas: {decision.reason}",
+                )
+            records[role] = _decision_status(decision, _now(), previous)
+    for role in before:
+        if role not in records:
+            records[role] = None  # the role stopped autoscaling: drop its record
+    changed = {
+        role: record for role, record in records.items() if _thaw(before.get(role)) != record
+    }
+    if changed:
+        patch.status["autoscaling"] = changed

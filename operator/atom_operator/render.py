@@ -6,7 +6,8 @@ AtomDeployment when `metadata.uid` is known:
 
 - per role (decode, and prefill in disaggregated mode): a Deployment running `atom serve`, a
   headless Service (per-pod DNS for the router and KV-event subscribers), a PodDisruptionBudget,
-  and an autoscaling/v2 HorizontalPodAutoscaler when the role autoscales;
+  and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
+  KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
 - in disaggregated mode, a router Deployment running `atom router`;
 - the user-facing Service, in front of the decode pods or of the router.
 """
@@ -38,6 +39,7 @@ CHILD_KINDS = [
     ("v1", "Service", "services"),
     ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
 ]
 
 ROUTER = "router"
@@ -50,6 +52,8 @@ ENGINE_TYPE = "atom"  # llm-d.ai/engine-type: our metrics carry the atom: prefix
 # rule in docs/operator.md renames atom:<x> to atom_<x>).
 METRIC_REQUESTS_WAITING = "atom_requests_waiting"
 METRIC_KV_CACHE_USAGE = "atom_kv_cache_usage_ratio"
+METRIC_REQUESTS_RUNNING = "atom_requests_running"
+KEDA_POLLING_SECONDS = 15
 
 RUN_AS_USER = 1000  # the `atom` user of docker/runtime.Dockerfile
 CACHE_DIR = "/var/cache/atom"
@@ -527,15 +531,23 @@ def _pods_metric(name: str, average: float) -> dict[str, Any]:
     }
 
 
+def autoscaler(spec: dict[str, Any], role: str) -> str:
+    """Who owns the role's replica count: "" (the spec), "builtin", "keda" or "hpa"."""
+    autoscaling = spec[role]["autoscaling"]
+    return autoscaling["provider"] if autoscaling["enabled"] else ""
+
+
 def render_hpa(body: dict[str, Any], role: str) -> dict[str, Any] | None:
-    """The role's HorizontalPodAutoscaler, or None when the role does not autoscale."""
+    """The role's HorizontalPodAutoscaler, or None unless the role autoscales with provider hpa."""
     spec = _spec(body)
     autoscaling = spec[role]["autoscaling"]
-    if not autoscaling["enabled"]:
+    if autoscaler(spec, role) != "hpa":
         return None
     metrics = []
     if "targetRequestsWaiting" in autoscaling:
         metrics.append(_pods_metric(METRIC_REQUESTS_WAITING, autoscaling["targetRequestsWaiting"]))
+    if "targetRequestsRunning" in autoscaling:
+        metrics.append(_pods_metric(METRIC_REQUESTS_RUNNING, autoscaling["targetRequestsRunning"]))
     if "targetKVCacheUsage" in autoscaling:
         metrics.append(_pods_metric(METRIC_KV_CACHE_USAGE, autoscaling["targetKVCacheUsage"]))
     hpa_spec: dict[str, Any] = {
@@ -555,6 +567,84 @@ def render_hpa(body: dict[str, Any], role: str) -> dict[str, Any] | None:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(body, child_name(body, role), role_labels(body, role)),
         "spec": hpa_spec,
+    }
+
+
+def _prometheus_trigger(
+    address: str, name: str, query: str, threshold: float, metric_type: str
+) -> dict[str, Any]:
+    return {
+        "type": "prometheus",
+        "name": name,
+        "metricType": metric_type,
+        "metadata": {
+            "serverAddress": address,
+            "query": query,
+            "threshold": f"{threshold:g}",
+        },
+    }
+
+
+def render_scaled_object(body: dict[str, Any], role: str) -> dict[str, Any] | None:
+    """The role's KEDA ScaledObject, or None unless the role autoscales with provider keda.
+
+    Each target becomes a Prometheus trigger on the engine's own metric, summed over the role's
+    pods (found by the `namespace` and `pod` labels of Prometheus' Kubernetes discovery) and
+    compared per pod (AverageValue); TTFT p90 is one value for the role (Value). With
+    minReplicas 0 a trigger on the router's queued-request gauge activates the role from zero.
+    """
+    spec = _spec(body)
+    autoscaling = spec[role]["autoscaling"]
+    if autoscaler(spec, role) != "keda":
+        return None
+    address = autoscaling["keda"]["serverAddress"]
+    namespace = _namespace(body) or "default"
+    pods = f'namespace="{namespace}",pod=~"{child_name(body, role)}-[a-z0-9]+-[a-z0-9]+"'
+    triggers = []
+    gauges = [
+        ("targetRequestsWaiting", "requests-waiting", "atom:requests_waiting"),
+        ("targetRequestsRunning", "requests-running", "atom:requests_running"),
+        ("targetKVCacheUsage", "kv-cache-usage", "atom:kv_cache_usage_ratio"),
+    ]
+    for field, name, metric in gauges:
+        if field in autoscaling:
+            query = f"sum({metric}{{{pods}}})"
+            triggers.append(
+                _prometheus_trigger(address, name, query, autoscaling[field], "AverageValue")
+            )
+    if "targetTTFTSeconds" in autoscaling:
+        query = (
+            "histogram_quantile(0.9, sum by (le) "
+            f"(rate(atom:time_to_first_token_seconds_bucket{{{pods}}}[2m])))"
+        )
+        triggers.append(
+            _prometheus_trigger(
+                address, "ttft-p90", query, autoscaling["targetTTFTSeconds"], "Value"
+            )
+        )
+    if autoscaling["minReplicas"] == 0:
+        query = f'sum(atom:router_queued_requests{{namespace="{namespace}",role="{role}"}})'
+        trigger = _prometheus_trigger(address, "router-queued", query, 1, "AverageValue")
+        trigger["metadata"]["activationThreshold"] = "0"
+        triggers.append(trigger)
+    scale_down = {"stabilizationWindowSeconds": autoscaling["scaleDownStabilizationSeconds"]}
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(body, child_name(body, role), role_labels(body, role)),
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": child_name(body, role),
+            },  # fmt: skip
+            "minReplicaCount": autoscaling["minReplicas"],
+            "maxReplicaCount": autoscaling["maxReplicas"],
+            "pollingInterval": KEDA_POLLING_SECONDS,
+            "cooldownPeriod": autoscaling["scaleToZeroAfterSeconds"],
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": scale_down}}},
+            "triggers": triggers,
+        },
     }
 
 
@@ -626,9 +716,9 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
             render_role_service(body, role),
             render_pdb(body, role),
         ]
-        hpa = render_hpa(body, role)
-        if hpa is not None:
-            children.append(hpa)
+        for scaler in (render_hpa(body, role), render_scaled_object(body, role)):
+            if scaler is not None:
+                children.append(scaler)
     router = render_router_deployment(body)
     if router is not None:
         children.append(router)

@@ -15,6 +15,9 @@ lastTransitionTime changes only when status changes):
 - `KVEventsWired`  spec.kvEvents.enabled and every engine role's container args carry
                    `--kv-events-config` with the publisher endpoint on spec.kvEvents.port and a
                    `kv@...` topic. False with reason `Disabled` when KV events are off.
+- `ScalingLimited` (only while a role autoscales with provider builtin) True when the built-in
+                   autoscaler's last decision for some role wanted more than maxReplicas
+                   (read from status.autoscaling, which the autoscaler writes).
 - `Ready`          True only when the spec is valid, the operator has applied the current
                    generation (status.observedGeneration == metadata.generation) and every
                    condition above that applies is True. Never earlier.
@@ -65,6 +68,7 @@ CONDITION_ORDER = (
     "PrefillReady",
     "RouterReady",
     "KVEventsWired",
+    "ScalingLimited",
     "Ready",
 )
 
@@ -327,6 +331,26 @@ def fold_status(
         else:
             message = f"engine pods publish on port {kv_events.get('port', 5557)}"
             add("KVEventsWired", True, "ArgsWired", message, applied_generation)
+
+    builtin = [
+        role
+        for role in ENGINE_ROLES
+        if role in roles
+        and ((spec.get(role) or {}).get("autoscaling") or {}).get("enabled")
+        and ((spec.get(role) or {}).get("autoscaling") or {}).get("provider") == "builtin"
+    ]
+    if builtin and spec_error is None:
+        decisions = old_status.get("autoscaling") or {}
+        limited = [
+            f"{role}: {(decisions.get(role) or {}).get('reason', '')}"
+            for role in builtin
+            if (decisions.get(role) or {}).get("limited") == "max"
+        ]
+        if limited:
+            add("ScalingLimited", True, "AtMaxReplicas", "; ".join(limited), applied_generation)
+        else:
+            message = f"{', '.join(builtin)} within [minReplicas, maxReplicas]"
+            add("ScalingLimited", False, "WithinLimits", message, applied_generation)
 
     not_ready = [ROLE_CONDITIONS[r] for r in roles if not states[r].ready]
     if spec_error is not None:

@@ -121,11 +121,14 @@ def test_aggregated_children():
     ]
 
 
-def test_disaggregated_children_with_autoscaling():
-    spec = {
-        "prefill": {"autoscaling": {"enabled": True, "maxReplicas": 3, "targetRequestsWaiting": 2}},
-        "decode": {"replicas": 2},
-    }
+@pytest.mark.parametrize(
+    "provider,scaler",
+    [("builtin", []), ("hpa", [("HorizontalPodAutoscaler", "qwen3-8b-prefill")])],
+)
+def test_disaggregated_children_with_autoscaling(provider, scaler):
+    autoscaling = {"enabled": True, "provider": provider, "maxReplicas": 3,
+                   "targetRequestsWaiting": 2}  # fmt: skip
+    spec = {"prefill": {"autoscaling": autoscaling}, "decode": {"replicas": 2}}
     assert kinds_and_names(render_children(atomd(spec))) == [
         ("Deployment", "qwen3-8b-decode"),
         ("Service", "qwen3-8b-decode"),
@@ -133,7 +136,7 @@ def test_disaggregated_children_with_autoscaling():
         ("Deployment", "qwen3-8b-prefill"),
         ("Service", "qwen3-8b-prefill"),
         ("PodDisruptionBudget", "qwen3-8b-prefill"),
-        ("HorizontalPodAutoscaler", "qwen3-8b-prefill"),
+        *scaler,
         ("Deployment", "qwen3-8b-router"),
         ("Service", "qwen3-8b"),
     ]
@@ -526,6 +529,7 @@ def test_replicas_and_rollout_strategy():
 def test_autoscaled_role_has_no_replicas_and_an_hpa():
     autoscaling = {
         "enabled": True,
+        "provider": "hpa",
         "minReplicas": 2,
         "maxReplicas": 8,
         "targetRequestsWaiting": 4,
