@@ -15,7 +15,12 @@ What runs when:
   that generation (the next edit is handled afresh).
 - a change of `spec.decode.replicas` or `spec.prefill.replicas` alone: patch only
   `spec.replicas` of that role's Deployment (`apply.scale_deployment`); nothing for a role
-  whose HPA owns the replica count.
+  whose autoscaler owns the replica count. Both paths share `converge`: plan -> apply ->
+  report -> write status.
+- every `ATOM_OPERATOR_AUTOSCALE_INTERVAL` seconds (default 10), for an AtomDeployment with a
+  role on autoscaling provider builtin: scrape the role's Ready pods and the router's queued
+  demand, decide (`autoscale.decide`), write the Deployment's replicas as the field's only
+  writer, record the decision in status.autoscaling and as events.
 - every `ATOM_OPERATOR_STATUS_INTERVAL` seconds (default 10): fold the owned Deployments'
   status (kept current by a kopf index over Deployments labelled
   `serving.atom.dev/deployment`) into the AtomDeployment's status, written only when it
