@@ -9,7 +9,13 @@ AtomDeployment when `metadata.uid` is known:
   and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
   KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
 - in disaggregated mode, a router Deployment running `atom router`;
+- a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
+  false);
 - the user-facing Service, in front of the decode pods or of the router.
+
+Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
+cache, /tmp and /dev/shm) and CPU and memory requests and limits; engine pods get no service
+account token.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ CHILD_KINDS = [
     ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
 ]
 
 ROUTER = "router"
@@ -57,6 +64,14 @@ KEDA_POLLING_SECONDS = 15
 
 RUN_AS_USER = 1000  # the `atom` user of docker/runtime.Dockerfile
 CACHE_DIR = "/var/cache/atom"
+TMP_SIZE = "1Gi"
+API_KEY_ENV = "ATOM_API_KEY"
+# CPU and memory every container gets when the spec leaves them out (request = limit).
+DEFAULT_ENGINE_RESOURCES = {
+    "cpu": {"cpu": "2", "memory": "4Gi"},
+    "gpu": {"cpu": "8", "memory": "64Gi"},
+}
+DEFAULT_ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 MODEL_MOUNT = "/mnt/models"
 STARTUP_PROBE_PERIOD = 10
 
@@ -251,6 +266,10 @@ def serve_args(spec: dict[str, Any], role: str) -> list[str]:
     )
     if is_disaggregated(spec):
         args += ["--kv-transfer-config", _json_arg(kv_transfer_config(spec, role))]
+    if spec["engine"].get("apiKeySecretRef"):
+        # The kubelet expands $(ATOM_API_KEY) from the Secret-backed variable: the key never
+        # appears in the pod spec.
+        args += ["--api-key", f"$({API_KEY_ENV})"]
     return args + list(spec["engine"]["args"]) + list(role_spec["args"])
 
 
@@ -281,16 +300,40 @@ def engine_env(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
             }
         )
+    api_key = spec["engine"].get("apiKeySecretRef")
+    if api_key:
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": api_key["name"], "key": api_key["key"]}},
+            }
+        )
     env += [
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        # Anything else that caches under ~/.cache (torch hub, ...) on the writable volume.
+        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
     ]
     return _merge_env(_merge_env(env, spec["engine"]["env"]), spec[role]["env"])
 
 
+def bounded_resources(resources: dict[str, Any], default: dict[str, str]) -> dict[str, Any]:
+    """`resources` with a request and a limit for both cpu and memory: a missing limit takes
+    the request, a missing request the limit (as Kubernetes would), both missing `default`."""
+    out = copy.deepcopy(resources)
+    requests, limits = out.setdefault("requests", {}), out.setdefault("limits", {})
+    for name in ("cpu", "memory"):
+        request = requests.get(name, limits.get(name, default[name]))
+        requests[name] = request
+        limits.setdefault(name, request)
+    return out
+
+
 def engine_resources(spec: dict[str, Any], role: str) -> dict[str, Any]:
-    """The role's resources with the accelerator resource = tensorParallelSize (limit and request)."""
-    resources = copy.deepcopy(spec[role]["resources"])
+    """The role's resources, bounded (`bounded_resources`), with the accelerator resource =
+    tensorParallelSize (limit and request)."""
+    kind = "cpu" if spec["accelerator"]["vendor"] == "cpu" else "gpu"
+    resources = bounded_resources(spec[role]["resources"], DEFAULT_ENGINE_RESOURCES[kind])
     resource = vendor_resource(spec["accelerator"])
     if resource:
         count = spec[role]["tensorParallelSize"]
@@ -311,8 +354,17 @@ def _http_probe(period: int, timeout: int, failures: int) -> dict[str, Any]:
 def _container_security() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def _tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A small writable /tmp: Python, torch and Triton write temporary files there."""
+    return (
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "tmp", "mountPath": "/tmp"},
+    )
 
 
 def _pod_security(supplemental_groups: list[int]) -> dict[str, Any]:
@@ -355,13 +407,16 @@ def _node_affinity(spec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _engine_volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    tmp_volume, tmp_mount = _tmp_volume()
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["engine"]["shmSize"]}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": spec["engine"]["cacheSize"]}},
+        tmp_volume,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
+        tmp_mount,
     ]
     source = parse_model_uri(spec["model"].get("uri"))
     if source.scheme == "pvc":
@@ -398,6 +453,8 @@ def _engine_pod_spec(spec: dict[str, Any], role: str) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "securityContext": _pod_security(accelerator["supplementalGroups"]),
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token to steal from a compromised pod.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
@@ -670,6 +727,7 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         return None
     router = spec["router"]
     labels = role_labels(body, ROUTER)
+    tmp_volume, tmp_mount = _tmp_volume()
     container = {
         "name": ROUTER,
         "image": router["image"],
@@ -677,7 +735,8 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         "command": ["atom"],
         "args": router_args(body),
         "ports": [{"name": "http", "containerPort": ENGINE_HTTP_PORT, "protocol": "TCP"}],
-        "resources": copy.deepcopy(router["resources"]),
+        "resources": bounded_resources(router["resources"], DEFAULT_ROUTER_RESOURCES),
+        "volumeMounts": [tmp_mount],
         "readinessProbe": _http_probe(5, 5, 3),
         "livenessProbe": _http_probe(15, 10, 4),
         "securityContext": _container_security(),
@@ -686,6 +745,7 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         "securityContext": _pod_security([]),
         "enableServiceLinks": False,
         "containers": [container],
+        "volumes": [tmp_volume],
     }
     if spec["engine"]["imagePullSecrets"]:
         pod["imagePullSecrets"] = copy.deepcopy(spec["engine"]["imagePullSecrets"])
@@ -697,6 +757,43 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
             "replicas": router["replicas"],
             "selector": {"matchLabels": role_selector(body, ROUTER)},
             "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+
+
+def render_network_policy(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Ingress to every pod of the AtomDeployment: the HTTP port from anywhere (clients come
+    through the Service, the operator scrapes /metrics); everything else (KV events, replay, KV
+    transfer) only from pods of the same AtomDeployment and from spec.networkPolicy.kvEventsFrom
+    on the KV-event ports. None when spec.networkPolicy.enabled is false."""
+    spec = _spec(body)
+    policy = spec["networkPolicy"]
+    if not policy["enabled"]:
+        return None
+    own_pods = {"podSelector": {"matchLabels": {DEPLOYMENT_LABEL: label_value(_name(body))}}}
+    rules: list[dict[str, Any]] = [
+        {"ports": [{"protocol": "TCP", "port": ENGINE_HTTP_PORT}]},
+        {"from": [own_pods]},
+    ]
+    events = spec["kvEvents"]
+    if events["enabled"] and policy["kvEventsFrom"]:
+        rules.append(
+            {
+                "from": copy.deepcopy(policy["kvEventsFrom"]),
+                "ports": [
+                    {"protocol": "TCP", "port": events["port"]},
+                    {"protocol": "TCP", "port": events["replayPort"]},
+                ],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(body, child_name(body), common_labels(body)),
+        "spec": {
+            "podSelector": {"matchLabels": {DEPLOYMENT_LABEL: label_value(_name(body))}},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
         },
     }
 
@@ -719,8 +816,8 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
         for scaler in (render_hpa(body, role), render_scaled_object(body, role)):
             if scaler is not None:
                 children.append(scaler)
-    router = render_router_deployment(body)
-    if router is not None:
-        children.append(router)
+    for extra in (render_router_deployment(body), render_network_policy(body)):
+        if extra is not None:
+            children.append(extra)
     children.append(render_service(body))
     return children

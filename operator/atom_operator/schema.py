@@ -36,6 +36,8 @@ MODEL_URI_PATTERN = (
     r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?"
     r"|file:///.+)$"
 )
+# An image reference, optionally pinned by digest (`repo[:tag]@sha256:<64 hex>`).
+IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
 # An extended resource name such as amd.com/gpu, or empty for the vendor's own.
 RESOURCE_NAME_PATTERN = (
     r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -318,8 +320,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             "The runtime container shared by every role.",
             {
                 "image": _str(
-                    "Runtime image. Default: the ATOM runtime image for the accelerator vendor.",
+                    "Runtime image, a tag or a digest (repo@sha256:...). Default: the ATOM "
+                    "runtime image for the accelerator vendor.",
                     minLength=1,
+                    pattern=IMAGE_PATTERN,
                 ),
                 "imagePullPolicy": _str(
                     "Image pull policy.",
@@ -346,6 +350,21 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "default": "8Gi",
                     "description": "Size limit of the memory-backed /dev/shm.",
                 },
+                "cacheSize": {
+                    **_QUANTITY,
+                    "default": "100Gi",
+                    "description": "Size limit of the writable cache emptyDir (Hugging Face "
+                    "downloads, Triton kernels); the root filesystem is read-only.",
+                },
+                "apiKeySecretRef": _obj(
+                    "Secret key holding the API key clients must send (atom serve --api-key, "
+                    "read from the ATOM_API_KEY variable, never written into the pod spec).",
+                    {
+                        "name": _str("Secret name.", minLength=1),
+                        "key": _str("Key in the Secret.", default="api-key", minLength=1),
+                    },
+                    required=["name"],
+                ),
                 "startupTimeoutSeconds": _int(
                     "How long a pod may take to load the model before it is restarted.",
                     default=1800,
@@ -446,6 +465,23 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 ]
             },
         ),
+        "networkPolicy": _obj(
+            "A NetworkPolicy over this deployment's pods: the HTTP port (8000) open to clients "
+            "(through the Service) and the operator's autoscaler; every other port (KV events, "
+            "KV transfer) only from pods of the same AtomDeployment (the router, the other role) "
+            "and from the peers in kvEventsFrom.",
+            {
+                "enabled": {"type": "boolean", "default": True},
+                "kvEventsFrom": {
+                    "type": "array",
+                    "default": [],
+                    "description": "Extra networking/v1 NetworkPolicyPeers allowed to the "
+                    "KV-event ports (e.g. llm-d's endpoint picker).",
+                    "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+            },
+            default={},
+        ),
         "stateCheckpoint": _obj(
             "Per-request state checkpoints for hybrid (recurrent-state) models.",
             {
@@ -475,7 +511,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
         "router": _obj(
             "The router Deployment of disaggregated mode (ignored without a prefill role).",
             {
-                "image": _str("Router image. Default: spec.engine.image.", minLength=1),
+                "image": _str(
+                    "Router image (tag or digest). Default: spec.engine.image.",
+                    minLength=1,
+                    pattern=IMAGE_PATTERN,
+                ),
                 "replicas": _int("Router pods.", default=1, minimum=1),
                 "resources": copy.deepcopy(_RESOURCES),
             },

