@@ -155,13 +155,20 @@ class RoleState:
     pending: bool = False
 
 
-def role_state(role: str, deployment: RoleDeployment | None) -> RoleState:
+def role_state(
+    role: str, deployment: RoleDeployment | None, *, zero_by_design: bool = False
+) -> RoleState:
+    """One role's verdict. `zero_by_design`: the role autoscales with minReplicas 0 behind the
+    router, so zero pods is a healthy resting state (requests wait at the router), not Pending."""
     if deployment is None:
         return RoleState(False, "DeploymentMissing", f"no {role} Deployment yet", pending=True)
     d = deployment
     counts = f"{d.ready}/{d.desired} ready, {d.updated}/{d.desired} updated"
     if d.failure:
         return RoleState(False, "RolloutFailed", f"{d.name}: {d.failure}", degraded=True)
+    if d.desired == 0 and zero_by_design and d.replicas == 0:
+        message = f"{d.name} scaled to zero while idle; the router holds requests until a pod is up"
+        return RoleState(True, "ScaledToZero", message)
     if d.desired == 0:
         return RoleState(False, "ScaledToZero", f"{d.name} wants 0 pods", pending=True)
     if d.observed_generation < d.generation or d.updated < d.desired or d.replicas > d.updated:
@@ -290,7 +297,20 @@ def fold_status(
 
     disaggregated = "prefill" in spec
     roles = ["decode", "prefill", "router"] if disaggregated else ["decode"]
-    states = {role: role_state(role, owned.get(role)) for role in roles}
+
+    def zero_by_design(role: str) -> bool:
+        autoscaling = (spec.get(role) or {}).get("autoscaling") or {}
+        return bool(
+            spec_error is None
+            and disaggregated
+            and autoscaling.get("enabled")
+            and autoscaling.get("minReplicas") == 0
+        )
+
+    states = {
+        role: role_state(role, owned.get(role), zero_by_design=zero_by_design(role))
+        for role in roles
+    }
 
     conditions: list[dict[str, Any]] = []
 
