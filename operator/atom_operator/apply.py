@@ -39,9 +39,14 @@ PLURALS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
 }
-# Kinds a cluster may not serve (KEDA not installed): nothing of theirs to prune there.
-OPTIONAL_KINDS = {("keda.sh/v1alpha1", "ScaledObject")}
+# Kinds a cluster may not serve (KEDA, the Inference Extension not installed): nothing of
+# theirs to prune there.
+OPTIONAL_KINDS = {
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+}
 
 
 class ApiError(Exception):

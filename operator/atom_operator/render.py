@@ -9,6 +9,8 @@ AtomDeployment when `metadata.uid` is known:
   and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
   KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
 - in disaggregated mode, a router Deployment running `atom router`;
+- a Gateway API Inference Extension InferencePool over the serving pods, when
+  spec.inferencePool.enabled;
 - a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
   false);
 - the user-facing Service, in front of the decode pods or of the router.
@@ -47,6 +49,7 @@ CHILD_KINDS = [
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
 ]
 
 ROUTER = "router"
@@ -798,6 +801,37 @@ def render_network_policy(body: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def render_inference_pool(body: dict[str, Any]) -> dict[str, Any] | None:
+    """An InferencePool (inference.networking.k8s.io/v1) over every pod that serves requests
+    (the engine roles, not the router: llm-d's endpoint picker tells prefill from decode by the
+    llm-d.ai/role label), or None unless spec.inferencePool.enabled."""
+    spec = _spec(body)
+    pool = spec["inferencePool"]
+    if not pool["enabled"]:
+        return None
+    picker = pool["endpointPicker"]
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": _metadata(body, child_name(body), common_labels(body)),
+        "spec": {
+            "selector": {
+                "matchLabels": {
+                    DEPLOYMENT_LABEL: label_value(_name(body)),
+                    "llm-d.ai/inferenceServing": "true",
+                }
+            },
+            "targetPorts": [{"number": ENGINE_HTTP_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": picker["name"],
+                "port": {"number": picker["port"]},
+                "failureMode": picker["failureMode"],
+            },
+        },
+    }
+
+
 def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Validate the AtomDeployment `body` and return every child object (raises SpecError)."""
     if not isinstance(body.get("metadata"), dict) or not body["metadata"].get("name"):
@@ -816,7 +850,9 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
         for scaler in (render_hpa(body, role), render_scaled_object(body, role)):
             if scaler is not None:
                 children.append(scaler)
-    for extra in (render_router_deployment(body), render_network_policy(body)):
+    extras = (render_router_deployment(body), render_inference_pool(body),
+              render_network_policy(body))  # fmt: skip
+    for extra in extras:
         if extra is not None:
             children.append(extra)
     children.append(render_service(body))

@@ -482,6 +482,39 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             },
             default={},
         ),
+        "inferencePool": _obj(
+            "A Gateway API Inference Extension InferencePool over the serving pods (decode, and "
+            "prefill in disaggregated mode), so an inference gateway with llm-d's endpoint "
+            "picker can route instead of (or beside) the router.",
+            {
+                "enabled": {"type": "boolean", "default": False},
+                "endpointPicker": _obj(
+                    "The endpoint picker (EPP) Service the gateway consults.",
+                    {
+                        "name": _str("EPP Service name.", minLength=1),
+                        "port": _int(
+                            "EPP Service port (ext-proc).", default=9002, minimum=1, maximum=65535
+                        ),  # fmt: skip
+                        "failureMode": _str(
+                            "What the gateway does when the EPP does not answer.",
+                            default="FailClose",
+                            enum=["FailOpen", "FailClose"],
+                        ),
+                    },
+                ),
+            },
+            default={},
+            **{
+                "x-kubernetes-validations": [
+                    {
+                        "rule": "!has(self.enabled) || !self.enabled "
+                        "|| (has(self.endpointPicker) && has(self.endpointPicker.name))",
+                        "message": "an enabled inferencePool needs endpointPicker.name",
+                        "fieldPath": ".endpointPicker",
+                    }
+                ]
+            },
+        ),
         "stateCheckpoint": _obj(
             "Per-request state checkpoints for hybrid (recurrent-state) models.",
             {

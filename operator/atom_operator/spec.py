@@ -318,6 +318,12 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
             raise SpecError(
                 f"spec.kvEvents.{name}", f"{ENGINE_HTTP_PORT} is the engine's HTTP port"
             )
+    pool = spec["inferencePool"]
+    if pool["enabled"] and "name" not in (pool.get("endpointPicker") or {}):
+        raise SpecError(
+            "spec.inferencePool.endpointPicker",
+            "an enabled inferencePool needs endpointPicker.name",
+        )
     if "kvTransfer" in spec and "prefill" not in spec:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 

@@ -48,11 +48,14 @@ PDBS = "policy/v1/poddisruptionbudgets"
 HPAS = "autoscaling/v2/horizontalpodautoscalers"
 SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
 NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
+INFERENCEPOOLS = "inference.networking.k8s.io/v1/inferencepools"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 NAMESPACES = "v1/namespaces"
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
-CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALEDOBJECTS, NETWORKPOLICIES)
+CHILD_RESOURCES = (
+    DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALEDOBJECTS, NETWORKPOLICIES, INFERENCEPOOLS,
+)  # fmt: skip
 
 # Built-in kinds the operator touches; all of them have a status subresource on a real cluster
 # except Services' status being irrelevant here, PDBs and events.
@@ -63,6 +66,7 @@ BUILTINS: dict[str, dict[str, Any]] = {
     HPAS: {"kind": "HorizontalPodAutoscaler", "namespaced": True, "subresources": {"status"}},
     SCALEDOBJECTS: {"kind": "ScaledObject", "namespaced": True, "subresources": {"status"}},
     NETWORKPOLICIES: {"kind": "NetworkPolicy", "namespaced": True},
+    INFERENCEPOOLS: {"kind": "InferencePool", "namespaced": True, "subresources": {"status"}},
     PODS: {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
     EVENTS: {"kind": "Event", "namespaced": True},
     # kopf waits for namespaces to be discoverable before it watches anything.

@@ -162,7 +162,7 @@ def test_rbac_covers_exactly_what_the_operator_does(values):
     assert granted == {
         "atomdeployments", "atomdeployments/status", "atomdeployments/finalizers", "deployments",
         "services", "poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects",
-        "networkpolicies", "pods", "events",
+        "networkpolicies", "inferencepools", "pods", "events",
     }  # fmt: skip
 
 

@@ -355,6 +355,7 @@ BROKEN_SPECS = [
      "spec.decode.autoscaling.minReplicas"),
     ({"decode": {"autoscaling": {"maxStep": 0}}}, "spec.decode.autoscaling.maxStep"),
     ({"engine": {"image": "atom@sha256:1234"}}, "spec.engine.image"),
+    ({"inferencePool": {"enabled": True}}, "spec.inferencePool.endpointPicker"),
     ({"router": {"image": "atom runtime"}}, "spec.router.image"),
     ({"engine": {"apiKeySecretRef": {"key": "k"}}}, "spec.engine.apiKeySecretRef.name"),
     ({"decode": {"autoscaling": {"scaleDownStabilizationSeconds": 4000}}},
