@@ -7,7 +7,7 @@ follow-up turn reuses both), and frees the table. It never touches tensors.
 
 from __future__ import annotations
 
-from atom_runtime.block_hash import hash_block_tokens
+from atom_runtime.block_hash import hash_token_blocks
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.sequence import Sequence
 
@@ -28,14 +28,14 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's logits computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if max_blocks == 0:
+            return []
+        # A sequence waiting at the head of the queue is looked up again every step until it
+        # fits: its hashes are computed once and kept on it.
         self._ensure_hashes(seq, max_blocks)
-        hits = []
-        for i in range(max_blocks):
-            block_id = self.pool.lookup(seq.block_hashes[i], self._block_tokens(seq, i))
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self.pool.lookup_prefix(
+            seq.block_hashes[:max_blocks], seq.token_ids, self.block_size
+        )
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hit: list[int] = ()) -> bool:
         """Grow seq's block table to hold its computed tokens plus num_new_tokens, claiming the
@@ -46,11 +46,11 @@ class BlockManager:
         computed = len(prefix_hit) * self.block_size if prefix_hit else seq.num_computed_tokens
         need = self.blocks_needed(computed + num_new_tokens) - have
         # A hit on a block nobody holds takes it off the free list: count it against the budget.
-        idle_hits = sum(1 for b in prefix_hit if self.pool.blocks[b].ref_count == 0)
+        idle_hits = self.pool.num_idle(prefix_hit) if prefix_hit else 0
         if max(need, 0) + idle_hits > self.pool.num_free_blocks:
             return False
-        for block_id in prefix_hit:
-            self.pool.claim(block_id)
+        if prefix_hit:
+            self.pool.claim_all(prefix_hit)
         if prefix_hit:
             seq.block_table.extend(prefix_hit)
             seq.num_hashed_blocks = len(prefix_hit)
@@ -86,11 +86,13 @@ class BlockManager:
         seq.num_hashed_blocks = num_full
 
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend seq's cached chain of block hashes to num_blocks (each block hashed once)."""
         hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, self._block_tokens(seq, i)))
+        have = len(hashes)
+        if have < num_blocks:
+            bs = self.block_size
+            tokens = seq.token_ids[have * bs : num_blocks * bs]
+            hashes.extend(hash_token_blocks(tokens, bs, hashes[-1] if have else None))
 
     def _block_tokens(self, seq: Sequence, i: int):
         return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
