@@ -678,6 +678,13 @@ async def _ready_check(client, base: str, args: argparse.Namespace) -> str | Non
     return data[0]["id"]
 
 
+async def _probe(args: argparse.Namespace) -> str | None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+        return await _ready_check(client, _base_url(args), args)
+
+
 async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> dict:
     import httpx
     from tqdm.asyncio import tqdm
@@ -688,9 +695,7 @@ async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> d
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        server_model = await _ready_check(client, base, args)
-        model = args.served_model_name or args.model or server_model
-        args.model_id = args.model or server_model
+        model = args.served_model_name or args.model_id
         build = lambda s: build_payload(args.backend, model, s, args.ignore_eos, args.temperature)  # noqa: E731
         print("Starting initial single prompt test run...")
         test = await send_request(client, url, build(samples[0]), samples[0])
@@ -769,7 +774,11 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
     arrival_offsets(1, args.request_rate, args.burstiness, args.seed)  # validates both
     np.random.seed(args.seed)
-    src = load_token_source(args.tokenizer or args.model)
+    # Reach the server first: without --model, its first model names the model and, by
+    # default, the tokenizer (as vLLM does).
+    server_model = asyncio.run(_probe(args))
+    args.model_id = args.model or server_model
+    src = load_token_source(args.tokenizer or args.model_id)
     samples = get_samples(args, src)
     run_out = asyncio.run(benchmark(args, samples))
     outputs, duration = run_out["outputs"], run_out["duration"]

@@ -60,8 +60,10 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
 
 
 def bench(server, model_name, tmp_path, *flags: str) -> dict:
+    """Run `atom bench serve` in-process; model_name None leaves the model to the server."""
     out = tmp_path / "result.json"
-    argv = ["bench", "serve", "--base-url", server.url, "--model", model_name]
+    argv = ["bench", "serve", "--base-url", server.url]
+    argv += ["--model", model_name] if model_name else []
     argv += ["--disable-tqdm", "--result-filename", str(out), "--save-result", *flags]
     assert atom_main(argv) == 0
     return json.loads(out.read_text())
@@ -109,12 +111,13 @@ def test_numbers_are_consistent_with_the_server(server, model_name, tmp_path):
 def test_max_concurrency_is_honoured(server, model_name, tmp_path):
     r = bench(
         server,
-        model_name,
+        None,  # the server's first model, whose folder also gives the tokenizer
         tmp_path,
         *("--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "3"),
         *("--max-concurrency", "2", "--ignore-eos"),
     )
     assert r["completed"] == 6 and r["max_concurrency"] == 2
+    assert r["model_id"] == model_name and r["tokenizer_id"] == model_name
     # Recount from the per-request send times and latencies: at most two in flight, ever.
     events = sorted(
         [(s, 1) for s in r["start_times"]]
@@ -257,3 +260,29 @@ def test_datasets_are_seeded_and_shaped():
     assert 60 < np.median(plens) < 200 and 80 < np.median(olens) < 260  # skewed, long-tailed
     assert max(plens) > 4 * np.median(plens)
     assert mix == bs.sample_sharegpt_synthetic(src, 400, None, seed=0)
+
+
+def test_sharegpt_file_is_read_tokenized_and_filtered(tiny_models, tmp_path):
+    src = bs.load_token_source(str(tiny_models["llama"]))
+    assert src.tokenizer is not None and src.vocab_size == 49152
+    words = "the quick brown fox jumps over the lazy dog "
+    data = [
+        {"conversations": [{"value": words * 3}, {"value": words * 2}]},
+        {"conversations": [{"value": "hi"}, {"value": words}]},  # prompt under 4 tokens: dropped
+        {"conversations": [{"value": words * 200}, {"value": words}]},  # prompt over 1024
+        {"conversations": [{"value": words}]},  # no reply: dropped
+        {"conversations": [{"value": words * 4}, {"value": words * 5}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    got = bs.sample_sharegpt_file(src, str(path), 2, None, seed=0)
+    tok = src.tokenizer
+    assert sorted(s.prompt for s in got) == sorted([words * 3, words * 4])
+    for s in got:
+        assert s.prompt_len == len(tok.encode(s.prompt))
+        reply = words * (2 if s.prompt == words * 3 else 5)
+        assert s.expected_output_len == len(tok.encode(reply))
+    with pytest.raises(bs.BenchError, match="only 2 usable conversations, need 3"):
+        bs.sample_sharegpt_file(src, str(path), 3, None, seed=0)
+    fixed = bs.sample_sharegpt_file(src, str(path), 2, 7, seed=0)
+    assert [s.expected_output_len for s in fixed] == [7, 7]
