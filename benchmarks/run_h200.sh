@@ -80,7 +80,7 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $L8 --peer transformers --output-json "$OUT/json/w2_llama_8b_peer.json" ;;
     w3)
       atom bench prefix --load-format dummy --model $Q3 --output-json "$OUT/json/w3_qwen3_0.6b.json"
-      atom bench prefix --load-format dummy --model $Q3 --output-len 1 --output-json "$OUT/json/w3_qwen3_0.6b_max1.json"
+      atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_qwen3_0.6b_max1.json"
       atom bench prefix --admission-only --output-json "$OUT/json/w3_admission.json" ;;
     w4)
       python3 -m atom_runtime serve --load-format dummy --model $Q3 --port 8011 > "$OUT/w4_serve.log" 2>&1 &

@@ -30,6 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per request")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument(
+        "--at-once-requests",
+        type=int,
+        default=None,
+        help="requests submitted together in the at_once mode (default: --num-requests; the "
+        "issue's figure used 61)",
+    )
+    p.add_argument(
         "--modes",
         default="single,at_once",
         help="comma-separated: single (one request at a time), at_once (all submitted together)",
@@ -125,6 +132,8 @@ def run_engine(args: argparse.Namespace, caching: bool) -> dict:
         result: dict = {"prefix_caching": caching}
         for k, mode in enumerate(modes):
             batch = suffixes[(k + 1) * args.num_requests : (k + 2) * args.num_requests]
+            if mode == "at_once" and args.at_once_requests:
+                batch = batch[: args.at_once_requests]
             times = ttfts(engine, [prefix + s for s in batch], args.output_len, mode == "at_once")
             result[mode] = {
                 "num_requests": len(times),
@@ -208,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
     for flag in ("prefix_len", "suffix_len", "output_len", "num_requests"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1")
+    if args.at_once_requests is not None and not 1 <= args.at_once_requests <= args.num_requests:
+        raise ValueError("--at-once-requests: must be in [1, --num-requests]")
     result: dict = {"workload": "W3", "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d")}
     if args.admission_only:
         adm = measure_admission(
