@@ -454,7 +454,8 @@ async def send_request(client, url: str, body: dict, sample: SampleRequest) -> R
                                 out.itl.append(now - last)
                             last = now
                             texts.append(text or "")
-                        elif usage := msg.get("usage"):
+                        # Usage rides its own final chunk, or (continuous usage) every chunk.
+                        if usage := msg.get("usage"):
                             out.output_tokens = usage.get("completion_tokens") or 0
                             if usage.get("prompt_tokens"):
                                 out.prompt_len = usage["prompt_tokens"]
