@@ -7,6 +7,8 @@ follow-up turn reuses both), and frees the table. It never touches tensors.
 
 from __future__ import annotations
 
+import numpy as np
+
 from atom_runtime.block_hash import hash_token_blocks
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.sequence import Sequence
@@ -17,6 +19,13 @@ class BlockManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The last prompt hashed from scratch: a copy of its hashed tokens and their chain. A
+        # new prompt that starts with the same tokens (a shared system prompt, W3's prefix)
+        # reuses those digests instead of rehashing: a digest is a function of the tokens from
+        # the start of the prompt, so equal leading tokens give equal digests (contract 1).
+        # Lookups still compare each hit block's tokens (contract 2).
+        self._recent_tokens = np.zeros(0, dtype=np.int32)
+        self._recent_hashes: list[int] = []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -89,10 +98,27 @@ class BlockManager:
         """Extend seq's cached chain of block hashes to num_blocks (each block hashed once)."""
         hashes = seq.block_hashes
         have = len(hashes)
+        if have >= num_blocks:
+            return
+        bs = self.block_size
+        fresh = have == 0
+        if fresh and self._recent_hashes:
+            have = self._shared_blocks(seq, num_blocks)
+            hashes.extend(self._recent_hashes[:have])
         if have < num_blocks:
-            bs = self.block_size
             tokens = seq.token_ids[have * bs : num_blocks * bs]
             hashes.extend(hash_token_blocks(tokens, bs, hashes[-1] if have else None))
+        if fresh:
+            self._recent_tokens = np.array(seq.token_ids[: num_blocks * bs], dtype=np.int32)
+            self._recent_hashes = list(hashes)
+
+    def _shared_blocks(self, seq: Sequence, num_blocks: int) -> int:
+        """How many leading full blocks seq's tokens share with the last prompt hashed."""
+        bs = self.block_size
+        n = min(num_blocks, len(self._recent_hashes)) * bs
+        mine = np.frombuffer(seq.token_ids, dtype=np.int32, count=n)
+        differ = np.flatnonzero(mine != self._recent_tokens[:n])
+        return (int(differ[0]) if differ.size else n) // bs
 
     def _block_tokens(self, seq: Sequence, i: int):
         return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

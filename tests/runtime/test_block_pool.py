@@ -269,3 +269,22 @@ def test_reset_prefix_cache_refused_while_blocks_in_use():
     pool.free(ids)
     assert pool.reset_prefix_cache() is True
     assert pool.drain_events()[-1].__class__.__name__ == "AllBlocksCleared"
+
+
+def test_hashes_reused_from_the_last_prompt_equal_hashing_from_scratch():
+    """A prompt sharing leading tokens with the last one hashed takes those digests over; every
+    chain equals contract 1's hashes of its own tokens, wherever the prompts diverge."""
+    manager = BlockManager(BlockPool(64, 4))
+    base = list(range(100, 141))  # ten full blocks and one token
+    cases = [
+        base,  # identical
+        base[:22] + [7] + base[23:],  # diverges inside block 5
+        [9] + base[1:],  # diverges in the first block
+        base[:13],  # shorter: three blocks
+        base + list(range(500, 520)),  # longer than the last one hashed
+        base[:24] + list(range(900, 917)),  # diverges exactly at a block boundary
+    ]
+    for i, tokens in enumerate(cases):
+        seq = _seq(f"s{i}", tokens)
+        manager.find_prefix_hit(seq)
+        assert seq.block_hashes == hash_token_blocks(tokens[: len(tokens) - 1], 4), i
