@@ -427,7 +427,8 @@ async def send_request(client, url: str, body: dict, sample: SampleRequest) -> R
                 return out
             buf = b""
             async for piece in resp.aiter_bytes():
-                buf += piece
+                # SSE allows CRLF line ends (sse-starlette sends them): fold them to LF.
+                buf = (buf + piece).replace(b"\r\n", b"\n")
                 while True:
                     cut = buf.find(b"\n\n")
                     if cut < 0:
@@ -463,13 +464,28 @@ async def send_request(client, url: str, body: dict, sample: SampleRequest) -> R
         out.generated_text = "".join(texts)
         if not got_first:
             out.error = "the stream carried no choice"
-        elif not out.output_tokens:
-            out.error = "the stream reported no usage.completion_tokens"
         else:
+            # A server that ignores stream_options sends no usage: output_tokens stays 0 and
+            # count_missing_usage() counts the text's tokens afterwards, as vLLM does.
             out.success = True
     except Exception as e:  # any transport or protocol failure counts against this request only
         out.error = f"{type(e).__name__}: {e}"
     return out
+
+
+def count_missing_usage(outputs: list[RequestOutput], src: TokenSource) -> int:
+    """Output tokens for successful requests whose server reported no usage: the generated
+    text's tokens with the tokenizer, else one per streamed chunk. Returns how many."""
+    missing = [o for o in outputs if o.success and not o.output_tokens]
+    for o in missing:
+        if src.tokenizer is not None:
+            o.output_tokens = len(src.tokenizer.encode(o.generated_text, add_special_tokens=False))
+        else:
+            o.output_tokens = len(o.itl) + 1
+    if missing:
+        how = "tokenizing their text" if src.tokenizer is not None else "one per streamed chunk"
+        print(f"{len(missing)} response(s) carried no usage; output tokens counted by {how}")
+    return len(missing)
 
 
 # -- arrivals ----------------------------------------------------------------------------------
@@ -783,6 +799,7 @@ def _run(args: argparse.Namespace) -> int:
     samples = get_samples(args, src)
     run_out = asyncio.run(benchmark(args, samples))
     outputs, duration = run_out["outputs"], run_out["duration"]
+    count_missing_usage(outputs, src)
     result = calculate_metrics(outputs, duration, pcts, metrics, goodput)
     failed = [o.error for o in outputs if not o.success]
     if failed:

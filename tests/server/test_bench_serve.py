@@ -286,3 +286,26 @@ def test_sharegpt_file_is_read_tokenized_and_filtered(tiny_models, tmp_path):
         bs.sample_sharegpt_file(src, str(path), 3, None, seed=0)
     fixed = bs.sample_sharegpt_file(src, str(path), 2, 7, seed=0)
     assert [s.expected_output_len for s in fixed] == [7, 7]
+
+
+def test_a_server_without_usage_is_counted_from_the_text(server, model_name):
+    """A server that ignores stream_options sends no usage; the output tokens are then counted
+    by tokenizing the generated text (vLLM's fallback), or one per chunk without a tokenizer."""
+    import asyncio
+
+    sample = bs.SampleRequest("Once upon a time", 0, 5)
+    body = bs.build_payload("openai", model_name, sample, True, 0.0)
+    del body["stream_options"]  # the server then streams no usage chunk
+
+    async def go() -> bs.RequestOutput:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await bs.send_request(client, f"{server.url}/v1/completions", body, sample)
+
+    out = asyncio.run(go())
+    assert out.success and out.output_tokens == 0 and len(out.itl) == 4
+    src = bs.load_token_source(model_name)
+    assert bs.count_missing_usage([out], src) == 1
+    assert out.output_tokens == len(src.tokenizer.encode(out.generated_text, False))
+    again = asyncio.run(go())
+    assert bs.count_missing_usage([again], bs.TokenSource(None, None, None)) == 1
+    assert again.output_tokens == 5  # five chunks
