@@ -778,6 +778,9 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"atom bench serve: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. --result-dir not writable
+        print(f"atom bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("atom bench serve: interrupted", file=sys.stderr)
         return 130
