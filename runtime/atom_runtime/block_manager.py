@@ -60,7 +60,6 @@ class BlockManager:
             return False
         if prefix_hit:
             self.pool.claim_all(prefix_hit)
-        if prefix_hit:
             seq.block_table.extend(prefix_hit)
             seq.num_hashed_blocks = len(prefix_hit)
             seq.num_computed_tokens = len(prefix_hit) * self.block_size
