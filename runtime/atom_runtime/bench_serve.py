@@ -713,7 +713,10 @@ async def benchmark(args: argparse.Namespace, samples: list[SampleRequest]) -> d
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         model = args.served_model_name or args.model_id
-        build = lambda s: build_payload(args.backend, model, s, args.ignore_eos, args.temperature)  # noqa: E731
+
+        def build(sample: SampleRequest) -> dict:
+            return build_payload(args.backend, model, sample, args.ignore_eos, args.temperature)
+
         print("Starting initial single prompt test run...")
         test = await send_request(client, url, build(samples[0]), samples[0])
         if not test.success:
@@ -793,7 +796,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
     arrival_offsets(1, args.request_rate, args.burstiness, args.seed)  # validates both
-    np.random.seed(args.seed)
     # Reach the server first: without --model, its first model names the model and, by
     # default, the tokenizer (as vLLM does).
     server_model = asyncio.run(_probe(args))
