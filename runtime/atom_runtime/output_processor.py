@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from atom_runtime.engine.messages import EngineOutput, EngineRequest
+from atom_runtime.engine.protocol import EngineOutput, EngineRequest
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.tokenizer import Tokenizer
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.messages import EngineRequest
+from atom_runtime.engine.protocol import EngineRequest
 
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
 
@@ -150,7 +150,7 @@ def test_bad_requests_raise_naming_the_field_and_queue_nothing(llm, prompt, kwar
     params = SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=f"^{field}: "):
         engine.add_request(EngineRequest("bad", prompt, params))
-    assert not engine.has_unfinished_requests() and "bad" not in engine.requests
+    assert not engine.has_unfinished_requests() and "bad" not in engine.scheduler.requests
 
 
 def test_warm_up_leaves_no_trace(tiny_models):
@@ -171,5 +171,5 @@ def test_warm_up_leaves_no_trace(tiny_models):
     assert (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions) == (0, 0, 0)
     assert stats.num_running == stats.num_waiting == 0
     assert fresh.engine.pool.num_free_blocks == 8 and not fresh.engine.pool.cached
-    assert fresh.engine.requests == {}
+    assert fresh.engine.scheduler.requests == {}
     fresh.shutdown()

@@ -13,7 +13,7 @@ import pytest
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.block_hash import hash_block_tokens
-from atom_runtime.engine.messages import EngineRequest
+from atom_runtime.engine.protocol import EngineRequest
 from atom_runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 
 BLOCK = 16
