@@ -16,7 +16,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) capped sensibly
+    max_num_batched_tokens: int | None = None  # None: 8192; longer prompts run in chunks
     max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9

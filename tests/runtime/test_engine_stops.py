@@ -4,6 +4,8 @@ and abort freeing everything."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from atom_runtime import LLM, SamplingParams
@@ -117,6 +119,20 @@ def test_prompt_logprobs_match_transformers(tiny_models, budget):
                                atol=1e-4, rtol=1e-4)  # fmt: skip
     top = [sorted(e, key=e.get, reverse=True)[:3] for e in out.prompt_logprobs[1:]]
     assert top == want[:-1].topk(3).indices.tolist()
+
+
+def test_request_metrics_are_filled_and_ordered(llm):
+    """RequestOutput.metrics (vLLM's RequestMetrics): arrival, first scheduled, first token,
+    last token and finish, in that order, within the call; queue time from the first two."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
+    before = time.time()
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    after = time.time()
+    m = out.metrics
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.first_token_time <= m.last_token_time <= m.finished_time <= after
+    assert m.last_token_time > m.arrival_time  # tokens came, so it moved off the arrival
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
 
 
 def test_abort_frees_every_block(llm):

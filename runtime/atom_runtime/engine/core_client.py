@@ -346,12 +346,6 @@ class EngineCoreClient:
         self.stats = msg.stats
         if not msg.outputs:
             return
-        for out in msg.outputs:
-            if out.first_scheduled_time is not None:
-                # Engine ids are the API id, or "<id>#<i>" for the i-th of n (output_processor).
-                stream = self.streams.get(out.request_id.partition("#")[0])
-                if stream is not None and stream.first_scheduled_time is None:
-                    stream.first_scheduled_time = out.first_scheduled_time
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:
             with contextlib.suppress(EngineDeadError):
@@ -359,6 +353,8 @@ class EngineCoreClient:
         for out in results:
             stream = self.streams.get(out.request_id)
             if stream is not None:
+                if stream.first_scheduled_time is None:
+                    stream.first_scheduled_time = out.metrics.first_scheduled_time
                 stream.put(out)
                 if out.finished:
                     del self.streams[out.request_id]
