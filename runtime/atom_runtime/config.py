@@ -32,9 +32,10 @@ class EngineConfig:
     kv_events_config: str | None = None  # JSON, vLLM's field names
     kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
     data_parallel_rank: int = 0
-    # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6: >0 a rung
-    # every N tokens (snapped to the hash block), 0 off, -1 prompt-end anchors and demand rungs
-    # only. Llama-family models hold no recurrent state, so for them these only validate.
+    # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6
+    # (docs/architecture.md): >0 a rung every N tokens (snapped to the hash block), 0 off, -1
+    # prompt-end anchors and demand rungs only. Llama-family models hold no recurrent state, so
+    # for them these only validate.
     state_checkpoint_interval_tokens: int = 0
     state_checkpoint_demand: bool = True
 
@@ -106,7 +107,7 @@ def _refuse_kv_transfer(text: str) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them (contract 10)."""
+    """The engine flags, named as vLLM names them (contract 10, docs/architecture.md)."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument(

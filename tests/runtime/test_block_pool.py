@@ -1,4 +1,4 @@
-"""Block pool and block manager invariants: hashing (contract 1), prefix hits (2), eviction (3),
+"""Block pool and block manager invariants: hashing (contract 1, docs/architecture.md), prefix hits (2), eviction (3),
 type boundaries (5), lending to non-sequence owners."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Contract 7: process titles from one naming function; collect + freeze after warm-up,
-unfreeze at shutdown, ATOM_GC_FREEZE=0 thresholds, ATOM_GC_DEBUG=1 logging; and an engine torn
-down inside a live interpreter gives its memory back.
+"""Contract 7 (docs/architecture.md): process titles from one naming function; collect + freeze
+after warm-up, unfreeze at shutdown, ATOM_GC_FREEZE=0 thresholds, ATOM_GC_DEBUG=1 logging; and an
+engine torn down inside a live interpreter gives its memory back.
 
 Policy tests run in fresh interpreters: freezing pytest's own heap would leak into other tests.
 """

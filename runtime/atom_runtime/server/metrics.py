@@ -1,4 +1,4 @@
-"""Prometheus metrics of `atom serve` (design contract 8), in their own registry.
+"""Prometheus metrics of `atom serve` (contract 8, docs/architecture.md), in their own registry.
 
 Engine-side numbers (queue lengths, KV usage, cumulative token and cache counters) come from the
 latest EngineStats the engine core pushed; they are read at scrape time by a collector, so the
