@@ -51,16 +51,7 @@ from atom_runtime.distributed import (
     init_tensor_parallel,
     tp_size,
 )
-from atom_runtime.engine.protocol import (
-    FromWorker,
-    WorkerCall,
-    WorkerFailed,
-    WorkerHello,
-    WorkerReady,
-    WorkerResult,
-    decoder,
-    encoder,
-)
+from atom_runtime.engine import protocol
 from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.model_runner import ModelRunner
 from atom_runtime.models.config import ModelConfig
@@ -127,8 +118,8 @@ class TPExecutor:
         self._failure: str | None = None
         self._closed = False
         self._call_ids = itertools.count(1)
-        self._encoder = encoder()
-        self._decoder = decoder(FromWorker)
+        self._encoder = protocol.encoder()
+        self._decoder = protocol.decoder(protocol.FromWorker)
         self._failed_messages: dict[int, str] = {}
         self.worker_gc_policies: list[dict] = []
 
@@ -177,10 +168,10 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _abandon, list(self.workers))
 
         try:
-            self._wait_for(WorkerHello, "start")
+            self._wait_for(protocol.WorkerHello, "start")
             init_tensor_parallel(0, n, init_method, self.backend)
             self.runner = ModelRunner(config, model_config, model_path)
-            readies = self._wait_for(WorkerReady, "load the model")
+            readies = self._wait_for(protocol.WorkerReady, "load the model")
         except BaseException as e:
             # A collective failing (RuntimeError) usually means a worker died: report that one.
             # Anything else is rank 0's own error (a bad config, a bad checkpoint): raise it.
@@ -359,11 +350,13 @@ class TPExecutor:
     def _send_call(self, method: str, args: list) -> int:
         self._check_alive()
         call_id = next(self._call_ids)
-        self._send_all(self._encoder.encode(WorkerCall(call_id, method, args)))
+        self._send_all(self._encoder.encode(protocol.WorkerCall(call_id, method, args)))
         return call_id
 
     def _collect(self, call_id: int, timeout_s: float | None = None) -> list[Any]:
-        results = self._wait_for(WorkerResult, f"answer call {call_id}", call_id, timeout_s)
+        results = self._wait_for(
+            protocol.WorkerResult, f"answer call {call_id}", call_id, timeout_s
+        )
         return [r.value for r in results]
 
     def _wait_for(self, kind, what: str, call_id: int | None = None, timeout_s=None) -> list:
@@ -391,18 +384,13 @@ class TPExecutor:
     def _drain_replies(self, timeout_ms: int = 0) -> list:
         """Messages waiting on the reply socket (waiting up to timeout_ms for the first);
         `WorkerFailed` reports are kept for the death message."""
-        out = []
         if not self._replies.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                frame = self._replies.recv(self._zmq.NOBLOCK, copy=False)
-            except self._zmq.Again:
-                return out
-            msg = self._decoder.decode(frame.buffer)
-            if isinstance(msg, WorkerFailed):
+            return []
+        out = list(protocol.receive_waiting(self._replies, self._decoder))
+        for msg in out:
+            if isinstance(msg, protocol.WorkerFailed):
                 self._failed_messages[msg.rank] = msg.message
-            out.append(msg)
+        return out
 
 
 def _death_message(rank: int, proc, reported: str | None) -> str:

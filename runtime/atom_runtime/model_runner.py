@@ -73,15 +73,8 @@ class ModelRunner:
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """Banned until min_tokens is reached; the engine sets them once the model is known."""
-        return self.sampler.eos_token_ids
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids: list[int]) -> None:
-        self.sampler.eos_token_ids = ids
+        # Banned until min_tokens is reached; the engine sets them once the model is known.
+        self.eos_token_ids: list[int] = []
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -232,7 +225,7 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
         """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
-        return self.sampler(logits, samplers)
+        return self.sampler(logits, samplers, self.eos_token_ids)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""

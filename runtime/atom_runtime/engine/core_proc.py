@@ -36,6 +36,7 @@ from atom_runtime.engine.protocol import (
     UtilityResult,
     decoder,
     encoder,
+    receive_waiting,
 )
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,6 @@ class EngineLoop:
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.running = True
-        self._zmq = zmq
 
     def run(self) -> None:
         last_sent = time.monotonic()
@@ -159,12 +159,7 @@ class EngineLoop:
 
     def _drain_inbox(self) -> list[EngineOutput]:
         aborted: list[EngineOutput] = []
-        while True:
-            try:
-                frame = self.inbox.recv(self._zmq.NOBLOCK, copy=False)
-            except self._zmq.Again:
-                return aborted
-            msg = self.decoder.decode(frame.buffer)
+        for msg in receive_waiting(self.inbox, self.decoder):
             if isinstance(msg, AddRequests):
                 self._send(self._add(msg))
             elif isinstance(msg, AbortRequests):
@@ -173,7 +168,8 @@ class EngineLoop:
                 self._send(self._utility(msg))
             elif isinstance(msg, Shutdown):
                 self.running = False
-                return aborted
+                break
+        return aborted
 
     def _add(self, msg: AddRequests) -> AddResult:
         added: list[str] = []

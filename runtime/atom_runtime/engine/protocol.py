@@ -15,6 +15,7 @@ Sockets to external parties (KV events, kv_events/) speak their own, fixed forma
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -245,3 +246,15 @@ def encoder() -> msgspec.msgpack.Encoder:
 def decoder(kind: Any) -> msgspec.msgpack.Decoder:
     """A decoder of `kind` (one of this module's unions)."""
     return msgspec.msgpack.Decoder(kind, dec_hook=_decode_custom)
+
+
+def receive_waiting(sock, decoder: msgspec.msgpack.Decoder) -> Iterator[Any]:
+    """Decode every message already waiting on a ZMQ socket, never waiting for one."""
+    import zmq
+
+    while True:
+        try:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        yield decoder.decode(frame.buffer)
