@@ -9,8 +9,9 @@ With async scheduling the read-back of step N waits until step N+1 has been sche
 launched, so the CPU prepares N+1 while the GPU runs N: step N+1's inputs take the tokens step
 N sampled straight from the device, and each call returns the previous step's outputs. A
 sequence whose pending token ends it by length is not scheduled again; one that stops on a
-token runs one wasted row, whose result is dropped. Penalties read the output tokens, so a step
-whose samplers use them is read back before the next is scheduled.
+token runs one wasted row, whose result is dropped. A sequence whose next step needs its last
+token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight.
+
 The same class runs in-process under `LLM` and in its own process under `atom serve`. `executor`
 (an executor.Executor) is the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a
 TPExecutor that drives one worker process per other rank; the scheduler and block manager exist
