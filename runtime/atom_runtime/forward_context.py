@@ -33,3 +33,27 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("no attention metadata: forward called outside the model runner")
     return _current
+
+
+@dataclass
+class StateMetadata:
+    """Per-sequence state addressing for hybrid models' recurrent layers (one row per sequence
+    of the step, in batch order)."""
+
+    query_start_loc: torch.Tensor  # int32 [B+1]: token offsets of each sequence's new tokens
+    slot_ids: torch.Tensor  # int32 [B]: each sequence's committed state slot (-1: padding row)
+    has_initial_state: torch.Tensor  # bool [B]: False starts from zero state (a fresh prefill)
+
+
+_state: StateMetadata | None = None
+
+
+def set_state_metadata(meta: StateMetadata | None) -> None:
+    global _state
+    _state = meta
+
+
+def get_state_metadata() -> StateMetadata:
+    if _state is None:
+        raise RuntimeError("no state metadata: a hybrid model's forward runs inside the runner")
+    return _state
