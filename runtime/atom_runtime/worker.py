@@ -54,6 +54,8 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     cu_seqlens_q: WireArray
     max_seqlen_q: int
     sample_rows: WireArray
+    state_slots: WireArray | None = None  # hybrid models only
+    has_initial_state: WireArray | None = None
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -111,6 +113,10 @@ def encode_step(inputs) -> Step:
         cu_seqlens_q=to_wire(inputs.cu_seqlens_q),
         max_seqlen_q=inputs.max_seqlen_q,
         sample_rows=to_wire(inputs.sample_rows),
+        state_slots=None if inputs.state_slots is None else to_wire(inputs.state_slots),
+        has_initial_state=(
+            None if inputs.has_initial_state is None else to_wire(inputs.has_initial_state)
+        ),
     )
 
 
@@ -126,6 +132,10 @@ def decode_step(step: Step):
         cu_seqlens_q=from_wire(step.cu_seqlens_q),
         max_seqlen_q=step.max_seqlen_q,
         sample_rows=from_wire(step.sample_rows),
+        state_slots=None if step.state_slots is None else from_wire(step.state_slots),
+        has_initial_state=(
+            None if step.has_initial_state is None else from_wire(step.has_initial_state)
+        ),
     )
 
 

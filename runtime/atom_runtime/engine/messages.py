@@ -65,3 +65,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     generation_tokens: int  # cumulative tokens generated
     kv_events_published: int = 0
     kv_events_dropped: int = 0
+    # Hybrid models: the state slot pool (0 for models without recurrent state).
+    state_slots_total: int = 0
+    state_slots_in_use: int = 0
+    state_slot_bytes: int = 0
