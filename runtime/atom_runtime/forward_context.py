@@ -53,6 +53,19 @@ def set_state_metadata(meta: StateMetadata | None) -> None:
     _state = meta
 
 
+def padding_state_metadata(rows: int, tokens: int, device: torch.device) -> StateMetadata:
+    """State metadata for a warm-up, profiling or timing forward: every row a padding row
+    (slot -1), so no slot is read or written. `tokens` are split evenly over the rows."""
+    per_row = tokens // rows
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=device) * per_row
+    qsl[-1] = tokens
+    return StateMetadata(
+        query_start_loc=qsl,
+        slot_ids=torch.full((rows,), -1, dtype=torch.int32, device=device),
+        has_initial_state=torch.zeros(rows, dtype=torch.bool, device=device),
+    )
+
+
 def get_state_metadata() -> StateMetadata:
     if _state is None:
         raise RuntimeError("no state metadata: a hybrid model's forward runs inside the runner")

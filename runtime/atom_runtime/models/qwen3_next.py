@@ -20,7 +20,7 @@ The three architectures differ only in how their checkpoints store things:
 
 Tensor parallelism splits attention heads, GDN key/value heads (the state follows its heads)
 and each expert's intermediate dimension; the router, norms and the shared expert gate are
-replicated.
+replicated (plain `LinearBase`).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from atom_runtime.forward_context import get_attention_metadata, get_state_metad
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     _divide,
-    copy_weight,
 )
 from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding
+from atom_runtime.layers.weights import copy_weight
 from atom_runtime.models.config import ModelConfig
 
 
@@ -256,12 +256,12 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.inter_all = cfg.moe_intermediate_size
         self.inter = _divide(cfg.moe_intermediate_size, tp_size(), "moe_intermediate_size")
-        self.gate = ReplicatedLinear(h, e, bias=False)
+        self.gate = LinearBase(h, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, self.inter), requires_grad=False)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
+            self.shared_expert_gate = LinearBase(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
 
