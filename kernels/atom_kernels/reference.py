@@ -195,6 +195,57 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def linear_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear`, then SwiGLU's activation when `act="silu_mul"`."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return silu_and_mul(y) if act == "silu_mul" else y
+
+
+def linear_rope_store_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """`F.linear`, then `qk_norm_rope_store_` without QK-norm on the qkv row."""
+    qkv = torch.nn.functional.linear(x, weight, bias)
+    qk_norm_rope_store_(
+        qkv, positions, cos_sin_cache, None, None, 0.0, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    return qkv
+
+
+def rms_norm_linear_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm (after the residual add, on a copy of the residual), then `linear_small_m`."""
+    if residual is None:
+        return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
+    normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    return linear_small_m(normed, weight, bias, act=act), total
+
+
 # ---------------------------------------------------------------------------------------------
 # Hybrid (linear-attention) models: Gated DeltaNet, its causal conv1d, gated RMSNorm, MoE.
 # Sequences are packed back to back: `query_start_loc` int32 [B+1]; `slot_ids` int32 [B] names
@@ -315,7 +366,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
         u = writes_v[:, c] - writes_s[:, c] @ state  # the chunk's writes given the entry state
         out[:, c] = q_decayed[:, c] @ state + attn[:, c] @ u
         state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
-    return out.reshape(heads, n * chunk, -1)[:, :length], state
+    return out.reshape(heads, n * chunk, v.shape[-1])[:, :length], state
 
 
 def gated_delta_rule_(
@@ -418,3 +469,21 @@ def fused_moe(
         y = (act @ w2[expert].float().t()) * topk_weights.flatten()[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+def state_copy_(
+    pools: list[torch.Tensor], table: torch.Tensor, unit_bytes: int, max_units: int
+) -> None:
+    """Copy every unit of the affine unit table (see `atom_kernels.copy_table`), run by run,
+    the units counted past `max_units` left out (as the kernel's launch leaves them)."""
+    left = max_units
+    span = torch.arange(unit_bytes, device=table.device)
+    for spool, soff, sstride, dpool, doff, dstride, count in table.tolist():
+        count = min(count, left)
+        left -= count
+        if count <= 0:
+            continue
+        i = torch.arange(count, device=table.device)[:, None]
+        src = (soff + i * sstride + span).flatten().to(pools[spool].device)
+        dst = (doff + i * dstride + span).flatten().to(pools[dpool].device)
+        pools[dpool][dst] = pools[spool][src]

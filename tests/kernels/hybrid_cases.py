@@ -32,7 +32,7 @@ def conv_case(
 
 
 def gdn_case(
-    *, lens, slots, resume, hk, hv, dk, dv, seed, num_slots=5, dtype=torch.float32,
+    *, lens, slots, resume, hk, hv, dk, dv, seed, num_slots=6, dtype=torch.float32,
     state_dtype=torch.float32, device="cpu",
 ):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
