@@ -64,6 +64,63 @@ def test_gdn_recurrent_kernel_matches_reference(kernels, device, dtype, hk, hv, 
     torch.testing.assert_close(case["state"], want_state, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gdn_chunked_kernel_matches_reference(kernels, device, dtype):
+    # Chunks of 16 here (the same code as the 64 of the default, 16x cheaper to interpret):
+    # rows of 1, 2, 16 (exactly one chunk), 17 and 40 tokens, a padding row, an empty row.
+    case = gdn_case(
+        lens=[1, 40, 2, 0, 16, 5, 17], slots=[3, 0, 5, 4, 1, -1, 2],
+        resume=[True, False, True, True, False, True, True], hk=1, hv=2, dk=20, dv=12,
+        seed=29, dtype=dtype, device=device,
+    )  # fmt: skip
+    want_state = case["state"].clone()
+    want = reference.gated_delta_rule_(**{**case, "state": want_state})
+    got = kernels["gdn"].gated_delta_rule_chunked_(**case, chunk=16)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(case["state"], want_state, **tol)
+    assert torch.count_nonzero(got[59:64]) == 0  # the padding row
+
+
+def test_gdn_dispatch_sends_prefill_batches_to_the_chunked_kernel(kernels, device, monkeypatch):
+    gdn = kernels["gdn"]
+    calls = []
+    real = gdn.gated_delta_rule_chunked_
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: None)
+    monkeypatch.setattr(
+        gdn,
+        "gated_delta_rule_chunked_",
+        lambda *a, **kw: calls.append(1) or real(*a, **kw, chunk=16),
+    )
+    case = gdn_case(
+        lens=[3, 1],
+        slots=[0, 1],
+        resume=[True, True],
+        hk=1,
+        hv=1,
+        dk=16,
+        dv=16,
+        seed=30,
+        device=device,
+    )
+    want_state = case["state"].clone()
+    want = reference.gated_delta_rule_(**{**case, "state": want_state})
+    torch.testing.assert_close(gdn.gated_delta_rule_(**case), want, atol=1e-4, rtol=1e-4)
+    decode = gdn_case(
+        lens=[1, 1],
+        slots=[0, 1],
+        resume=[True, True],
+        hk=1,
+        hv=1,
+        dk=16,
+        dv=16,
+        seed=31,
+        device=device,
+    )
+    gdn.gated_delta_rule_(**decode)
+    assert calls == [1]  # the prefill batch only
+
+
 def test_gdn_recurrent_kernel_decode_batch_bf16_state_free_scale(kernels, device):
     # A decode batch (the CUDA-graph shape), without the L2 norm, another scale.
     case = gdn_case(

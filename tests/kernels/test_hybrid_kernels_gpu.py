@@ -66,8 +66,8 @@ def test_gdn_decode_batch(kernels, state_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gdn_prefill_varlen(kernels, dtype):
-    """Whatever path ops takes for a prefill batch (fla-core's chunks when installed, the
-    recurrent kernel otherwise), it equals the chunked torch reference."""
+    """Whatever path ops takes for a prefill batch (fla-core's chunks when installed, this
+    repository's chunked kernel otherwise), it equals the chunked torch reference."""
     lens = _lens(34, 6, 400)
     slots = [3, 0, 5, -1, 1, 2]
     case = gdn_case(
@@ -78,6 +78,22 @@ def test_gdn_prefill_varlen(kernels, dtype):
     want = reference.gated_delta_rule_(**{**case, "state": want_state})
     got = ops.gated_delta_rule_(**case)
     tol = BF16 if dtype == torch.bfloat16 else dict(atol=5e-3, rtol=5e-3)  # fla: tf32 dots
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(case["state"], want_state, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gdn_own_chunked_kernel_qwen3_next_heads(kernels, dtype):
+    """This repository's chunked prefill kernel (what runs when fla-core is absent) at
+    Qwen3-Next's head sizes: 16 k heads, 32 v heads of 128."""
+    case = gdn_case(
+        lens=[1000, 1, 64, 257], slots=[0, 1, -1, 3], resume=[True, True, False, False], hk=16,
+        hv=32, dk=128, dv=128, seed=39, num_slots=4, dtype=dtype, device="cuda",
+    )  # fmt: skip
+    want_state = case["state"].clone()
+    want = reference.gated_delta_rule_(**{**case, "state": want_state})
+    got = kernels["gdn"].gated_delta_rule_chunked_(**case)
+    tol = BF16 if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(case["state"], want_state, **tol)
 
