@@ -24,7 +24,7 @@ from atom_runtime.forward_context import (
 )
 
 if TYPE_CHECKING:
-    from atom_runtime.model_runner import StepInputs
+    from atom_runtime.engine.protocol import StepInputs
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core import _warn_checkpoint_flags
 from atom_runtime.models.config import ModelConfig
-from atom_runtime.scheduler import Scheduler
+from atom_runtime.scheduler import Scheduler, StepOutput
 from atom_runtime.sequence import FinishReason, Sequence
 from atom_runtime.state.slot_pool import StateSlotPool, plan_state_slots
 
@@ -143,7 +143,7 @@ def test_reused_slot_gives_the_tokens_of_a_fresh_engine(tiny_hybrid_models, refe
     llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, max_num_seqs=1)
     assert llm.engine.state_pool.num_slots == 1
     first = _greedy(llm, [PROMPTS[4]])[0].token_ids
-    layers = llm.engine.runner.state.layers
+    layers = llm.engine.executor.state.layers
     # The slot still holds the first request's state (nothing zeroes it on release) ...
     assert all(layer.ssm_state[0].abs().sum() > 0 for layer in layers)
     assert all(layer.conv_state[0].abs().sum() > 0 for layer in layers)
@@ -207,21 +207,24 @@ def test_slot_pool_hands_out_distinct_slots_and_takes_them_back():
 
 def _scheduler(num_slots: int) -> Scheduler:
     blocks = BlockManager(BlockPool(64, 16), enable_prefix_caching=False)
-    return Scheduler(blocks, 8, 64, state_pool=StateSlotPool(num_slots))
+    return Scheduler(
+        blocks, 8, 64, max_model_len=256, eos_token_ids=[], state_pool=StateSlotPool(num_slots)
+    )
 
 
 def test_a_request_waits_for_a_slot_and_gets_the_one_returned():
     sched = _scheduler(1)
-    a, b = Sequence("a", [1] * 5, GREEDY), Sequence("b", [2] * 5, GREEDY)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    a, b = Sequence("a", [1] * 5, one), Sequence("b", [2] * 5, one)
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
     assert batch.seqs == [a] and list(sched.waiting) == [b]
     slot = a.state_slots[0]
-    sched.commit(batch)
-    assert sched.schedule().seqs == [a]  # b still waits: no slot, no hang of a
-    a.finish(FinishReason.STOP)
-    sched.finish_step([a])
+    sched.commit(batch, [a])
+    assert sched.schedule().seqs == []  # b still waits for a slot; a's token is in flight
+    _, finished = sched.update_from_output(batch, StepOutput([a], [7]))
+    assert finished == [a] and a.finish_reason is FinishReason.LENGTH
     assert a.state_slots == []
     assert sched.schedule().seqs == [b] and b.state_slots == [slot]
 
@@ -264,7 +267,7 @@ def test_max_num_seqs_is_capped_to_the_slots_that_fit(tiny_hybrid_models, monkey
     monkeypatch.setenv("ATOM_CPU_KVCACHE_SPACE", str(2 * 3.5 * per_slot / 2**30))
     with caplog.at_level(logging.WARNING):
         llm = LLM(str(folder), dtype="float32", max_num_seqs=8)
-    assert llm.engine.runner.state_bytes_per_slot == per_slot
+    assert llm.engine.executor.state_bytes_per_slot == per_slot
     assert llm.engine.state_pool.num_slots == 3
     assert llm.engine.config.max_num_seqs == 3
     assert "max_num_seqs capped from 8 to 3" in caplog.text

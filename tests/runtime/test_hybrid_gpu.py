@@ -44,7 +44,7 @@ def test_cuda_graph_replay_with_reused_slots_gives_eager_tokens(tiny_hybrid_mode
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=4)
     eager = LLM(str(tiny_hybrid_models["qwen3_next"]), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_hybrid_models["qwen3_next"]), enforce_eager=False, **kw)
-    assert graphs.engine.runner.graphs, "no CUDA graph was captured"
+    assert graphs.engine.executor.graphs, "no CUDA graph was captured"
     assert _greedy(graphs, prompts, 24) == _greedy(eager, prompts, 24)
 
 
@@ -57,7 +57,7 @@ def test_bf16_dummy_qwen3_5_4b_shape_starts_and_serves():
     )
     pool = llm.engine.state_pool
     assert pool.num_slots == 64  # 64 x 49 MiB fit easily next to an 8 GiB model
-    assert llm.engine.runner.state_bytes_per_slot == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    assert llm.engine.executor.state_bytes_per_slot == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
     outs = _greedy(llm, _prompts(1, [500, 37, 1200, 3]), max_tokens=32)
     assert [len(o) for o in outs] == [32] * 4
     assert pool.num_in_use == 0

@@ -37,7 +37,7 @@ def _run(folder, tp: int, **kwargs) -> tuple[list[list[int]], int]:
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.state_bytes_per_slot
+        return [o.outputs[0].token_ids for o in outs], llm.engine.executor.state_bytes_per_slot
     finally:
         llm.shutdown()
 
