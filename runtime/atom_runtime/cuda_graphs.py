@@ -16,7 +16,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.forward_context import (
+    AttentionMetadata,
+    StateMetadata,
+    set_attention_metadata,
+    set_state_metadata,
+)
 
 if TYPE_CHECKING:
     from atom_runtime.engine.protocol import StepInputs
@@ -43,15 +48,23 @@ class DecodeGraphs:
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
         self._block_table_stage: torch.Tensor | None = None
+        self.stateful = False
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
 
     def capture(
-        self, model: nn.Module, device: torch.device, sizes: list[int], max_blocks: int
+        self,
+        model: nn.Module,
+        device: torch.device,
+        sizes: list[int],
+        max_blocks: int,
+        stateful: bool = False,
     ) -> None:
         """Capture one graph per batch size in `sizes` (sorted ascending) over block tables
-        `max_blocks` wide."""
+        `max_blocks` wide. `stateful` (hybrid models): state slot ids and has_initial_state are
+        graph inputs too."""
+        self.stateful = stateful
         max_bs = sizes[-1]
         dev = device
         bufs = {
@@ -60,6 +73,11 @@ class DecodeGraphs:
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
             "block_tables": torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev),
             "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            # One token per row, so the state's token offsets are fixed; padded rows use slot
+            # -1 (no slot read or written).
+            "state_slots": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            "has_initial_state": torch.zeros(max_bs, dtype=torch.bool, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -71,6 +89,14 @@ class DecodeGraphs:
                     decode_only=True,
                 )
                 set_attention_metadata(meta)
+                if stateful:
+                    set_state_metadata(
+                        StateMetadata(
+                            query_start_loc=bufs["query_start_loc"][: bs + 1],
+                            slot_ids=bufs["state_slots"][:bs],
+                            has_initial_state=bufs["has_initial_state"][:bs],
+                        )
+                    )
                 ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
                 for _ in range(2):  # warm up: Triton compiles and autotunes outside capture
                     model.compute_logits(model(ids, pos)).float()
@@ -80,6 +106,7 @@ class DecodeGraphs:
                     logits = model.compute_logits(model(ids, pos)).float()
                 self.graphs[bs] = (graph, logits)
                 set_attention_metadata(None)
+                set_state_metadata(None)
         torch.cuda.synchronize(dev)
         self.inputs = bufs
         self.sizes = sizes
@@ -92,6 +119,8 @@ class DecodeGraphs:
                 "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
                 "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
                 "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
+                "state_slots": torch.full((max_bs,), -1, dtype=torch.int32).pin_memory(),
+                "has_initial_state": torch.zeros(max_bs, dtype=torch.bool).pin_memory(),
                 "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
             }
             for _ in range(2)
@@ -126,7 +155,18 @@ class DecodeGraphs:
         lens = host["seq_lens"].numpy()
         lens[:n] = inputs.seq_lens
         lens[n:bs] = 0  # padded rows attend to nothing
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        names = ["input_ids", "positions", "slot_mapping", "seq_lens"]
+        if self.stateful:
+            if inputs.state_slots is None:
+                raise RuntimeError("a hybrid model's decode step came without state slots")
+            state_slots = host["state_slots"].numpy()
+            state_slots[:n] = inputs.state_slots
+            state_slots[n:bs] = -1  # padded rows touch no slot
+            has_state = host["has_initial_state"].numpy()
+            has_state[:n] = inputs.has_initial_state
+            has_state[n:bs] = False
+            names += ["state_slots", "has_initial_state"]
+        for name in names:
             dev[name][:bs].copy_(host[name][:bs], non_blocking=True)
         width = inputs.block_tables.shape[1]
         packed = n * width

@@ -209,6 +209,14 @@ class TPExecutor:
         return self.runner.max_num_batched_tokens
 
     @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return self.runner.state_bytes_per_slot
+
+    @property
     def device(self) -> torch.device:
         return self.runner.device
 

@@ -25,13 +25,20 @@ from atom_runtime.cuda_graphs import DecodeGraphs, default_capture_sizes
 from atom_runtime.device import resolve_device, resolve_dtype, to_device
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.engine.protocol import StepInputs
-from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.forward_context import (
+    AttentionMetadata,
+    StateMetadata,
+    padding_state_metadata,
+    set_attention_metadata,
+    set_state_metadata,
+)
 from atom_runtime.layers.sampler import Sampler, SamplerOutput
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import PENDING_TOKEN, Sequence
 from atom_runtime.small_m import select_small_m_kernels
+from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +63,16 @@ class ModelRunner:
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
+        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
+        state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
+        self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
+        self.num_state_slots = 0
+        self._planned_slots = 0
         # Every rank must hold the same block ids: the cache is as large as the smallest allows.
         self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
+        if self.state is not None:
+            self._allocate_state_slots()
         self.small_m_kernels = select_small_m_kernels(
             self.model, self.device, self.num_blocks, self.block_size
         )
@@ -83,23 +97,84 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return 0 if self.state is None else self.state.bytes_per_slot
+
     def _decide_num_blocks(self) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
+        override = self.config.num_gpu_blocks_override
+        if self.state is not None:
+            return self._plan_hybrid_memory(override)
+        if override is not None:
+            return override
         if self.device.type == "cuda":
             return self._profile_gpu_blocks()
         space = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
         return max(1, int(space // self.bytes_per_block))
 
+    def _plan_hybrid_memory(self, override: int | None) -> int:
+        """Split the cache budget (GPU: what is left after weights and the peak activation;
+        CPU: ATOM_CPU_KVCACHE_SPACE) between state slots and KV blocks (`plan_state_slots`)."""
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        plan = plan_state_slots(
+            budget,
+            self.state.bytes_per_slot,
+            self.bytes_per_block,
+            self.config.max_num_seqs,
+            fixed_blocks=override,
+        )
+        if plan.num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache next to {plan.num_slots} state slots: raise "
+                "--gpu-memory-utilization or lower --max-num-seqs"
+            )
+        self._planned_slots = plan.num_slots
+        return plan.num_blocks
+
+    def _allocate_state_slots(self) -> None:
+        """Allocate the slots every rank agreed on; cap max_num_seqs to them (a running sequence
+        holds one slot)."""
+        self.num_state_slots = all_reduce_min(self._planned_slots, self.device)
+        self.state.allocate(self.num_state_slots)
+        if self.config.max_num_seqs > self.num_state_slots:
+            log.warning(
+                "max_num_seqs capped from %d to %d: the state slots that fit in memory",
+                self.config.max_num_seqs,
+                self.num_state_slots,
+            )
+            self.config.max_num_seqs = self.num_state_slots
+        log.info(
+            "hybrid state: %d slots of %.2f MiB each (%d stateful layers), %.2f GiB in all",
+            self.num_state_slots,
+            self.state.bytes_per_slot / 2**20,
+            len(self.state.layers),
+            self.num_state_slots * self.state.bytes_per_slot / 2**30,
+        )
+
     def _profile_gpu_blocks(self) -> int:
-        """Run the largest batch once against a one-block cache, then give the cache what is left
-        under gpu_memory_utilization after weights and that peak."""
+        budget = self._profile_gpu_budget()
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache in {budget / 2**30:.2f} GiB: raise "
+                "--gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return num_blocks
+
+    def _profile_gpu_budget(self) -> float:
+        """Run the largest batch once against a one-block cache (and one state slot), then
+        return what is left under gpu_memory_utilization after weights and that peak."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = self.max_num_batched_tokens
         self.num_blocks = 1
         self._allocate_kv_cache()
+        if self.state is not None:
+            self.state.allocate(1)
         blocks_wide = -(-tokens // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
@@ -113,23 +188,24 @@ class ModelRunner:
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             set_attention_metadata(meta)
+            set_state_metadata(padding_state_metadata(1, tokens, self.device))
             hidden = self.model(ids, pos)
             self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float()
             set_attention_metadata(None)
+            set_state_metadata(None)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         del hidden
-        num_blocks = int(budget // self.bytes_per_block)
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no room for the KV cache: weights and activations peak at {peak / 2**30:.1f} GiB "
-                f"of {total / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
-                "--max-num-batched-tokens"
-            )
-        return num_blocks
+        log.info(
+            "weights and activations peak at %.1f GiB of %.1f GiB; %.2f GiB left for caches",
+            peak / 2**30,
+            total / 2**30,
+            budget / 2**30,
+        )
+        return budget
 
     def _allocate_kv_cache(self) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -150,7 +226,13 @@ class ModelRunner:
                 or default_capture_sizes(self.config.max_num_seqs)
             )
         )
-        self.graphs.capture(self.model, self.device, sizes, -(-max_model_len // self.block_size))
+        self.graphs.capture(
+            self.model,
+            self.device,
+            sizes,
+            -(-max_model_len // self.block_size),
+            stateful=self.state is not None,
+        )
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -215,10 +297,19 @@ class ModelRunner:
         positions = to_device(inputs.positions, dev)
         rows = to_device(inputs.sample_rows, dev)
         set_attention_metadata(meta)
+        if inputs.state_slots is not None:
+            set_state_metadata(
+                StateMetadata(
+                    query_start_loc=to_device(inputs.cu_seqlens_q, dev),
+                    slot_ids=to_device(inputs.state_slots, dev),
+                    has_initial_state=to_device(inputs.has_initial_state, dev),
+                )
+            )
         try:
             hidden = self.model(input_ids, positions)
         finally:
             set_attention_metadata(None)
+            set_state_metadata(None)
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[rows]).float()
@@ -283,6 +374,8 @@ class ModelRunner:
         )
         if pending_rows:
             inputs.pending_sources = self._pending_sources(pending_rows, pending_seqs)
+        if self.state is not None:
+            self._add_state_rows(inputs, batch.seqs)
         if self._prompt_jobs:
             self._sampler_pos = sampler_pos
         return inputs, samplers
@@ -334,7 +427,22 @@ class ModelRunner:
         if min(ids) == PENDING_TOKEN:
             pending = [i for i, t in enumerate(ids) if t == PENDING_TOKEN]
             inputs.pending_sources = self._pending_sources(pending, [seqs[i] for i in pending])
+        if self.state is not None:
+            self._add_state_rows(inputs, seqs)
         return inputs, [seqs[i] for i in rows]
+
+    @staticmethod
+    def _add_state_rows(inputs: StepInputs, seqs: list[Sequence]) -> None:
+        """Each sequence's committed slot, and whether its state carries over: only once a
+        chunk of this residency has run (num_computed_tokens > 0; prefix hits are off for
+        hybrid models, and preemption resets the count, so a readmitted or slot-reusing
+        sequence starts from zero state)."""
+        if any(not seq.state_slots for seq in seqs):
+            raise RuntimeError("a hybrid model's sequence was scheduled without a state slot")
+        inputs.state_slots = np.array([seq.state_slots[0] for seq in seqs], dtype=np.int32)
+        inputs.has_initial_state = np.array(
+            [seq.num_computed_tokens > 0 for seq in seqs], dtype=np.bool_
+        )
 
     def release(self, request_ids) -> None:
         self.sampler.release(request_ids)
@@ -344,6 +452,8 @@ class ModelRunner:
         even while something still holds this runner."""
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
+        if self.state is not None:
+            self.state.release()
         self.graphs.clear()
         self._last_samplers, self._last_token_ids = [], None
         self.sampler.generators.clear()

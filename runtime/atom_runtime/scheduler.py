@@ -5,7 +5,9 @@ decode, the next chunk for a prompt still being prefilled), then waiting sequenc
 the budget, `max_num_seqs` and free blocks last. A long prompt is cut into chunks that share the
 budget with decodes instead of stalling them. When blocks run out, the sequence at the tail of the
 running queue is preempted by recompute: its blocks are freed and it goes back to the head of the
-waiting queue. The scheduler never touches tensors.
+waiting queue. For hybrid models a sequence also needs a state slot (`StateSlotPool`) to be
+admitted; it waits, like one short of blocks, until a running sequence returns one (finishing,
+aborting or being preempted). The scheduler never touches tensors.
 
 After the model ran a step, `update_from_output` takes what it sampled (read back to the host):
 each token fills its sequence's pending slot, stop conditions are checked (`check_stop`), the
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.engine.protocol import EngineOutput
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.state.slot_pool import StateSlotPool
 
 
 @dataclass
@@ -61,8 +64,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        state_pool: StateSlotPool | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -121,12 +126,16 @@ class Scheduler:
         if batch.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self.state_pool is not None and not self.state_pool.can_allocate():
+                    break  # every slot is held by a running sequence: wait for one to leave
                 hit = self.block_manager.find_prefix_hit(seq)
                 num_cached = len(hit) * self.block_manager.block_size
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not self.block_manager.allocate(seq, num_new, hit):
                     break
                 self.waiting.popleft()
+                if self.state_pool is not None:
+                    self.state_pool.allocate(seq)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.time()
                     seq.num_cached_tokens = num_cached
@@ -191,7 +200,7 @@ class Scheduler:
         finished = [seq for seq in seqs if seq.is_finished]
         if finished:
             for seq in finished:
-                self.block_manager.free(seq)
+                self._release(seq)
                 self.requests.pop(seq.request_id, None)
             self.running = [seq for seq in self.running if not seq.is_finished]
             if any(seq.status is SequenceStatus.FINISHED for seq in self.waiting):
@@ -205,15 +214,22 @@ class Scheduler:
             for seq in list(queue):
                 if seq.request_id in request_ids:
                     queue.remove(seq)
-                    self.block_manager.free(seq)
+                    self._release(seq)
                     seq.finish(FinishReason.ABORT)
                     aborted.append(seq)
         for seq in aborted:
             self.requests.pop(seq.request_id, None)
         return aborted
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Give back everything a sequence holds: blocks and state slots."""
         self.block_manager.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute from scratch: its slot goes back too (the state is rebuilt from token 0).
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -53,6 +53,8 @@ class Sequence:
         # Prompt tokens served from the prefix cache at first admission (reported as cached_tokens).
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # Hybrid models: state slots held while resident ([0] committed, then scratch).
+        self.state_slots: list[int] = []
         # Chained hashes of this sequence's full blocks, computed once each, in order.
         self.block_hashes: list[int] = []
         # Leading blocks of block_table that carry their hash (prefix hits or published blocks).

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
-from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.forward_context import (
+    AttentionMetadata,
+    padding_state_metadata,
+    set_attention_metadata,
+    set_state_metadata,
+)
 from atom_runtime.layers.linear import LinearBase
 
 log = logging.getLogger(__name__)
@@ -169,6 +174,7 @@ def refine_small_m_kernels(
     groups = small_m_groups(model)
     first = last = None  # step times, ms: the first timed, the last kept
     set_attention_metadata(meta)
+    set_state_metadata(padding_state_metadata(1, 1, dev))  # hybrid models: touch no slot
     try:
         for key, layers in groups.items():
             for path in small_m_paths(layers[0]):
@@ -190,6 +196,7 @@ def refine_small_m_kernels(
         for key, path in choice.items():
             use_small_m_path(groups[key], path)
         set_attention_metadata(None)
+        set_state_metadata(None)
     log.info(
         "one-row paths checked on a batch-1 step (%s ms as first chosen, %s ms as kept): %s",
         first,

@@ -43,6 +43,7 @@ from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, engine_output
 from atom_runtime.sequence import Sequence
+from atom_runtime.state.slot_pool import StateSlotPool
 from atom_runtime.structured_outputs import Guides
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,25 @@ class EngineCore:
             config.block_size,
             enable_events=self.kv_events_config.enable_kv_cache_events,
         )
+        hybrid = self.model_config.is_hybrid
+        self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
+        prefix_caching = config.enable_prefix_caching
+        if hybrid and prefix_caching:
+            # A KV prefix hit without the recurrent state at that point cannot be resumed from.
+            log.info(
+                "prefix caching is off for %s: prefix reuse for hybrid models needs state "
+                "checkpoints",
+                self.model_config.model_type,
+            )
+            prefix_caching = False
+        _warn_checkpoint_flags(config, hybrid)
         self.scheduler = Scheduler(
-            BlockManager(self.pool, config.enable_prefix_caching),
+            BlockManager(self.pool, prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            state_pool=self.state_pool,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         self.async_scheduling = config.async_scheduling
@@ -104,6 +118,8 @@ class EngineCore:
             self.step()
         if self.pool.num_free_blocks != self.pool.num_blocks or self.pool.cached:
             raise RuntimeError("warm-up left blocks or cached hashes behind")
+        if self.state_pool is not None and self.state_pool.num_in_use:
+            raise RuntimeError("warm-up left state slots behind")
         self.scheduler.reset_counters()
 
     def _decide_max_model_len(self) -> int:
@@ -216,6 +232,9 @@ class EngineCore:
             generation_tokens=s.generation_tokens,
             kv_events_published=self.publisher.published_total,
             kv_events_dropped=self.publisher.dropped_total,
+            state_slots_total=self.state_pool.num_slots if self.state_pool else 0,
+            state_slots_in_use=self.state_pool.num_in_use if self.state_pool else 0,
+            state_slot_bytes=self.executor.state_bytes_per_slot if self.state_pool else 0,
         )
 
     def cached_block_hashes(self) -> list[int]:
@@ -274,6 +293,32 @@ class _InFlight:
                 None if t is None else t.tolist()
                 for t in (s.token_ids, s.logprobs, s.top_ids, s.top_logprobs)
             ),
+        )
+
+
+def _warn_checkpoint_flags(config: EngineConfig, hybrid: bool) -> None:
+    """The --state-checkpoint-* flags drive nothing yet: say so instead of failing (the operator
+    renders them for every deployment)."""
+    flags = []
+    if config.state_checkpoint_interval_tokens != 0:
+        flags.append(
+            f"--state-checkpoint-interval-tokens={config.state_checkpoint_interval_tokens}"
+        )
+    if not config.state_checkpoint_demand:
+        flags.append("--no-state-checkpoint-demand")
+    if not flags:
+        return
+    if hybrid:
+        log.warning(
+            "%s: state checkpoints are not implemented in this runtime yet; the flag has no "
+            "effect (prefix reuse stays off for hybrid models)",
+            ", ".join(flags),
+        )
+    else:
+        log.warning(
+            "%s has no effect: the model holds no recurrent state (only hybrid models use "
+            "state checkpoints)",
+            ", ".join(flags),
         )
 
 

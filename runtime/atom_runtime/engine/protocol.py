@@ -81,6 +81,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     generation_tokens: int  # cumulative tokens generated
     kv_events_published: int = 0
     kv_events_dropped: int = 0
+    # Hybrid models: the state slot pool (0 for models without recurrent state).
+    state_slots_total: int = 0
+    state_slots_in_use: int = 0
+    state_slot_bytes: int = 0
 
 
 # -- client (API server) -> EngineCore process -----------------------------------------------------
@@ -172,6 +176,10 @@ class StepInputs(msgspec.Struct, tag="step", array_like=True):
     # device (row 0) and that step's sample row holding it (row 1). Rank 0 only: async
     # scheduling is refused under tensor parallelism, so a worker always gets None.
     pending_sources: np.ndarray | None = None
+    # Hybrid models: each sequence's committed state slot (int32 [B]) and whether it resumes
+    # from it (bool [B]; False: the first chunk since admission, which starts from zero state).
+    state_slots: np.ndarray | None = None
+    has_initial_state: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -58,6 +58,26 @@ class EngineStatsCollector(Collector):
         info = InfoMetricFamily("atom:cache_config", "KV-cache configuration.")
         info.add_metric([], {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_blocks)})
         yield info
+        if s.state_slots_total:  # hybrid models: the recurrent-state slot pool
+            yield GaugeMetricFamily(
+                "atom:state_slots_total",
+                "State slots in the pool (one per resident request).",
+                value=s.state_slots_total,
+            )
+            yield GaugeMetricFamily(
+                "atom:state_slots_in_use",
+                "State slots held by requests.",
+                value=s.state_slots_in_use,
+            )
+            slot_info = InfoMetricFamily("atom:state_slot_config", "State slot pool configuration.")
+            slot_info.add_metric(
+                [],
+                {
+                    "num_slots": str(s.state_slots_total),
+                    "bytes_per_slot": str(s.state_slot_bytes),
+                },
+            )
+            yield slot_info
         counters = (
             ("atom:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("atom:generation_tokens", "Tokens generated.", s.generation_tokens),
