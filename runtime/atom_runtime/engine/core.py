@@ -37,6 +37,7 @@ from atom_runtime.engine.messages import (
 )
 from atom_runtime.executor import make_executor
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
+from atom_runtime.kv_transfer import make_transfer_agent
 from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class EngineCore:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
+        # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
+        self.kv_transfer = make_transfer_agent(config, self.scheduler.block_manager, self.runner)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (
@@ -157,11 +160,16 @@ class EngineCore:
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
         seq.kv_transfer_params = request.kv_transfer_params
         seq.matcher = matcher
+        parked = self.kv_transfer is not None and self.kv_transfer.park(seq)
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if not parked:  # a parked request enters the scheduler once its KV pull is over
+            self.scheduler.add(seq)
 
     def abort_requests(self, request_ids) -> list[EngineOutput]:
-        aborted = self.scheduler.abort(set(request_ids))
+        ids = set(request_ids)
+        aborted = self.scheduler.abort(ids)
+        if self.kv_transfer is not None:
+            aborted += self.kv_transfer.abort(ids)
         for seq in aborted:
             self.requests.pop(seq.request_id, None)
         self.runner.release(seq.request_id for seq in aborted)
@@ -169,15 +177,25 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts while it holds a live sequence (not once all were aborted).
-        return self.scheduler.has_unfinished() or (
-            self._in_flight is not None
-            and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
+        return (
+            self.scheduler.has_unfinished()
+            or (
+                self._in_flight is not None
+                and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
+            )
+            or (self.kv_transfer is not None and self.kv_transfer.has_work())
         )
 
     # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         outputs = []
+        if self.kv_transfer is not None:
+            for seq in self.kv_transfer.poll():
+                self.scheduler.add(seq)
+            if not self.scheduler.has_unfinished() and self._in_flight is None:
+                # Only transfers are pending: sleep until the transport has news, briefly.
+                self.kv_transfer.wait(0.005)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         if self._in_flight is not None:
@@ -222,6 +240,8 @@ class EngineCore:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq, token)
+                if seq.is_finished and self.kv_transfer is not None:
+                    self.kv_transfer.on_finished(seq)  # a producer holds the prompt's blocks
                 out = self._output(seq, [token])
                 if want is not None:
                     out.new_logprobs = [logprobs[row]]
@@ -302,6 +322,7 @@ class EngineCore:
             generation_tokens=self.generation_tokens_total,
             kv_events_published=self.publisher.published_total,
             kv_events_dropped=self.publisher.dropped_total,
+            kv_transfer=self.kv_transfer.snapshot() if self.kv_transfer is not None else None,
         )
 
     def cached_block_hashes(self) -> list[int]:
@@ -314,6 +335,8 @@ class EngineCore:
         return ok
 
     def shutdown(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.publisher.shutdown()
         self.runner.shutdown()
 

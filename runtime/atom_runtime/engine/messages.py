@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from atom_runtime.kv_transfer.stats import KVTransferStats
 from atom_runtime.sampling_params import SamplingParams
 
 
@@ -65,3 +66,4 @@ class EngineStats(msgspec.Struct, array_like=True):
     generation_tokens: int  # cumulative tokens generated
     kv_events_published: int = 0
     kv_events_dropped: int = 0
+    kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
