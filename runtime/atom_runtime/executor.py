@@ -45,6 +45,7 @@ import msgspec
 import torch
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.device import resolve_device
 from atom_runtime.distributed import (
     abort_tensor_parallel,
     destroy_tensor_parallel,
@@ -52,7 +53,7 @@ from atom_runtime.distributed import (
     tp_size,
 )
 from atom_runtime.layers.sampler import SamplerOutput
-from atom_runtime.model_runner import ModelRunner, resolve_device
+from atom_runtime.model_runner import ModelRunner
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import Sequence

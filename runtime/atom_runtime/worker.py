@@ -253,7 +253,7 @@ class Worker:
 
     def capture_cudagraphs(self, max_model_len: int) -> list[int]:
         self.runner.capture_cudagraphs(max_model_len)
-        return list(self.runner.graph_sizes)
+        return list(self.runner.graphs.sizes)
 
     def apply_gc_policy(self) -> dict:
         from atom_runtime.process import apply_gc_policy

@@ -112,7 +112,7 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
     same top logprobs within bf16's resolution. Compared per step, not as greedy sequences: a
     near-tie flipped by a rounding would make later tokens diverge. Eager, so the layer flags
     set here take effect (graphs keep what was captured)."""
-    from atom_runtime.layers.linear import small_m_groups, small_m_paths, use_small_m_path
+    from atom_runtime.small_m import small_m_groups, small_m_paths, use_small_m_path
 
     llm = LLM(
         str(tiny_models[kind]),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.layers.linear import (
-    LinearBase,
+from atom_runtime.layers.linear import LinearBase
+from atom_runtime.small_m import (
     choose_small_m_kernels,
     small_m_groups,
     small_m_paths,
