@@ -134,15 +134,6 @@ def launch_router(tmp: Path, *args: str, timeout: float = 60) -> RouterProcess:
     raise RuntimeError(f"atom router was not up within {timeout}s:\n{router.log()}")
 
 
-@pytest.fixture
-def stop_later():
-    """Register processes to stop at teardown, pass or fail (routers first, then engines)."""
-    procs: list = []
-    yield procs.append
-    for p in reversed(procs):
-        p.stop()
-
-
 @pytest.fixture(scope="module")
 def model_name(tiny_models) -> str:
     return str(tiny_models["llama"])

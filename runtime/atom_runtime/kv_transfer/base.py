@@ -14,6 +14,7 @@ ever touched by the engine thread.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -115,19 +116,21 @@ class KVCacheAccess:
         """Copy the blocks to host memory (pinned on a GPU, on a side stream, so the copy
         overlaps the compute stream); safe from a transport thread while the blocks are held."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        caches = [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
+        shape = (len(caches), len(block_ids), *self.block_shape)
         if self._copy_stream is None:
-            parts = [c.index_select(0, index) for layer in self.layers
-                     for c in (layer.k_cache, layer.v_cache)]  # fmt: skip
-            host = torch.stack(parts)
+            host = torch.empty(shape, dtype=self.dtype)
+            for i, cache in enumerate(caches):  # gathered straight into the output: one copy
+                torch.index_select(cache, 0, index, out=host[i])
         else:
             with torch.cuda.stream(self._copy_stream):
-                parts = [c.index_select(0, index) for layer in self.layers
-                         for c in (layer.k_cache, layer.v_cache)]  # fmt: skip
-                gathered = torch.stack(parts)
-                host = torch.empty(gathered.shape, dtype=self.dtype, pin_memory=True)
+                gathered = torch.empty(shape, dtype=self.dtype, device=self.device)
+                for i, cache in enumerate(caches):
+                    torch.index_select(cache, 0, index, out=gathered[i])
+                host = torch.empty(shape, dtype=self.dtype, pin_memory=True)
                 host.copy_(gathered, non_blocking=True)
             self._copy_stream.synchronize()
-        return memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B")
+        return memoryview(host.view(torch.uint8).numpy()).cast("B")
 
     def write(self, block_ids: list[int], payload: memoryview | bytes) -> None:
         """Place pulled blocks into the cache (engine thread, between steps)."""
@@ -136,7 +139,10 @@ class KVCacheAccess:
             raise ValueError(
                 f"KV payload of {len(payload)} bytes for {n} blocks of {self.block_bytes} bytes"
             )
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # The received frame is read-only; it is only ever read from here.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=torch.uint8)
         blocks = flat.view(self.dtype).view(2 * len(self.layers), n, *self.block_shape)
         if self.device.type == "cuda":
             blocks = blocks.pin_memory().to(self.device, non_blocking=True)

@@ -248,7 +248,7 @@ class Router:
 
     async def prompt_tokens(self, path: str, body: dict, backends: list[Backend]) -> list[int]:
         """The prompt's token ids, asked of a decode pod (it owns the tokenizer and template)."""
-        if path.endswith("/completions") and "messages" not in body:
+        if path == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
