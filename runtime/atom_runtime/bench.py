@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(config.model, **kwargs)
     vocab = llm.engine.model_config.vocab_size
     # Which kernel each group of batch-1 projections took at start-up (GPU only).
-    one_row = dict(getattr(getattr(llm.engine, "runner", None), "small_m_kernels", None) or {})
+    one_row = dict(getattr(getattr(llm.engine, "executor", None), "small_m_kernels", None) or {})
     if one_row:
         result["one_row_paths"] = one_row
         print("atom  one-row paths: " + ", ".join(f"{k} {v}" for k, v in one_row.items()))
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
 def decode_ms_per_token(llm, prompt: list[int], output_len: int) -> float:
     """Steady-state decode time per token for one request: first token to last, per token."""
-    from atom_runtime.engine.messages import EngineRequest
+    from atom_runtime.engine.protocol import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     engine = llm.engine

@@ -1,4 +1,4 @@
-"""Chained prefix hashes of KV blocks (contract 1).
+"""Chained prefix hashes of KV blocks (contract 1, docs/architecture.md).
 
 A block's hash is xxh64 over [the parent block's digest as 8 bytes little-endian, when there is a
 parent] followed by the block's token ids as int64 little-endian; the digest is an unsigned 64-bit

@@ -1,6 +1,6 @@
 """The KV block pool: fixed-size blocks, reference counts, the prefix-hash index, eviction.
 
-Contracts (shared/DESIGN.md):
+Contracts (docs/architecture.md):
 - 2: a prefix hit is the leading run of chained-hash matches whose tokens also match.
 - 3: eviction is lazy, at allocation: never-hashed free blocks first, then the least-recently-freed
   cached block. A cache hit claims a block and keeps its hash.

@@ -19,7 +19,7 @@ from torch import nn
 from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
 
 if TYPE_CHECKING:
-    from atom_runtime.model_runner import StepInputs
+    from atom_runtime.engine.protocol import StepInputs
 
 log = logging.getLogger(__name__)
 

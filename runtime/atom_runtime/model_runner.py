@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, default_capture_sizes
 from atom_runtime.device import resolve_device, resolve_dtype, to_device
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
+from atom_runtime.engine.protocol import StepInputs
 from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
 from atom_runtime.layers.sampler import Sampler, SamplerOutput
 from atom_runtime.models.config import ModelConfig
@@ -36,28 +36,6 @@ from atom_runtime.small_m import select_small_m_kernels
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
-
-
-@dataclass
-class StepInputs:
-    """Everything a forward pass needs, as host arrays: rank 0 builds it from a scheduled batch,
-    tensor-parallel workers receive it (executor.py) and run the same forward."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: cache slot of each new token
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    seq_lens: np.ndarray  # int32 [B]: tokens in cache per sequence, this step's included
-    cu_seqlens_q: np.ndarray  # int32 [B+1]: prefix sums of each sequence's new tokens
-    max_seqlen_q: int
-    sample_rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
-    # Async scheduling: int64 [2, P], input rows whose token the previous step sampled on the
-    # device (row 0) and that step's sample row holding it (row 1). Rank 0 only.
-    pending_sources: np.ndarray | None = None
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
 
 
 class ModelRunner:
@@ -95,15 +73,8 @@ class ModelRunner:
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """Banned until min_tokens is reached; the engine sets them once the model is known."""
-        return self.sampler.eos_token_ids
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids: list[int]) -> None:
-        self.sampler.eos_token_ids = ids
+        # Banned until min_tokens is reached; the engine sets them once the model is known.
+        self.eos_token_ids: list[int] = []
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -254,7 +225,7 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
         """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
-        return self.sampler(logits, samplers)
+        return self.sampler(logits, samplers, self.eos_token_ids)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""

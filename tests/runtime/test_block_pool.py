@@ -1,4 +1,4 @@
-"""Block pool and block manager invariants: hashing (contract 1), prefix hits (2), eviction (3),
+"""Block pool and block manager invariants: hashing (contract 1, docs/architecture.md), prefix hits (2), eviction (3),
 type boundaries (5), lending to non-sequence owners."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_decode_blocks_are_hashed_so_follow_ups_reuse_generated_text():
     assert manager.allocate(a, 3)
     a.num_computed_tokens = 3
     for token in (50, 51, 52, 53, 54):  # generated text
-        a.append_token(token)
+        a.token_ids.append(token)
         assert manager.allocate(a, 1)
         a.num_computed_tokens += 1
         manager.publish_computed_blocks(a)

@@ -274,6 +274,9 @@ class TransferAgent:
                 aborted.append(pull.seq)
         return aborted
 
+    def is_parked(self, request_id: str) -> bool:
+        return any(pull.seq.request_id == request_id for pull in self.pulls.values())
+
     def has_work(self) -> bool:
         return bool(self.pulls or self.holds)
 

@@ -157,19 +157,20 @@ class Sampler:
     def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.vocab_size = vocab_size
-        # Banned until min_tokens is reached; the engine sets them once the model is known.
-        self.eos_token_ids: list[int] = []
         self.generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Rows of `logits` in the order of `seqs`."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
+    ) -> SamplerOutput:
+        """Rows of `logits` in the order of `seqs`; `eos_token_ids` are banned (with the stop
+        token ids) in rows short of their min_tokens."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"logits: {logits.shape[0]} rows for {len(seqs)} sequences")
         if all(_plain_greedy(seq) for seq in seqs):
             return SamplerOutput(token_ids=greedy_argmax(logits))
-        return sample(logits, self.tensors(seqs))
+        return sample(logits, self.tensors(seqs, eos_token_ids))
 
-    def tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def tensors(self, seqs: list[Sequence], eos_token_ids: list[int]) -> SamplingTensors:
         """The per-row parameters of `seqs` on the device (host arrays copied without a sync)."""
         dev = self.device
         params = [seq.sampling_params for seq in seqs]
@@ -220,7 +221,7 @@ class Sampler:
             if seq.num_output_tokens < p.min_tokens:
                 stop_ids = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
-                    stop_ids.update(self.eos_token_ids)
+                    stop_ids.update(eos_token_ids)
                 for tok in stop_ids:
                     banned_rows.append(row)
                     banned_tokens.append(tok)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of `atom serve` (design contract 8), in their own registry.
+"""Prometheus metrics of `atom serve` (contract 8, docs/architecture.md), in their own registry.
 
 Engine-side numbers (queue lengths, KV usage, cumulative token and cache counters) come from the
 latest EngineStats the engine core pushed; they are read at scrape time by a collector, so the
@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from atom_runtime.engine.messages import EngineStats
+from atom_runtime.engine.protocol import EngineStats
 from atom_runtime.kv_transfer.stats import KVTransferStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
