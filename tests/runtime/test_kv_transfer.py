@@ -29,11 +29,11 @@ NUM_BLOCKS = 24
 
 
 class _Layer:
-    def __init__(self, fill: bool) -> None:
+    def __init__(self, fill: bool, device: str = "cpu", dtype=torch.float32) -> None:
         shape = (NUM_BLOCKS, BS, 2, 8)
         make = torch.randn if fill else torch.zeros
-        self.k_cache = make(shape)
-        self.v_cache = make(shape)
+        self.k_cache = make(shape, device=device).to(dtype)
+        self.v_cache = make(shape, device=device).to(dtype)
 
 
 def _config(role: str, **extra) -> KVTransferConfig:
@@ -50,9 +50,9 @@ def _config(role: str, **extra) -> KVTransferConfig:
     )
 
 
-def _agent(role: str, fill: bool, **extra) -> TransferAgent:
+def _agent(role: str, fill: bool, device="cpu", dtype=torch.float32, **extra) -> TransferAgent:
     pool = BlockPool(NUM_BLOCKS, BS, enable_events=True)
-    kv = KVCacheAccess([_Layer(fill), _Layer(fill)])
+    kv = KVCacheAccess([_Layer(fill, device, dtype), _Layer(fill, device, dtype)])
     return TransferAgent(_config(role, **extra), BlockManager(pool), kv)
 
 
@@ -259,3 +259,18 @@ def test_a_vllm_style_config_is_accepted():
         '{"kv_connector": "AtomPortableConnector", "kv_role": "kv_both", "kv_buffer_size": 1e9}'
     )
     assert cfg.is_producer and cfg.is_consumer and cfg.kv_port == 14579
+
+
+@pytest.mark.gpu
+def test_a_pull_between_gpu_caches_is_exact(agents):
+    """Device -> pinned host on the side stream -> TCP -> pinned host -> device, in bf16."""
+    producer = agents("kv_producer", fill=True, device="cuda", dtype=torch.bfloat16)
+    consumer = agents("kv_consumer", device="cuda", dtype=torch.bfloat16)
+    params = _prefill(producer)
+    seq = _pull(consumer, params)
+    hits = consumer.block_manager.find_prefix_hit(seq)
+    assert len(hits) == 6
+    torch.cuda.synchronize()
+    assert torch.equal(
+        _block_data(consumer.kv, hits), _block_data(producer.kv, params["remote_block_ids"])
+    )
