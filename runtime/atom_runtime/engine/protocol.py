@@ -59,8 +59,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # The request's kv_transfer_params, returned with its final output. With no KV connector the
-    # engine hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
+    # The request's kv_transfer_params, returned with its final output: a KV-transfer producer's
+    # say where the prompt's blocks wait for a pull (kv_transfer/agent.py); otherwise the engine
+    # hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
     kv_transfer_params: dict | None = None
     # prompt_logprobs, with the first output: per prompt token from the second on.
     prompt_logprobs: list[float] | None = None
