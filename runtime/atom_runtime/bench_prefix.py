@@ -74,7 +74,7 @@ def _median_ms(values: list[float]) -> float:
 def ttfts(engine, prompts: list[list[int]], output_len: int, at_once: bool) -> list[float]:
     """Seconds from submitting each prompt to the step that returns its first token. `at_once`
     submits every prompt before the first step; otherwise each runs alone to completion."""
-    from atom_runtime.engine.messages import EngineRequest
+    from atom_runtime.engine.protocol import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -172,11 +172,17 @@ def measure_admission(
     from atom_runtime.block_pool import BlockPool
     from atom_runtime.sampling_params import SamplingParams
     from atom_runtime.scheduler import Scheduler
-    from atom_runtime.sequence import FinishReason, Sequence
+    from atom_runtime.sequence import Sequence
 
     blocks = 4 * (prefix_len + suffix_len) // block_size + 16
     manager = BlockManager(BlockPool(blocks, block_size), enable_prefix_caching=True)
-    scheduler = Scheduler(manager, max_num_seqs=256, max_num_batched_tokens=prefix_len * 2 + 1024)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=256,
+        max_num_batched_tokens=prefix_len * 2 + 1024,
+        max_model_len=prefix_len + suffix_len + 16,
+        eos_token_ids=[],
+    )
     prefix, suffixes = w3_prompts(prefix_len, suffix_len, repeats + 1, 150000, seed)
     params = SamplingParams(max_tokens=1)
 
@@ -185,10 +191,9 @@ def measure_admission(
         scheduler.add(seq)
         start = time.perf_counter()
         batch = scheduler.schedule()
-        scheduler.commit(batch)
-        manager.publish_computed_blocks(seq)
-        seq.finish(FinishReason.LENGTH)
-        scheduler.finish_step([seq])
+        scheduler.commit(batch, [])
+        scheduler.update_from_output(batch, None)  # publishes the computed blocks
+        scheduler.abort({seq.request_id})  # frees them, as a finish does
         return time.perf_counter() - start, batch.num_new_tokens[0]
 
     _, first = admit(0)  # computes and publishes the prefix
