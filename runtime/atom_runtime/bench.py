@@ -13,6 +13,7 @@ import random
 import sys
 import time
 
+from atom_runtime import bench_multiturn
 from atom_runtime.config import EngineConfig, add_engine_arguments
 
 
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
         add_engine_arguments(p)
+    bench_multiturn.add_parser(sub)  # W5
 
 
 def w1_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -55,6 +57,8 @@ def _clip_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "multiturn":
+        return bench_multiturn.run(args)
     import torch
 
     from atom_runtime.llm import LLM
