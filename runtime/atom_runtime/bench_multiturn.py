@@ -336,6 +336,8 @@ def summarize(turns: list[TurnRecord], figures: dict, block_size: int, num_turns
         lost_by_turn[t.turn] += i - r
     ideal_total, realized_total = sum(ideal), sum(realized)
     ttfts = sorted(t.ttft_s for t in turns)
+    # Turns after the first: the ones that resume a conversation, where reuse pays most.
+    followups = sorted(t.ttft_s for t in turns if t.turn > 0)
     prompt_total = sum(len(t.prompt_token_ids) for t in turns)
     return {
         "num_requests": len(turns),
@@ -352,6 +354,7 @@ def summarize(turns: list[TurnRecord], figures: dict, block_size: int, num_turns
         "ttft_p50_s": _percentile(ttfts, 50),
         "ttft_p90_s": _percentile(ttfts, 90),
         "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p50_followup_s": _percentile(followups, 50) if followups else None,
         **figures,
     }
 

@@ -188,6 +188,7 @@ def test_cli_sweep_reports_the_baseline_and_interleaved_conversations(
     for run in (off, on):
         assert run["num_requests"] == 9
         assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"]
+        assert run["ttft_p50_followup_s"] > 0
         assert run["checkpoint_memory_peak"] is None
     table = capsys.readouterr().out
     assert "interval -1" in table and "prefix off" in table
