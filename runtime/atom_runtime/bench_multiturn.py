@@ -316,6 +316,9 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
         "prefix_queried_tokens": engine.scheduler.prefix_queries - prefix_queries_before,
         "num_preemptions": engine.scheduler.num_preemptions,
         "kv_pool_blocks": engine.pool.num_blocks,
+        # What the engine runs with: it may switch prefix caching off (a hybrid model while its
+        # checkpoints are not wired in), whatever the configuration asked for.
+        "prefix_caching_effective": engine.scheduler.block_manager.enable_prefix_caching,
     }
     if counters is not None:
         figures["checkpoint_memory_peak"] = memory.peak
@@ -470,6 +473,8 @@ def run(args: argparse.Namespace) -> int:
     for label, cfg in sweep_configs(base, args.intervals, args.baseline):
         r = run_config(cfg, spec, args.max_concurrency, label)
         result["runs"].append(r)
+        if r["prefix_caching_effective"] != cfg.enable_prefix_caching:
+            print(f"{label}: the engine ran with prefix caching off", flush=True)
         print(
             f"{label}: realized {r['realized_hit_tokens']:,} of ideal {r['ideal_hit_tokens']:,} "
             f"tokens, TTFT p50 {r['ttft_p50_s'] * 1000:.1f} ms, {r['seconds']:.1f} s",

@@ -180,6 +180,7 @@ def test_cli_sweep_reports_the_baseline_and_interleaved_conversations(
     assert (off["enable_prefix_caching"], on["enable_prefix_caching"]) == (False, True)
     assert on["state_checkpoint_interval_tokens"] == -1
     assert off["realized_hit_tokens"] == 0
+    assert (off["prefix_caching_effective"], on["prefix_caching_effective"]) == (False, True)
     assert off["prompt_tokens_computed"] == off["prompt_tokens"]
     assert off["lost_hit_tokens"] == off["ideal_hit_tokens"] > 0
     assert on["lost_hit_tokens_by_turn"] == [64, 0, 0]
