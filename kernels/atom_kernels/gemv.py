@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import norm
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
 from atom_kernels.tickets import ticket_counters
 
@@ -479,3 +480,56 @@ def gemv(
             **consts,
         )
     return out if residual_out is None else (out, residual_out)
+
+
+def linear_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.linear_small_m`."""
+    return gemv(x, weight, bias, act=act)
+
+
+def linear_rope_store_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.linear_rope_store_small_m`."""
+    rope = RopeStore(
+        positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        head_dim,
+    )  # fmt: skip
+    return gemv(x, weight, bias, rope=rope)
+
+
+def rms_norm_linear_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.rms_norm_linear_small_m`: one launch with the norm inside the GEMV,
+    or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
+    if weight.shape[1] <= MAX_NORM_ROW:
+        out = gemv(x, weight, bias, act=act, norm_weight=norm_weight, residual=residual, eps=eps)
+        return out if residual is not None else (out, x)
+    if residual is None:
+        return gemv(norm.rms_norm(x, norm_weight, eps), weight, bias, act=act), x
+    normed, total = norm.fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    return gemv(normed, weight, bias, act=act), total

@@ -82,3 +82,48 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.fused_add_rms_norm`: `residual` is overwritten with x + residual."""
     return _launch(x, residual, weight, eps), residual
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr,
+    z_ptr,
+    weight_ptr,
+    out_ptr,
+    rows,
+    x_stride,
+    z_stride,
+    out_stride,
+    hidden,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Several short rows per program: Qwen3-Next normalises each 128-wide head separately.
+    row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (offs < hidden)
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * z_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    y = x * inv_rms[:, None] * w * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + row * out_stride + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_rms_norm`."""
+    if x.stride(1) != 1 or z.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("gated_rms_norm needs contiguous rows of x, z and a contiguous weight")
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        block_rows = max(1, min(16, 2048 // block))
+        _gated_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
+            x, z, weight, out, rows, x.stride(0), z.stride(0), out.stride(0), hidden, eps,
+            BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out

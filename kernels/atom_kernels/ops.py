@@ -1,10 +1,18 @@
 """The one interface the runtime calls for its custom kernels.
 
+Each op is declared once, here: a function whose signature and docstring are the op's
+contract and whose body checks the arguments at the boundary, decorated with `@op`, which
+names the Triton implementation (`"module.function"` inside `atom_kernels`) and the argument
+whose device decides the backend. The torch implementation is the function of the same name
+in `atom_kernels.reference`. Both implementations take exactly the op's parameters (names and
+defaults; `tests/kernels/test_op_registry.py` pins that), so adding a kernel is one `@op`
+declaration here plus its reference and its Triton body.
+
 Every op runs the Triton kernel when its tensors are on a GPU (CUDA or ROCm) and Triton
-imports, and the torch reference (`atom_kernels.reference`) otherwise. The environment
-variable `ATOM_KERNEL_BACKEND=torch|triton` forces one backend for every op; it is read
-once at import (and again by `refresh_backend()`), never per call. Forcing `triton` on
-CPU tensors only works under `TRITON_INTERPRET=1` (that is how the CPU tests run).
+imports, and the torch reference otherwise. The environment variable
+`ATOM_KERNEL_BACKEND=torch|triton` forces one backend for every op; it is read once at import
+(and again by `refresh_backend()`), never per call. Forcing `triton` on CPU tensors only
+works under `TRITON_INTERPRET=1` (that is how the CPU tests run).
 
 The Triton modules are imported on first use, so a CPU-only process never pays for
 importing Triton.
@@ -16,9 +24,13 @@ slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
+import inspect
 import os
-from types import SimpleNamespace
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,18 +41,69 @@ _BACKENDS = ("torch", "triton")
 
 _forced_backend: str | None = None
 _triton_installed: bool = False
-_triton_impls: SimpleNamespace | None = None
+
+
+class Op:
+    """One kernel op as declared: the boundary check (the declared function), the torch
+    reference and the Triton implementation (imported on first use)."""
+
+    def __init__(self, check: Callable[..., None], triton: str | None, on: str) -> None:
+        self.name = check.__name__
+        self.check = check
+        self.reference: Callable[..., Any] = getattr(reference, self.name)
+        self.triton_path = triton
+        self.on = on
+        self.triton_fn: Callable[..., Any] | None = None
+
+    def triton_impl(self) -> Callable[..., Any]:
+        if self.triton_fn is None:
+            if self.triton_path is None:
+                raise RuntimeError(f"{self.name} has no Triton implementation")
+            module, _, name = self.triton_path.rpartition(".")
+            self.triton_fn = getattr(importlib.import_module(f"atom_kernels.{module}"), name)
+        return self.triton_fn
+
+
+OPS: dict[str, Op] = {}
+
+
+def op(triton: str | None, on: str) -> Callable[[Callable[..., None]], Callable[..., Any]]:
+    """Declare an op: `triton` is `"module.function"` in `atom_kernels` (None: torch on every
+    device), `on` the argument whose device picks the backend. The declared function's body
+    checks the arguments; the returned callable checks, then runs one implementation."""
+
+    def declare(check: Callable[..., None]) -> Callable[..., Any]:
+        record = Op(check, triton, on)
+        index = list(inspect.signature(check).parameters).index(on)
+
+        # A plain closure, not a class's __call__: this runs for every op call of an eager
+        # forward, so it stays as cheap as the hand-written dispatch it replaced.
+        @functools.wraps(check)
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            check(*args, **kwargs)
+            if record.triton_path is not None and _use_triton(
+                args[index] if len(args) > index else kwargs[on]
+            ):
+                return (record.triton_fn or record.triton_impl())(*args, **kwargs)
+            return record.reference(*args, **kwargs)
+
+        dispatch.op = record  # type: ignore[attr-defined]
+        OPS[record.name] = record
+        return dispatch
+
+    return declare
 
 
 def refresh_backend() -> None:
     """Re-read `ATOM_KERNEL_BACKEND` and forget the loaded Triton launchers (for tests)."""
-    global _forced_backend, _triton_installed, _triton_impls
+    global _forced_backend, _triton_installed
     value = os.environ.get(BACKEND_ENV, "").strip().lower() or None
     if value is not None and value not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {', '.join(_BACKENDS)}")
     _forced_backend = value
     _triton_installed = importlib.util.find_spec("triton") is not None
-    _triton_impls = None
+    for declared in OPS.values():
+        declared.triton_fn = None
 
 
 def backend_for(t: torch.Tensor) -> str:
@@ -54,35 +117,6 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_installed  # is_cuda is also true on ROCm builds
 
 
-def _triton() -> SimpleNamespace:
-    global _triton_impls
-    if _triton_impls is None:
-        from atom_kernels import (
-            decode_attention,
-            fused,
-            gemv,
-            kv_cache,
-            norm,
-            prefill_attention,
-            rotary,
-        )
-
-        _triton_impls = SimpleNamespace(
-            store_kvcache=kv_cache.store_kvcache,
-            paged_attention_decode=decode_attention.paged_attention_decode,
-            paged_attention_prefill=prefill_attention.paged_attention_prefill,
-            rms_norm=norm.rms_norm,
-            fused_add_rms_norm=norm.fused_add_rms_norm,
-            rotary_embedding_=rotary.rotary_embedding_,
-            qk_norm_rope_store_=fused.qk_norm_rope_store_,
-            silu_and_mul=fused.silu_and_mul,
-            gemv=gemv.gemv,
-            max_norm_row=gemv.MAX_NORM_ROW,
-            RopeStore=gemv.RopeStore,
-        )
-    return _triton_impls
-
-
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -91,6 +125,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
+@op(triton="kv_cache.store_kvcache", on="key")
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -108,12 +143,9 @@ def store_kvcache(
         )
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} != [{key.shape[0]}]")
-    if _use_triton(key):
-        _triton().store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
 
+@op(triton="decode_attention.paged_attention_decode", on="q")
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -137,15 +169,9 @@ def paged_attention_decode(
             f"q {tuple(q.shape)} must be [B, num_heads, {k_cache.shape[3]}] with num_heads "
             f"a multiple of num_kv_heads={k_cache.shape[2]}"
         )
-    if _use_triton(q):
-        return _triton().paged_attention_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out
-        )
-    return reference.paged_attention_decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, out
-    )
 
 
+@op(triton="prefill_attention.paged_attention_prefill", on="q")
 def paged_attention_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -176,24 +202,16 @@ def paged_attention_prefill(
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected len(seq_lens) + 1"
         )
-    if _use_triton(q):
-        return _triton().paged_attention_prefill(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out
-        )
-    return reference.paged_attention_prefill(
-        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out
-    )
 
 
+@op(triton="norm.rms_norm", on="x")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (`[T, H]`), computed in fp32; returns x.dtype."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} disagree")
-    if _use_triton(x):
-        return _triton().rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
 
 
+@op(triton="norm.fused_add_rms_norm", on="x")
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,11 +225,9 @@ def fused_add_rms_norm(
             f"x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
             f"{tuple(weight.shape)} disagree"
         )
-    if _use_triton(x):
-        return _triton().fused_add_rms_norm(x, residual, weight, eps)
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
+@op(triton="rotary.rotary_embedding_", on="q")
 def rotary_embedding_(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -231,10 +247,6 @@ def rotary_embedding_(
             f"rotary_dim {rotary_dim} must be even and <= head_dim; q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}"
         )
-    if _use_triton(q):
-        _triton().rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
-    else:
-        reference.rotary_embedding_(positions, q, k, cos_sin_cache, is_neox)
 
 
 def _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int) -> None:
@@ -247,6 +259,7 @@ def _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_d
         raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {num_kv_heads} x {head_dim}")
 
 
+@op(triton="fused.qk_norm_rope_store_", on="qkv")
 def qk_norm_rope_store_(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -275,38 +288,16 @@ def qk_norm_rope_store_(
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
     _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
-    args = (
-        qkv,
-        positions,
-        cos_sin_cache,
-        q_norm_weight,
-        k_norm_weight,
-        eps,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-    )
-    if _use_triton(qkv):
-        _triton().qk_norm_rope_store_(*args)
-    else:
-        reference.qk_norm_rope_store_(*args)
 
 
+@op(triton="fused.silu_and_mul", on="x")
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation over a fused [gate | up] projection: x `[T, 2w]` -> `[T, w]`."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} must be [T, 2w] with a contiguous last dim")
-    if _use_triton(x):
-        return _triton().silu_and_mul(x)
-    return reference.silu_and_mul(x)
 
 
-refresh_backend()
-
-
+@op(triton="gemv.linear_small_m", on="x")
 def linear_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -323,10 +314,6 @@ def linear_small_m(
     result is `silu_and_mul(F.linear(x, weight, bias))`, `[1, N / 2]`, the activation applied
     in the GEMV's epilogue."""
     _check_small_m(x, weight, bias, act)
-    if _use_triton(x):
-        return _triton().gemv(x, weight, bias, act=act)
-    y = torch.nn.functional.linear(x, weight, bias)
-    return reference.silu_and_mul(y) if act == "silu_mul" else y
 
 
 def _check_small_m(x, weight, bias, act) -> None:
@@ -345,6 +332,7 @@ def _check_small_m(x, weight, bias, act) -> None:
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
 
 
+@op(triton="gemv.linear_rope_store_small_m", on="x")
 def linear_rope_store_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -374,20 +362,9 @@ def linear_rope_store_small_m(
     if positions.shape != (1,) or slot_mapping.shape != (1,):
         raise ValueError("positions and slot_mapping must hold one token each")
     _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
-    if _use_triton(x):
-        rope = _triton().RopeStore(
-            positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-            head_dim,
-        )  # fmt: skip
-        return _triton().gemv(x, weight, bias, rope=rope)
-    qkv = torch.nn.functional.linear(x, weight, bias)
-    reference.qk_norm_rope_store_(
-        qkv, positions, cos_sin_cache, None, None, 0.0, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim,
-    )  # fmt: skip
-    return qkv
 
 
+@op(triton="gemv.rms_norm_linear_small_m", on="x")
 def rms_norm_linear_small_m(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -410,13 +387,211 @@ def rms_norm_linear_small_m(
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
-    if _use_triton(x) and k <= _triton().max_norm_row:
-        out = _triton().gemv(
-            x, weight, bias, act=act, norm_weight=norm_weight, residual=residual, eps=eps
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid (linear-attention) models. Shapes: T tokens of the batch packed back to back, B
+# sequences, S slots in the state pool. query_start_loc int32 [B+1] (0 first); slot_ids int32
+# [B] (-1: padding row, nothing read or written, zero output); has_initial_state bool [B]
+# (False: start from zero state whatever the slot holds).
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_rows(query_start_loc, slot_ids, has_initial_state, device) -> None:
+    if query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32:
+        raise ValueError(
+            f"query_start_loc must be int32 [B+1], got {query_start_loc.dtype} "
+            f"{tuple(query_start_loc.shape)}"
         )
-        return out if residual is not None else (out, x)
-    # Off the GPU, or a row too long for the GEMV to hold: the norm first, then the product.
-    if residual is None:
-        return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
-    normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
-    return linear_small_m(normed, weight, bias, act=act), total
+    b = query_start_loc.shape[0] - 1
+    if b < 0:
+        raise ValueError("query_start_loc must hold at least one entry (0)")
+    if slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        raise ValueError(
+            f"slot_ids must be int32 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}"
+        )
+    if has_initial_state.dtype != torch.bool or tuple(has_initial_state.shape) != (b,):
+        raise ValueError(
+            f"has_initial_state must be bool [{b}], got {has_initial_state.dtype} "
+            f"{tuple(has_initial_state.shape)}"
+        )
+    for name, t in (
+        ("query_start_loc", query_start_loc),
+        ("slot_ids", slot_ids),
+        ("has_initial_state", has_initial_state),
+    ):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+@op(triton="conv1d.causal_conv1d_", on="x")
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d over packed sequences, with a per-slot rolling input state.
+
+    x `[T, D]`; weight `[D, W]`; bias `[D]` or None; conv_state `[S, D, W-1]` holds the last
+    W-1 inputs of each slot's sequence, oldest first. Sequence b (tokens `query_start_loc[b]:
+    query_start_loc[b+1]`) is convolved over `[conv_state[slot] (or zeros) ; x_b]`, and the
+    slot is overwritten in place with the last W-1 inputs of that concatenation (so a
+    sequence shorter than W-1 keeps part of the old state). Returns y `[T, D]` in x's dtype,
+    `act(conv + bias)` (activation "silu" or None); padding rows (slot -1) give zeros."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
+    d = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != d or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [{d}, W] with W >= 2, got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (d,):
+        raise ValueError(f"bias must be [{d}], got {tuple(bias.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (d, width - 1):
+        raise ValueError(f"conv_state must be [S, {d}, {width - 1}], got {tuple(conv_state.shape)}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r}: expected 'silu' or None")
+    _check_rows(query_start_loc, slot_ids, has_initial_state, x.device)
+
+
+@op(triton="gdn.gated_delta_rule_", on="q")
+def gated_delta_rule_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) over packed sequences.
+
+    q, k `[T, Hk, Dk]`; v `[T, Hv, Dv]`, Hv a multiple of Hk (k head h serves v heads
+    `h * Hv/Hk ...`); g `[T, Hv]` fp32 log decay (<= 0); beta `[T, Hv]` in (0, 1); state
+    `[S, Hv, Dk, Dv]` updated in place for every real row's slot. Per head, in fp32: q and k
+    L2-normalised over Dk when `use_qk_l2norm` (eps 1e-6), q scaled by `scale`, then per token
+    `S = S * exp(g); S = S + k^T (beta * (v - k S)); o = q S`. Returns o `[T, Hv, Dv]` in v's
+    dtype (zeros on padding rows)."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must both be [T, Hk, Dk], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    t, hk, dk = q.shape
+    if v.dim() != 3 or v.shape[0] != t or v.shape[1] % hk:
+        raise ValueError(
+            f"v must be [{t}, Hv, Dv] with Hv a multiple of {hk}, got {tuple(v.shape)}"
+        )
+    hv, dv = v.shape[1], v.shape[2]
+    if tuple(g.shape) != (t, hv) or g.dtype != torch.float32:
+        raise ValueError(f"g must be fp32 [{t}, {hv}], got {g.dtype} {tuple(g.shape)}")
+    if tuple(beta.shape) != (t, hv):
+        raise ValueError(f"beta must be [{t}, {hv}], got {tuple(beta.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"state must be [S, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
+    _check_rows(query_start_loc, slot_ids, has_initial_state, q.device)
+
+
+@op(triton="norm.gated_rms_norm", on="x")
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rms_norm(x) * weight * silu(z)` over the last dim (Qwen3-Next's RMSNormGated, norm
+    before gate): x, z `[N, D]`, weight `[D]`; fp32 math, returned in x's dtype."""
+    if x.dim() != 2 or z.shape != x.shape:
+        raise ValueError(f"x and z must both be [N, D], got {tuple(x.shape)}, {tuple(z.shape)}")
+    if tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+
+
+@op(triton=None, on="router_logits")
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: softmax over the E experts in fp32 (`router_logits [T, E]`), the top_k
+    experts, their weights rescaled to sum 1 when `renormalize`. Returns (topk_weights fp32
+    `[T, top_k]`, topk_ids int32 `[T, top_k]`). Torch on every device (one softmax + topk)."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}]")
+
+
+@op(triton="moe.fused_moe", on="x")
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Sparse MoE with SwiGLU experts: `y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e,
+    :I] @ x[t]) * (w13[e, I:] @ x[t]))`, e = topk_ids[t, j].
+
+    x `[T, H]`; w13 `[E, 2I, H]` (gate rows then up rows); w2 `[E, H, I]`; topk_weights fp32
+    `[T, K]`; topk_ids int32 `[T, K]` in [0, E). Returns `[T, H]` in x's dtype. On a GPU:
+    tokens sorted by expert and two grouped Triton GEMMs (no loop over experts)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    t, h = x.shape
+    if w13.dim() != 3 or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [E, 2I, {h}], got {tuple(w13.shape)}")
+    e, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"w2 must be [{e}, {h}, {inter}], got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype != torch.int32:
+        raise ValueError(
+            f"topk_ids must be int32 [{t}, K], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
+            f"{tuple(topk_weights.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# State checkpoints: byte copies between pools.
+# ---------------------------------------------------------------------------------------------
+
+
+@op(triton="state_copy.state_copy_", on="table")
+def state_copy_(
+    pools: list[torch.Tensor], table: torch.Tensor, unit_bytes: int, max_units: int
+) -> None:
+    """Copy byte ranges within and between pools in one launch, as an affine unit table says.
+
+    pools: 1-D uint8 tensors on one device (views of a KV pool, a state-slot pool, ...).
+    table: int64 `[R, 7]` on that device, rows `(src_pool, src_offset, src_stride, dst_pool,
+    dst_offset, dst_stride, num_units)` in bytes: unit i of a row copies `unit_bytes` bytes from
+    `pools[src_pool][src_offset + i * src_stride:]` to `pools[dst_pool][dst_offset + i *
+    dst_stride:]`. Build it with `atom_kernels.copy_table.state_copy_table`, which checks
+    bounds, alignment (offsets and strides multiples of the widest of 8/4/2/1 bytes dividing
+    unit_bytes) and that no destination overlaps another unit or a source. max_units: the
+    launch size, at least the table's total units (a bound from shapes keeps a CUDA graph
+    valid; units past it are not copied). Triton: one program per unit, no host sync."""
+    if not pools:
+        raise ValueError("pools must hold at least one tensor")
+    device = pools[0].device
+    for i, p in enumerate(pools):
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.device != device:
+            raise ValueError(
+                f"pools[{i}] must be a contiguous 1-D uint8 tensor on {device}, got {p.dtype} "
+                f"{tuple(p.shape)} on {p.device}"
+            )
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 7:
+        raise ValueError(f"table must be int64 [R, 7], got {table.dtype} {tuple(table.shape)}")
+    if table.device != device:
+        raise ValueError(f"table is on {table.device}, the pools on {device}")
+    if unit_bytes <= 0 or max_units < 0:
+        raise ValueError(f"unit_bytes ({unit_bytes}) must be > 0 and max_units ({max_units}) >= 0")
+
+
+refresh_backend()

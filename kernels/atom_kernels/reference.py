@@ -193,3 +193,297 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[:, :w]) * x[:, w:]` for `x` of width 2w, computed in fp32, returned in x.dtype."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def linear_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear`, then SwiGLU's activation when `act="silu_mul"`."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return silu_and_mul(y) if act == "silu_mul" else y
+
+
+def linear_rope_store_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """`F.linear`, then `qk_norm_rope_store_` without QK-norm on the qkv row."""
+    qkv = torch.nn.functional.linear(x, weight, bias)
+    qk_norm_rope_store_(
+        qkv, positions, cos_sin_cache, None, None, 0.0, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    return qkv
+
+
+def rms_norm_linear_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm (after the residual add, on a copy of the residual), then `linear_small_m`."""
+    if residual is None:
+        return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
+    normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    return linear_small_m(normed, weight, bias, act=act), total
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid (linear-attention) models: Gated DeltaNet, its causal conv1d, gated RMSNorm, MoE.
+# Sequences are packed back to back: `query_start_loc` int32 [B+1]; `slot_ids` int32 [B] names
+# each sequence's row of a state pool (-1: a padding row, nothing read or written, zero output);
+# `has_initial_state` bool [B] (False: start from zeros whatever the slot holds).
+# ---------------------------------------------------------------------------------------------
+
+GDN_CHUNK = 64
+
+
+def _rows(query_start_loc, slot_ids, has_initial_state):
+    """(start, end, slot, resume) per sequence, read to the host once."""
+    starts = query_start_loc.tolist()
+    return [
+        (starts[b], starts[b + 1], slot, resume)
+        for b, (slot, resume) in enumerate(
+            zip(slot_ids.tolist(), has_initial_state.tolist(), strict=True)
+        )
+    ]
+
+
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv over `[state ; x]` per sequence; the slot keeps the last W-1 inputs."""
+    width = weight.shape[1]
+    y = torch.zeros_like(x)
+    wf = weight.float()  # [D, W]
+    for start, end, slot, resume in _rows(query_start_loc, slot_ids, has_initial_state):
+        if slot < 0 or end == start:
+            continue  # a padding row, or a row with no tokens: nothing read or written
+        if resume:
+            history = conv_state[slot].float().t()  # [W-1, D], oldest first
+        else:
+            history = x.new_zeros(width - 1, x.shape[1], dtype=torch.float32)
+        full = torch.cat([history, x[start:end].float()])  # [W-1+L, D]
+        windows = full.unfold(0, width, 1)  # [L, D, W]: window t ends at token t
+        out = (windows * wf).sum(-1)
+        if bias is not None:
+            out = out + bias.float()
+        if activation == "silu":
+            out = torch.nn.functional.silu(out)
+        y[start:end] = out.to(y.dtype)
+        conv_state[slot] = full[full.shape[0] - (width - 1) :].t().to(conv_state.dtype)
+    return y
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` over the last dim (fla's and transformers' l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _gdn_inputs(q, k, v, g, beta, scale, use_qk_l2norm):
+    """fp32, k heads repeated to the v heads, heads first: q, k [Hv, L, Dk], v [Hv, L, Dv],
+    g, beta [Hv, L]; q and k normalised, q scaled."""
+    group = v.shape[1] // k.shape[1]
+    q = q.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * scale
+    return q, k, v.float().transpose(0, 1), g.float().t(), beta.float().t()
+
+
+def gdn_recurrent_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule for a batch of heads, in fp32.
+
+    q, k [N, Dk] (normalised and scaled), v [N, Dv], g, beta [N], state [N, Dk, Dv].
+    Returns (o [N, Dv], new state)."""
+    state = state * g.exp()[:, None, None]
+    predicted = torch.einsum("nk,nkv->nv", k, state)
+    delta = beta[:, None] * (v - predicted)
+    state = state + k[:, :, None] * delta[:, None, :]
+    return torch.einsum("nk,nkv->nv", q, state), state
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
+    """The gated delta rule over one sequence, `chunk` tokens at a time, in fp32.
+
+    q, k [H, L, Dk] (normalised, q scaled), v [H, L, Dv], g, beta [H, L], state [H, Dk, Dv].
+    Within a chunk the L sequential rank-1 updates are folded into one triangular solve (the
+    WY form of a product of Householder-like factors), so the work is matmuls; the state
+    crosses chunk borders exactly as the token recurrence would carry it.
+    Returns (o [H, L, Dv], final state)."""
+    heads, length, dk = k.shape
+    pad = (-length) % chunk
+    if pad:
+        # Padded tokens have beta 0 (no write), k 0 and g 0 (no decay): the state passes through.
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (torch.nn.functional.pad(t, (0, pad)) for t in (g, beta))
+    n = (length + pad) // chunk
+    q, k, v = (t.reshape(heads, n, chunk, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(heads, n, chunk), beta.reshape(heads, n, chunk)
+    gc = g.cumsum(-1)  # log decay from the chunk start up to and including token i
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(gc_i - gc_j) for j <= i: what token j's write has decayed by at i.
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kb = k * beta[..., None]
+    # Token i's write is beta_i (v_i - k_i S_{i-1}); unrolling S_{i-1} inside the chunk gives a
+    # unit lower-triangular system in the writes: (I + tril(kb k^T * decay, -1)) U = rhs.
+    system = (kb @ k.transpose(-1, -2)) * decay
+    system = system.masked_fill(~causal.tril(-1), 0.0) + torch.eye(chunk, device=q.device)
+    writes_v = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False)
+    writes_s = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False)
+    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk scores, causal incl. the diagonal
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()
+    out = torch.empty_like(v)
+    for c in range(n):
+        u = writes_v[:, c] - writes_s[:, c] @ state  # the chunk's writes given the entry state
+        out[:, c] = q_decayed[:, c] @ state + attn[:, c] @ u
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
+    return out.reshape(heads, n * chunk, v.shape[-1])[:, :length], state
+
+
+def gated_delta_rule_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated DeltaNet over packed sequences: every 1-token row advances in one batched
+    recurrent step, longer rows run chunked; each slot's state is updated in place."""
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    rows = [r for r in _rows(query_start_loc, slot_ids, has_initial_state) if r[2] >= 0]
+    steps = [r for r in rows if r[1] - r[0] == 1]
+    if steps:
+        tokens = torch.tensor([r[0] for r in steps], device=v.device)
+        slots = torch.tensor([r[2] for r in steps], device=v.device)
+        resume = torch.tensor([r[3] for r in steps], device=v.device)
+        qs, ks, vs, gs, bs = _gdn_inputs(
+            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], scale, use_qk_l2norm
+        )  # heads first: [Hv, B, ...]
+        s0 = state[slots].float() * resume[:, None, None, None]  # [B, Hv, Dk, Dv]
+        hv = v.shape[1]
+        out, s1 = gdn_recurrent_step(
+            qs.transpose(0, 1).flatten(0, 1),
+            ks.transpose(0, 1).flatten(0, 1),
+            vs.transpose(0, 1).flatten(0, 1),
+            gs.t().flatten(),
+            bs.t().flatten(),
+            s0.flatten(0, 1),
+        )
+        o[tokens] = out.view(len(steps), hv, -1).to(o.dtype)
+        state[slots] = s1.view(s0.shape).to(state.dtype)
+    for start, end, slot, resume in rows:
+        if end - start <= 1:
+            continue  # one token: done above; none: the state is left as it is
+        qs, ks, vs, gs, bs = _gdn_inputs(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], scale,
+            use_qk_l2norm,
+        )  # fmt: skip
+        if resume:
+            s0 = state[slot].float()
+        else:
+            s0 = torch.zeros(state.shape[1:], dtype=torch.float32, device=state.device)
+        out, s1 = gdn_chunked(qs, ks, vs, gs, bs, s0)
+        o[start:end] = out.transpose(0, 1).to(o.dtype)
+        state[slot] = s1.to(state.dtype)
+    return o
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rms_norm(x) * weight * silu(z)` over the last dim, in fp32; output in x.dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (normed * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top_k of it (optionally rescaled to sum 1)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Sparse MoE with SwiGLU experts, in fp32: one pass per expert that has tokens."""
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = topk_ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    lo = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[lo : lo + count]
+        lo += count
+        tokens = pairs // top_k
+        h = x[tokens].float() @ w13[expert].float().t()  # [n, 2I]
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = (act @ w2[expert].float().t()) * topk_weights.flatten()[pairs, None].float()
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+def state_copy_(
+    pools: list[torch.Tensor], table: torch.Tensor, unit_bytes: int, max_units: int
+) -> None:
+    """Copy every unit of the affine unit table (see `atom_kernels.copy_table`), run by run,
+    the units counted past `max_units` left out (as the kernel's launch leaves them)."""
+    left = max_units
+    span = torch.arange(unit_bytes, device=table.device)
+    for spool, soff, sstride, dpool, doff, dstride, count in table.tolist():
+        count = min(count, left)
+        left -= count
+        if count <= 0:
+            continue
+        i = torch.arange(count, device=table.device)[:, None]
+        src = (soff + i * sstride + span).flatten().to(pools[spool].device)
+        dst = (doff + i * dstride + span).flatten().to(pools[dpool].device)
+        pools[dpool][dst] = pools[spool][src]

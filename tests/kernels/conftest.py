@@ -25,6 +25,10 @@ KERNEL_MODULES = (
     "atom_kernels.norm",
     "atom_kernels.rotary",
     "atom_kernels.fused",
+    "atom_kernels.conv1d",
+    "atom_kernels.gdn",
+    "atom_kernels.moe",
+    "atom_kernels.state_copy",
 )
 
 

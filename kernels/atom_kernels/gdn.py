@@ -1,0 +1,385 @@
+"""Triton Gated DeltaNet (the linear attention of Qwen3-Next / Qwen3.5) over packed sequences
+with slot-indexed recurrent states, updated in place.
+
+`gated_delta_rule_recurrent_` walks each sequence token by token: one program per (sequence,
+v head, block of Dv columns) keeps its `[Dk, BLOCK_V]` slice of the state in registers for the
+whole sequence, so the state is read and written once per call. This is the decode kernel
+(one token per row).
+
+`gated_delta_rule_chunked_` is the prefill kernel: the same program layout, 64 tokens a step,
+the step's rank-1 updates folded into one triangular solve and matmuls. On a GPU with fla-core
+installed, prefill goes to fla's chunked kernels instead (`gated_delta_rule_chunked_fla_`),
+whose work is spread over chunks as well as heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    slot_ids_ptr,
+    has_initial_state_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    g_stride_t,
+    beta_stride_t,
+    out_stride_t,
+    out_stride_h,
+    state_stride_s,
+    state_stride_h,
+    state_stride_k,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    GROUP: tl.constexpr,
+    L2NORM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // GROUP
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < DV
+    start = tl.load(query_start_loc_ptr + b)
+    end = tl.load(query_start_loc_ptr + b + 1)
+    slot = tl.load(slot_ids_ptr + b)
+    real = slot >= 0
+    resume = tl.load(has_initial_state_ptr + b) != 0
+    # Scalar conditions fold into the bounds (the interpreter rejects block & scalar masks).
+    k_real = dk < tl.where(real, DK, 0)
+    v_real = dv < tl.where(real, DV, 0)
+    k_resume = dk < tl.where(real & resume, DK, 0)
+    k_write = dk < tl.where(real & (end > start), DK, 0)
+    s_ptrs = state_ptr + slot.to(tl.int64) * state_stride_s + h * state_stride_h
+    s_ptrs += dk[:, None] * state_stride_k + dv[None, :]
+    s = tl.load(s_ptrs, mask=k_resume[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    first = start.to(tl.int64)
+    for i in range(0, end - start):
+        t64 = first + i
+        q = tl.load(q_ptr + t64 * q_stride_t + kh * q_stride_h + dk, mask=k_real, other=0.0)
+        k = tl.load(k_ptr + t64 * k_stride_t + kh * k_stride_h + dk, mask=k_real, other=0.0)
+        v = tl.load(v_ptr + t64 * v_stride_t + h * v_stride_h + dv, mask=v_real, other=0.0)
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        decay = tl.exp(tl.load(g_ptr + t64 * g_stride_t + h).to(tl.float32))
+        beta = tl.load(beta_ptr + t64 * beta_stride_t + h).to(tl.float32)
+        s = s * decay
+        predicted = tl.sum(k[:, None] * s, axis=0)
+        delta = beta * (v.to(tl.float32) - predicted)
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * s, axis=0)
+        o = tl.where(real, o, 0.0)
+        o_ptrs = out_ptr + t64 * out_stride_t + h * out_stride_h + dv
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_write[:, None] & v_ok[None, :])
+
+
+def gated_delta_rule_recurrent_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_delta_rule_`; token-by-token for every row. No host syncs
+    (CUDA-graph capturable)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need contiguous rows")
+    _, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    batch = slot_ids.shape[0]
+    if batch == 0:
+        return out
+    block_k = triton.next_power_of_2(dk)
+    # Keep the state slice at ~4K fp32 values per program (registers), at least 16 columns.
+    block_v = max(16, min(triton.next_power_of_2(dv), 4096 // block_k))
+    grid = (batch, hv, triton.cdiv(dv, block_v))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, state, out, query_start_loc, slot_ids,
+        has_initial_state.view(torch.uint8), scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        DK=dk, DV=dv, GROUP=hv // hk, L2NORM=use_qk_l2norm, BLOCK_K=block_k, BLOCK_V=block_v,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _gdn_chunk_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    slot_ids_ptr,
+    has_initial_state_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    g_stride_t,
+    beta_stride_t,
+    out_stride_t,
+    out_stride_h,
+    state_stride_s,
+    state_stride_h,
+    state_stride_k,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    GROUP: tl.constexpr,
+    L2NORM: tl.constexpr,
+    IEEE: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One (sequence, v head, Dv tile) per program, BT tokens at a time: within a chunk the BT
+    rank-1 updates become one unit-lower-triangular system (inverted by forward substitution
+    on a BT x BT tile), so the rest is matmuls; the state slice stays in registers."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // GROUP
+    dk = tl.arange(0, BLOCK_K)
+    dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BT)
+    v_ok = dv < DV
+    start = tl.load(query_start_loc_ptr + b)
+    end = tl.load(query_start_loc_ptr + b + 1)
+    slot = tl.load(slot_ids_ptr + b)
+    real = slot >= 0
+    resume = tl.load(has_initial_state_ptr + b) != 0
+    k_real = dk < tl.where(real, DK, 0)
+    k_resume = dk < tl.where(real & resume, DK, 0)
+    k_write = dk < tl.where(real & (end > start), DK, 0)
+    s_ptrs = state_ptr + slot.to(tl.int64) * state_stride_s + h * state_stride_h
+    s_ptrs += dk[:, None] * state_stride_k + dv[None, :]
+    s = tl.load(s_ptrs, mask=k_resume[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    strictly_lower = rows[:, None] > rows[None, :]
+    causal = rows[:, None] >= rows[None, :]
+    first = start.to(tl.int64)
+    for c in range(0, tl.cdiv(end - start, BT)):
+        t0 = first + c * BT
+        t = t0 + rows
+        in_seq = rows < end - t0  # rows of this chunk inside the sequence
+        t_real = rows < tl.where(real, end - t0, 0)
+        km = t_real[:, None] & k_real[None, :]
+        kk = tl.load(
+            k_ptr + t[:, None] * k_stride_t + kh * k_stride_h + dk[None, :], mask=km, other=0.0
+        )
+        qq = tl.load(
+            q_ptr + t[:, None] * q_stride_t + kh * q_stride_h + dk[None, :], mask=km, other=0.0
+        )
+        vm = t_real[:, None] & v_ok[None, :]
+        vv = tl.load(
+            v_ptr + t[:, None] * v_stride_t + h * v_stride_h + dv[None, :], mask=vm, other=0.0
+        )
+        # Rows past the sequence: k = v = 0, beta = 0 and g = 0, so they change nothing.
+        gg = tl.load(g_ptr + t * g_stride_t + h, mask=t_real, other=0.0).to(tl.float32)
+        bb = tl.load(beta_ptr + t * beta_stride_t + h, mask=t_real, other=0.0).to(tl.float32)
+        kk = kk.to(tl.float32)
+        qq = qq.to(tl.float32)
+        vv = vv.to(tl.float32)
+        if L2NORM:
+            kk = kk * tl.rsqrt(tl.sum(kk * kk, axis=1) + 1e-6)[:, None]
+            qq = qq * tl.rsqrt(tl.sum(qq * qq, axis=1) + 1e-6)[:, None]
+        qq = qq * scale
+        gc = tl.cumsum(gg, axis=0)  # log decay from the chunk start through each row
+        g_last = tl.sum(tl.where(rows == BT - 1, gc, 0.0), axis=0)
+        decay = tl.where(causal, tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        kb = kk * bb[:, None]
+        if IEEE:
+            a = tl.dot(kb, tl.trans(kk), input_precision="ieee")
+        else:
+            a = tl.dot(kb, tl.trans(kk))
+        a = tl.where(strictly_lower, a * decay, 0.0)
+        # inv = (I + a)^-1 row by row: inv_i = e_i - sum_{j<i} a_ij inv_j.
+        inv = tl.zeros((BT, BT), dtype=tl.float32)
+        for i in range(BT):
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+            inv_i = tl.where(rows == i, 1.0, -tl.sum(a_i[:, None] * inv, axis=0))
+            inv = tl.where(rows[:, None] == i, inv_i[None, :], inv)
+        if IEEE:
+            w = tl.dot(inv, kb * tl.exp(gc)[:, None], input_precision="ieee")
+            u = tl.dot(inv, vv * bb[:, None], input_precision="ieee")
+            u = u - tl.dot(w, s, input_precision="ieee")
+            scores = tl.dot(qq, tl.trans(kk), input_precision="ieee") * decay
+            o = tl.dot(qq * tl.exp(gc)[:, None], s, input_precision="ieee")
+            o += tl.dot(scores, u, input_precision="ieee")
+            k_end = kk * tl.exp(g_last - gc)[:, None]
+            s = s * tl.exp(g_last) + tl.dot(tl.trans(k_end), u, input_precision="ieee")
+        else:
+            w = tl.dot(inv, kb * tl.exp(gc)[:, None])
+            u = tl.dot(inv, vv * bb[:, None]) - tl.dot(w, s)
+            scores = tl.dot(qq, tl.trans(kk)) * decay
+            o = tl.dot(qq * tl.exp(gc)[:, None], s) + tl.dot(scores, u)
+            k_end = kk * tl.exp(g_last - gc)[:, None]
+            s = s * tl.exp(g_last) + tl.dot(tl.trans(k_end), u)
+        o_ptrs = out_ptr + t[:, None] * out_stride_t + h * out_stride_h + dv[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=in_seq[:, None] & v_ok[None, :])
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_write[:, None] & v_ok[None, :])
+
+
+def gated_delta_rule_chunked_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    *,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_delta_rule_`: the chunked kernel (64 tokens a step) for
+    every row. No host syncs."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need contiguous rows")
+    _, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    batch = slot_ids.shape[0]
+    if batch == 0:
+        return out
+    block_k = max(16, triton.next_power_of_2(dk))
+    block_v = max(16, min(triton.next_power_of_2(dv), 32))
+    grid = (batch, hv, triton.cdiv(dv, block_v))
+    _gdn_chunk_kernel[grid](
+        q, k, v, g, beta, state, out, query_start_loc, slot_ids,
+        has_initial_state.view(torch.uint8), scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+        DK=dk, DV=dv, GROUP=hv // hk, L2NORM=use_qk_l2norm, IEEE=q.dtype == torch.float32,
+        BT=chunk, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _fla_chunk():
+    """fla-core's chunked gated delta rule, or None when it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule_chunked_fla_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """The prefill path through fla-core's chunked kernels (GPU only): the slots' states are
+    gathered into fla's `[B, Hv, Dk, Dv]` fp32 initial states (zeros where a row does not
+    resume), fla runs every row of the varlen batch, and the final states are scattered back
+    to the real rows' slots."""
+    chunk = _fla_chunk()
+    if chunk is None:
+        raise RuntimeError("fla-core is not installed (pip install fla-core)")
+    group = v.shape[1] // k.shape[1]
+    if group > 1:  # fla wants one q/k head per v head
+        q = q.repeat_interleave(group, dim=1)
+        k = k.repeat_interleave(group, dim=1)
+    real = slot_ids >= 0
+    slots = slot_ids.clamp(min=0).long()
+    keep = (real & has_initial_state).to(torch.float32)[:, None, None, None]
+    initial = state[slots].to(torch.float32) * keep
+    out, final = chunk(
+        q[None], k[None], v[None], g[None], beta[None].to(q.dtype), scale=scale,
+        initial_state=initial, output_final_state=True, cu_seqlens=query_start_loc.long(),
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+    )  # fmt: skip
+    out = out[0]
+    # Padding rows: zero output, state untouched; rows without tokens: state untouched.
+    lengths = query_start_loc[1:] - query_start_loc[:-1]
+    rows_real = torch.repeat_interleave(real, lengths, output_size=out.shape[0])
+    out = out * rows_real[:, None, None].to(out.dtype)
+    # fla's varlen path syncs with the host anyway (its chunk index), so this one costs little.
+    written = torch.nonzero(real & (lengths > 0)).squeeze(1)
+    state[slot_ids[written].long()] = final[written].to(state.dtype)
+    return out.to(v.dtype)
+
+
+def gated_delta_rule_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_delta_rule_`. A batch of one token per row (decided from
+    shapes, no host sync) runs the recurrent kernel; a batch with longer rows runs fla-core's
+    chunked kernels on a GPU when fla-core is installed, this module's chunked kernel
+    otherwise."""
+    args = (q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale)
+    if q.shape[0] <= slot_ids.shape[0]:
+        return gated_delta_rule_recurrent_(*args, use_qk_l2norm)
+    if q.is_cuda and _fla_chunk() is not None:
+        return gated_delta_rule_chunked_fla_(*args, use_qk_l2norm)
+    return gated_delta_rule_chunked_(*args, use_qk_l2norm)
