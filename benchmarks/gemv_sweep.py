@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_kernels.gemv import RopeStore, gemv, gemv_config
-from atom_runtime.layers.linear import graph_time
+from atom_runtime.small_m import graph_times
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
@@ -58,7 +58,7 @@ def paired_sweep(cfg: dict, layers: int) -> dict:
         mb = n * h * 2 / 1e6
 
         def per_weight(fn, ws=ws):
-            return graph_time(lambda: [fn(w) for w in ws]) / layers * 1e3
+            return graph_times(lambda: [fn(w) for w in ws])[0] / layers * 1e3
 
         base = {
             "cublas": per_weight(lambda w, x=x: F.linear(x, w)),
@@ -105,7 +105,7 @@ def main() -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         mb = n * k * 2 / 1e6
-        base = graph_time(lambda: [F.linear(x, w) for w in ws]) / args.layers * 1e3  # noqa: B023
+        base = graph_times(lambda: [F.linear(x, w) for w in ws])[0] / args.layers * 1e3  # noqa: B023
         rows = []
         for bn, bk, sp, nw, ns in grid:
 
@@ -115,7 +115,7 @@ def main() -> None:
                     for w in ws
                 ]
 
-            t = graph_time(fn) / args.layers * 1e3
+            t = graph_times(fn)[0] / args.layers * 1e3
             rows.append((f"bn{bn} bk{bk} s{sp} w{nw} st{ns}", round(t, 2), round(mb / t, 2)))
         rows.sort(key=lambda r: r[1])
         report[name] = {

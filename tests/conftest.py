@@ -29,3 +29,12 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("models")
     return {kind: make_tiny_model(root / kind, kind) for kind in CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_models(tmp_path_factory):
+    """Folders of small random hybrid models: qwen3_5, qwen3_5_moe, qwen3_next (built once)."""
+    from tests.model_factory import HYBRID_CONFIGS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("hybrid_models")
+    return {kind: make_tiny_model(root / kind, kind) for kind in HYBRID_CONFIGS}

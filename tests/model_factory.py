@@ -73,6 +73,51 @@ CONFIGS = {
     ),
 }
 
+_HYBRID_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    full_attention_interval=2,  # linear, full, linear
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+)
+_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+# Hybrid (Gated DeltaNet + gated attention) models: their own fixture, as they cost more to build.
+HYBRID_CONFIGS = {
+    "qwen3_5": dict(
+        model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], **_HYBRID_COMMON
+    ),
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe_text",
+        architectures=["Qwen3_5MoeForCausalLM"],
+        **_HYBRID_COMMON,
+        **_MOE,
+    ),
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        **_HYBRID_COMMON,
+        **_MOE,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],  # one dense layer among the MoE ones
+    ),
+}
+
 
 def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     """Write a random `kind` model (see CONFIGS) to folder; returns the folder."""
@@ -82,7 +127,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     from atom_runtime.tokenizer import Tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    spec = dict(CONFIGS[kind])
+    hybrid = kind in HYBRID_CONFIGS
+    spec = dict(HYBRID_CONFIGS[kind] if hybrid else CONFIGS[kind])
     spec.update(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
     model_type = spec.pop("model_type")
     spec.pop("architectures")
@@ -94,6 +140,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.08)
+            elif hybrid:  # (1 + w) norms start at 0, the gated one at 1: both get a spread
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     try:
         tok = Tokenizer.from_gguf(default_model_path())

@@ -246,7 +246,7 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
     """Run the trace through an EngineCore: `max_concurrency` conversations in flight, each
     turn submitted once the conversation's previous turn finished. Returns the turns in
     submission order and the engine-side figures of the run."""
-    from atom_runtime.engine.messages import EngineRequest
+    from atom_runtime.engine.protocol import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     if max_concurrency < 1:
@@ -264,9 +264,7 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
     not_started = deque(range(spec.num_conversations))
     memory = CheckpointMemory()
     counters = checkpoint_counters(engine)
-    prompt_tokens_before = engine.prompt_tokens_total
-    prefix_queries_before = engine.scheduler.prefix_queries
-    kv_hits_before = engine.scheduler.prefix_hits
+    before = engine.stats()
 
     def submit(conv: int, turn: int) -> None:
         prompt = history[conv] + trace.user_messages[conv][turn]
@@ -309,13 +307,14 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
             elif not_started:
                 submit(not_started.popleft(), 0)
     elapsed = time.perf_counter() - start
+    after = engine.stats()
     figures = {
         "seconds": elapsed,
-        "prompt_tokens_computed": engine.prompt_tokens_total - prompt_tokens_before,
-        "kv_prefix_hit_tokens": engine.scheduler.prefix_hits - kv_hits_before,
-        "prefix_queried_tokens": engine.scheduler.prefix_queries - prefix_queries_before,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "kv_pool_blocks": engine.pool.num_blocks,
+        "prompt_tokens_computed": after.prompt_tokens - before.prompt_tokens,
+        "kv_prefix_hit_tokens": after.prefix_hits - before.prefix_hits,
+        "prefix_queried_tokens": after.prefix_queries - before.prefix_queries,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "kv_pool_blocks": after.num_blocks,
         # What the engine runs with: it may switch prefix caching off (a hybrid model while its
         # checkpoints are not wired in), whatever the configuration asked for.
         "prefix_caching_effective": engine.scheduler.block_manager.enable_prefix_caching,
@@ -362,14 +361,10 @@ def summarize(turns: list[TurnRecord], figures: dict, block_size: int, num_turns
     }
 
 
-def _percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    pos = (len(sorted_values) - 1) * p / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def _percentile(values: list[float], p: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(values, p))
 
 
 def run_config(

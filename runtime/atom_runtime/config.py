@@ -16,7 +16,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len) capped sensibly
+    max_num_batched_tokens: int | None = None  # None: 8192; longer prompts run in chunks
     max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -32,9 +32,10 @@ class EngineConfig:
     kv_events_config: str | None = None  # JSON, vLLM's field names
     kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
     data_parallel_rank: int = 0
-    # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6: >0 a rung
-    # every N tokens (snapped to the hash block), 0 off, -1 prompt-end anchors and demand rungs
-    # only. Llama-family models hold no recurrent state, so for them these only validate.
+    # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6
+    # (docs/architecture.md): >0 a rung every N tokens (snapped to the hash block), 0 off, -1
+    # prompt-end anchors and demand rungs only. Llama-family models hold no recurrent state, so
+    # for them these only validate.
     state_checkpoint_interval_tokens: int = 0
     state_checkpoint_demand: bool = True
 
@@ -106,7 +107,7 @@ def _refuse_kv_transfer(text: str) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them (contract 10)."""
+    """The engine flags, named as vLLM names them (contract 10, docs/architecture.md)."""
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument(

@@ -1,8 +1,7 @@
 """Where the model runs: in this process (one rank), or across tensor-parallel ranks.
 
 `make_executor` returns a `ModelRunner` for `tensor_parallel_size == 1` and a `TPExecutor`
-otherwise; both offer what EngineCore uses (`num_blocks`, `max_num_batched_tokens`, `device`,
-`eos_token_ids`, `capture_cudagraphs`, `execute`, `release`, `shutdown`).
+otherwise; both are an `Executor`: what EngineCore uses.
 
 TPExecutor: rank 0 runs in this process (the engine core, next to the scheduler and block
 manager); ranks 1..N-1 are worker processes (worker.py, multiprocessing spawn), each on its own
@@ -10,9 +9,10 @@ GPU (`cuda:<rank>`) or, on CPU, its slice of the cores. Each rank loads only its
 weights and holds its KV heads' part of the cache; all ranks agree on the block count (the
 smallest that fits everywhere), so rank 0's block ids are valid on every rank.
 
-A step: rank 0 turns the batch into `StepInputs` (host arrays), sends them to every worker
-(msgspec over ZMQ, one PUSH socket per worker), runs the same forward (the layers' all-reduce and
-all-gather run on the torch.distributed group: gloo on CPU, NCCL on GPUs), and samples alone.
+A step: rank 0 turns the batch into `StepInputs` (host arrays), sends them as they are to every
+worker (msgspec over ZMQ, one PUSH socket per worker; engine/protocol.py), runs the same forward
+(the layers' all-reduce and all-gather run on the torch.distributed group: gloo on CPU, NCCL on
+GPUs), and samples alone.
 Why ZMQ and not a torch.distributed broadcast for the inputs: the send never blocks on a dead
 worker, the batch's shape needs no extra header collective, NCCL would need a second (CPU) group
 for host arrays anyway, and control calls share the channel, so they stay ordered with the steps.
@@ -39,34 +39,25 @@ import time
 import weakref
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import msgspec
 import torch
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.device import resolve_device
 from atom_runtime.distributed import (
     abort_tensor_parallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
     tp_size,
 )
+from atom_runtime.engine import protocol
 from atom_runtime.layers.sampler import SamplerOutput
-from atom_runtime.model_runner import ModelRunner, resolve_device
+from atom_runtime.model_runner import ModelRunner
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import Sequence
-from atom_runtime.worker import (
-    Call,
-    Failed,
-    FromWorker,
-    Hello,
-    Ready,
-    Result,
-    WorkerSpec,
-    encode_step,
-    run_worker,
-)
+from atom_runtime.worker import WorkerSpec, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +66,29 @@ SHUTDOWN_WAIT_S = 10.0  # a worker gets this long to answer `shutdown` and exit 
 POLL_MS = 100  # waits on workers wake this often to look at their sentinels
 
 
-def make_executor(
-    config: EngineConfig, model_config: ModelConfig, model_path: Path
-) -> ModelRunner | TPExecutor:
+class Executor(Protocol):
+    """What EngineCore needs from the place the model runs."""
+
+    num_blocks: int  # KV cache blocks, the same on every rank
+    max_num_batched_tokens: int  # the step token budget the cache was sized for
+    device: torch.device  # rank 0's device
+    eos_token_ids: list[int]  # set by the engine: banned until a request's min_tokens
+
+    def capture_cudagraphs(self, max_model_len: int) -> None:
+        """Warm up (CUDA graphs for decode steps where enabled) before serving."""
+
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
+        """Run one step: the sequences that sample this step and their samples (on the device,
+        on their way back), or ([], None) when none samples."""
+
+    def release(self, request_ids) -> None:
+        """Forget the per-request state (seeded generators) of finished requests."""
+
+    def shutdown(self) -> None:
+        """Free the device memory (and stop any worker process); idempotent."""
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: Path) -> Executor:
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, model_path)
     return TPExecutor(config, model_config, model_path)
@@ -107,8 +118,8 @@ class TPExecutor:
         self._failure: str | None = None
         self._closed = False
         self._call_ids = itertools.count(1)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromWorker)
+        self._encoder = protocol.encoder()
+        self._decoder = protocol.decoder(protocol.FromWorker)
         self._failed_messages: dict[int, str] = {}
         self.worker_gc_policies: list[dict] = []
 
@@ -157,10 +168,10 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _abandon, list(self.workers))
 
         try:
-            self._wait_for(Hello, "start")
+            self._wait_for(protocol.WorkerHello, "start")
             init_tensor_parallel(0, n, init_method, self.backend)
             self.runner = ModelRunner(config, model_config, model_path)
-            readies = self._wait_for(Ready, "load the model")
+            readies = self._wait_for(protocol.WorkerReady, "load the model")
         except BaseException as e:
             # A collective failing (RuntimeError) usually means a worker died: report that one.
             # Anything else is rank 0's own error (a bad config, a bad checkpoint): raise it.
@@ -198,6 +209,14 @@ class TPExecutor:
         return self.runner.max_num_batched_tokens
 
     @property
+    def num_state_slots(self) -> int:
+        return self.runner.num_state_slots
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return self.runner.state_bytes_per_slot
+
+    @property
     def device(self) -> torch.device:
         return self.runner.device
 
@@ -220,7 +239,7 @@ class TPExecutor:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput | None]:
         self._check_alive()
         inputs, samplers = self.runner.prepare_inputs(batch)
-        self._send_all(self._encoder.encode(encode_step(inputs)))
+        self._send_all(self._encoder.encode(inputs))
         logits = self.runner.take_prompt_logprobs(self._guarded(self.runner.forward, inputs))
         self._check_alive()
         if logits is None:
@@ -339,11 +358,13 @@ class TPExecutor:
     def _send_call(self, method: str, args: list) -> int:
         self._check_alive()
         call_id = next(self._call_ids)
-        self._send_all(self._encoder.encode(Call(call_id, method, args)))
+        self._send_all(self._encoder.encode(protocol.WorkerCall(call_id, method, args)))
         return call_id
 
     def _collect(self, call_id: int, timeout_s: float | None = None) -> list[Any]:
-        results = self._wait_for(Result, f"answer call {call_id}", call_id, timeout_s)
+        results = self._wait_for(
+            protocol.WorkerResult, f"answer call {call_id}", call_id, timeout_s
+        )
         return [r.value for r in results]
 
     def _wait_for(self, kind, what: str, call_id: int | None = None, timeout_s=None) -> list:
@@ -370,19 +391,14 @@ class TPExecutor:
 
     def _drain_replies(self, timeout_ms: int = 0) -> list:
         """Messages waiting on the reply socket (waiting up to timeout_ms for the first);
-        `Failed` reports are kept for the death message."""
-        out = []
+        `WorkerFailed` reports are kept for the death message."""
         if not self._replies.poll(timeout_ms):
-            return out
-        while True:
-            try:
-                frame = self._replies.recv(self._zmq.NOBLOCK, copy=False)
-            except self._zmq.Again:
-                return out
-            msg = self._decoder.decode(frame.buffer)
-            if isinstance(msg, Failed):
+            return []
+        out = list(protocol.receive_waiting(self._replies, self._decoder))
+        for msg in out:
+            if isinstance(msg, protocol.WorkerFailed):
                 self._failed_messages[msg.rank] = msg.message
-            out.append(msg)
+        return out
 
 
 def _death_message(rank: int, proc, reported: str | None) -> str:

@@ -33,3 +33,40 @@ def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("no attention metadata: forward called outside the model runner")
     return _current
+
+
+@dataclass
+class StateMetadata:
+    """Per-sequence state addressing for hybrid models' recurrent layers (one row per sequence
+    of the step, in batch order)."""
+
+    query_start_loc: torch.Tensor  # int32 [B+1]: token offsets of each sequence's new tokens
+    slot_ids: torch.Tensor  # int32 [B]: each sequence's committed state slot (-1: padding row)
+    has_initial_state: torch.Tensor  # bool [B]: False starts from zero state (a fresh prefill)
+
+
+_state: StateMetadata | None = None
+
+
+def set_state_metadata(meta: StateMetadata | None) -> None:
+    global _state
+    _state = meta
+
+
+def padding_state_metadata(rows: int, tokens: int, device: torch.device) -> StateMetadata:
+    """State metadata for a warm-up, profiling or timing forward: every row a padding row
+    (slot -1), so no slot is read or written. `tokens` are split evenly over the rows."""
+    per_row = tokens // rows
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=device) * per_row
+    qsl[-1] = tokens
+    return StateMetadata(
+        query_start_loc=qsl,
+        slot_ids=torch.full((rows,), -1, dtype=torch.int32, device=device),
+        has_initial_state=torch.zeros(rows, dtype=torch.bool, device=device),
+    )
+
+
+def get_state_metadata() -> StateMetadata:
+    if _state is None:
+        raise RuntimeError("no state metadata: a hybrid model's forward runs inside the runner")
+    return _state

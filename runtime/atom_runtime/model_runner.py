@@ -1,8 +1,10 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
-It owns the model, the KV cache tensors and the per-request sampling generators; it makes no
-policy decisions (the scheduler does). CPU is a first-class device; on a GPU the same runner sizes
-the cache from `gpu_memory_utilization` after a profiling forward.
+It owns the model and the KV cache tensors, and drives three helpers of its own: the decode CUDA
+graphs (cuda_graphs.py), the sampler with its per-request generators (layers/sampler.py) and the
+batch-1 kernel choice made at start-up (small_m.py). It makes no policy decisions (the scheduler
+does). CPU is a first-class device; on a GPU the same runner sizes the cache from
+`gpu_memory_utilization` after a profiling forward.
 
 One step is three parts: `prepare_inputs` (batch -> host arrays, `StepInputs`), `forward` (the
 model and the LM head; under tensor parallelism every rank runs it on the same StepInputs) and
@@ -11,87 +13,36 @@ model and the LM head; under tensor parallelism every rank runs it on the same S
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.cuda_graphs import DecodeGraphs, default_capture_sizes
+from atom_runtime.device import resolve_device, resolve_dtype, to_device
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
-from atom_runtime.forward_context import AttentionMetadata, set_attention_metadata
-from atom_runtime.layers.linear import (
-    choose_small_m_kernels,
-    graph_times,
-    small_m_groups,
-    small_m_mode,
-    small_m_paths,
-    use_small_m_path,
+from atom_runtime.engine.protocol import StepInputs
+from atom_runtime.forward_context import (
+    AttentionMetadata,
+    StateMetadata,
+    padding_state_metadata,
+    set_attention_metadata,
+    set_state_metadata,
 )
-from atom_runtime.layers.sampler import SamplerOutput, SamplingTensors, sample
+from atom_runtime.layers.sampler import Sampler, SamplerOutput
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import PENDING_TOKEN, Sequence
-from atom_runtime.structured_outputs import fill_bitmasks
+from atom_runtime.small_m import select_small_m_kernels
+from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
-
-
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_num_seqs (capped at 512), as vLLM does."""
-    top = min(max_num_seqs, 512)
-    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
-    if sizes[-1] != top:
-        sizes.append(top)
-    return sizes
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@dataclass
-class StepInputs:
-    """Everything a forward pass needs, as host arrays: rank 0 builds it from a scheduled batch,
-    tensor-parallel workers receive it (executor.py) and run the same forward."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: cache slot of each new token
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    seq_lens: np.ndarray  # int32 [B]: tokens in cache per sequence, this step's included
-    cu_seqlens_q: np.ndarray  # int32 [B+1]: prefix sums of each sequence's new tokens
-    max_seqlen_q: int
-    sample_rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
-    # Async scheduling: int64 [2, P], input rows whose token the previous step sampled on the
-    # device (row 0) and that step's sample row holding it (row 1). Rank 0 only.
-    pending_sources: np.ndarray | None = None
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:
@@ -112,27 +63,32 @@ class ModelRunner:
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
+        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
+        state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
+        self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
+        self.num_state_slots = 0
+        self._planned_slots = 0
         # Every rank must hold the same block ids: the cache is as large as the smallest allows.
         self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
-        self.small_m_kernels = choose_small_m_kernels(self.model, self.device)
-        if self.small_m_kernels and small_m_mode() == "auto":
-            self._refine_small_m_kernels()
-        self.generators: dict[str, torch.Generator] = {}
+        if self.state is not None:
+            self._allocate_state_slots()
+        self.small_m_kernels = select_small_m_kernels(
+            self.model, self.device, self.num_blocks, self.block_size
+        )
+        self.sampler = Sampler(self.device, model_config.vocab_size)
         # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
         # first logits row, rows), and where the sampling rows sit among the logits rows (None:
         # every logits row samples).
         self._prompt_jobs: list[tuple[Sequence, int, int, int]] = []
         self._sampler_pos: list[int] | None = None
-        # Banned until min_tokens is reached; the engine sets them once the model is known.
-        self.eos_token_ids: list[int] = []
         # The last step's samplers and sampled ids, on the device: the next step's inputs may
         # take tokens from them before they are read back (async scheduling).
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_inputs: dict[str, torch.Tensor] = {}
-        self.graph_sizes: list[int] = []
+        self.graphs = DecodeGraphs()
+        # Banned until min_tokens is reached; the engine sets them once the model is known.
+        self.eos_token_ids: list[int] = []
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -141,23 +97,84 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return 0 if self.state is None else self.state.bytes_per_slot
+
     def _decide_num_blocks(self) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
+        override = self.config.num_gpu_blocks_override
+        if self.state is not None:
+            return self._plan_hybrid_memory(override)
+        if override is not None:
+            return override
         if self.device.type == "cuda":
             return self._profile_gpu_blocks()
         space = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
         return max(1, int(space // self.bytes_per_block))
 
+    def _plan_hybrid_memory(self, override: int | None) -> int:
+        """Split the cache budget (GPU: what is left after weights and the peak activation;
+        CPU: ATOM_CPU_KVCACHE_SPACE) between state slots and KV blocks (`plan_state_slots`)."""
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        plan = plan_state_slots(
+            budget,
+            self.state.bytes_per_slot,
+            self.bytes_per_block,
+            self.config.max_num_seqs,
+            fixed_blocks=override,
+        )
+        if plan.num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache next to {plan.num_slots} state slots: raise "
+                "--gpu-memory-utilization or lower --max-num-seqs"
+            )
+        self._planned_slots = plan.num_slots
+        return plan.num_blocks
+
+    def _allocate_state_slots(self) -> None:
+        """Allocate the slots every rank agreed on; cap max_num_seqs to them (a running sequence
+        holds one slot)."""
+        self.num_state_slots = all_reduce_min(self._planned_slots, self.device)
+        self.state.allocate(self.num_state_slots)
+        if self.config.max_num_seqs > self.num_state_slots:
+            log.warning(
+                "max_num_seqs capped from %d to %d: the state slots that fit in memory",
+                self.config.max_num_seqs,
+                self.num_state_slots,
+            )
+            self.config.max_num_seqs = self.num_state_slots
+        log.info(
+            "hybrid state: %d slots of %.2f MiB each (%d stateful layers), %.2f GiB in all",
+            self.num_state_slots,
+            self.state.bytes_per_slot / 2**20,
+            len(self.state.layers),
+            self.num_state_slots * self.state.bytes_per_slot / 2**30,
+        )
+
     def _profile_gpu_blocks(self) -> int:
-        """Run the largest batch once against a one-block cache, then give the cache what is left
-        under gpu_memory_utilization after weights and that peak."""
+        budget = self._profile_gpu_budget()
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache in {budget / 2**30:.2f} GiB: raise "
+                "--gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return num_blocks
+
+    def _profile_gpu_budget(self) -> float:
+        """Run the largest batch once against a one-block cache (and one state slot), then
+        return what is left under gpu_memory_utilization after weights and that peak."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = self.max_num_batched_tokens
         self.num_blocks = 1
         self._allocate_kv_cache()
+        if self.state is not None:
+            self.state.allocate(1)
         blocks_wide = -(-tokens // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
@@ -171,90 +188,30 @@ class ModelRunner:
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             set_attention_metadata(meta)
+            set_state_metadata(padding_state_metadata(1, tokens, self.device))
             hidden = self.model(ids, pos)
             self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float()
             set_attention_metadata(None)
+            set_state_metadata(None)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         del hidden
-        num_blocks = int(budget // self.bytes_per_block)
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no room for the KV cache: weights and activations peak at {peak / 2**30:.1f} GiB "
-                f"of {total / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
-                "--max-num-batched-tokens"
-            )
-        return num_blocks
+        log.info(
+            "weights and activations peak at %.1f GiB of %.1f GiB; %.2f GiB left for caches",
+            peak / 2**30,
+            total / 2**30,
+            budget / 2**30,
+        )
+        return budget
 
     def _allocate_kv_cache(self) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.model.attention_layers():
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-
-    def _refine_small_m_kernels(self, context: int = 256) -> None:
-        """Check the per-group one-row path choices on a whole batch-1 decode step: a projection
-        timed alone can rank differently than inside the step (on an H200, Llama-3.1-8B's qkv
-        and down GEMVs won alone by 0.7-0.8 us and lost 0.07 ms a step in place). Starting from
-        the isolated choices, try each group's other paths in turn on the step (a CUDA graph of
-        the forward and logits over a `context`-token cache, replayed) and keep a change that
-        makes the step faster by more than noise."""
-        dev = self.device
-        blocks = -(-context // self.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).remainder_(
-                self.num_blocks
-            )[None],
-            seq_lens=torch.tensor([context], dtype=torch.int32, device=dev),
-            decode_only=True,
-        )
-        ids = torch.zeros(1, dtype=torch.int64, device=dev)
-        pos = torch.tensor([context - 1], dtype=torch.int64, device=dev)
-
-        def step_with(paths: dict[str, str]):
-            def step():
-                for key, path in paths.items():
-                    use_small_m_path(groups[key], path)
-                return self.model.compute_logits(self.model(ids, pos))
-
-            return step
-
-        groups = small_m_groups(self.model)
-        first = last = None  # step times, ms: the first timed, the last kept
-        set_attention_metadata(meta)
-        try:
-            for key, layers in groups.items():
-                for path in small_m_paths(layers[0]):
-                    if path == self.small_m_kernels[key]:
-                        continue
-                    # The current choice and the candidate, captured and replayed in turn,
-                    # so a clock ramp or a neighbour's burst does not favour either.
-                    candidate = {**self.small_m_kernels, key: path}
-                    try:
-                        now, new = graph_times(
-                            step_with(self.small_m_kernels), step_with(candidate), replays=20
-                        )
-                    except Exception as exc:  # the path's kernels failed to build: skip it
-                        log.warning("one-row %s: the %s path failed (%s)", key, path, exc)
-                        continue
-                    first = now if first is None else first
-                    last = now
-                    if new < now * 0.998:
-                        self.small_m_kernels, last = candidate, new
-        finally:
-            for key, path in self.small_m_kernels.items():
-                use_small_m_path(groups[key], path)
-            set_attention_metadata(None)
-        log.info(
-            "one-row paths checked on a batch-1 step (%s ms as first chosen, %s ms as kept): %s",
-            first,
-            last,
-            self.small_m_kernels,
-        )
 
     # -- CUDA graphs for decode ------------------------------------------------------------------
 
@@ -269,89 +226,13 @@ class ModelRunner:
                 or default_capture_sizes(self.config.max_num_seqs)
             )
         )
-        max_bs = sizes[-1]
-        max_blocks = -(-max_model_len // self.block_size)
-        dev = self.device
-        bufs = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-        }
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bs in reversed(sizes):
-                meta = AttentionMetadata(
-                    slot_mapping=bufs["slot_mapping"][:bs],
-                    block_tables=bufs["block_tables"][:bs],
-                    seq_lens=bufs["seq_lens"][:bs],
-                    decode_only=True,
-                )
-                set_attention_metadata(meta)
-                ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
-                for _ in range(2):  # warm up: Triton compiles and autotunes outside capture
-                    self.model.compute_logits(self.model(ids, pos)).float()
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(ids, pos)).float()
-                self.graphs[bs] = (graph, logits)
-                set_attention_metadata(None)
-        torch.cuda.synchronize(dev)
-        self.graph_inputs = bufs
-        self.graph_sizes = sizes
-        # Pinned host staging: a decode step fills one set and copies it over asynchronously.
-        # Two sets, alternating: with async scheduling step N+1 is staged while step N's copies
-        # may still be queued; step N-1's (same set) are done, its samples were read back.
-        self.host_inputs_sets = [
-            {
-                "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-                "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-                "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
-                "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
-                "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
-            }
-            for _ in range(2)
-        ]
-        self._staging_turn = 0
-        self.block_table_stage = torch.zeros(max_bs * max_blocks, dtype=torch.int32, device=dev)
-        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
-
-    def _replay_decode(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Logits of every row of a decode-only batch through a captured graph (padded to the
-        next captured size), or None when the batch is larger than every graph."""
-        n = len(inputs.input_ids)
-        bs = next((s for s in self.graph_sizes if s >= n), None) if self.graphs else None
-        if bs is None:
-            return None
-        host, dev = self.host_inputs_sets[self._staging_turn], self.graph_inputs
-        self._staging_turn ^= 1
-        ids = host["input_ids"].numpy()
-        ids[:n] = inputs.input_ids
-        ids[n:bs] = 0  # padded rows: any valid id (never a pending placeholder left over)
-        positions = host["positions"].numpy()
-        positions[:n] = inputs.positions
-        positions[n:bs] = 0
-        slots = host["slot_mapping"].numpy()
-        slots[:n] = inputs.slot_mapping
-        slots[n:bs] = -1
-        lens = host["seq_lens"].numpy()
-        lens[:n] = inputs.seq_lens
-        lens[n:bs] = 0  # padded rows attend to nothing
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-            dev[name][:bs].copy_(host[name][:bs], non_blocking=True)
-        width = inputs.block_tables.shape[1]
-        packed = n * width
-        host["block_tables"].numpy()[:packed] = inputs.block_tables.reshape(-1)
-        stage = self.block_table_stage[:packed]
-        stage.copy_(host["block_tables"][:packed], non_blocking=True)
-        dev["block_tables"][:n, :width].copy_(stage.view(n, width))
-        if inputs.pending_sources is not None:
-            self._fill_pending(dev["input_ids"], inputs.pending_sources)
-        graph, logits = self.graphs[bs]
-        graph.replay()
-        return logits[:n]
+        self.graphs.capture(
+            self.model,
+            self.device,
+            sizes,
+            -(-max_model_len // self.block_size),
+            stateful=self.state is not None,
+        )
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -384,7 +265,7 @@ class ModelRunner:
 
     def _fill_pending(self, input_ids: torch.Tensor, pending_sources: np.ndarray) -> None:
         """Copy tokens sampled by the last step, still on the device, into this step's inputs."""
-        idx = _to_device(pending_sources, self.device)
+        idx = to_device(pending_sources, self.device)
         input_ids.index_copy_(0, idx[0], self._last_token_ids.index_select(0, idx[1]))
 
     @torch.inference_mode()
@@ -392,45 +273,50 @@ class ModelRunner:
         """fp32 logits of the sample rows ([S, vocab]), or None when no row samples. Under tensor
         parallelism every rank calls this with the same inputs (the layers' collectives pair up)."""
         if inputs.decode_only and self.graphs:
-            logits = self._replay_decode(inputs)
+            logits = self.graphs.replay(inputs, self._fill_pending)
             if logits is not None:
                 rows = inputs.sample_rows
                 if len(rows) == len(inputs.input_ids):
                     return logits
                 # A one-token prompt chunk short of the prompt's end is decode-shaped but does
                 # not sample: keep only the sample rows.
-                return logits[_to_device(rows, self.device)] if len(rows) else None
+                return logits[to_device(rows, self.device)] if len(rows) else None
         dev = self.device
         decode_only = inputs.decode_only
         meta = AttentionMetadata(
-            slot_mapping=_to_device(inputs.slot_mapping, dev),
-            block_tables=_to_device(inputs.block_tables, dev),
-            seq_lens=_to_device(inputs.seq_lens, dev),
+            slot_mapping=to_device(inputs.slot_mapping, dev),
+            block_tables=to_device(inputs.block_tables, dev),
+            seq_lens=to_device(inputs.seq_lens, dev),
             decode_only=decode_only,
-            cu_seqlens_q=None if decode_only else _to_device(inputs.cu_seqlens_q, dev),
+            cu_seqlens_q=None if decode_only else to_device(inputs.cu_seqlens_q, dev),
             max_seqlen_q=inputs.max_seqlen_q,
         )
-        input_ids = _to_device(inputs.input_ids, dev)
+        input_ids = to_device(inputs.input_ids, dev)
         if inputs.pending_sources is not None:
             self._fill_pending(input_ids, inputs.pending_sources)
-        positions = _to_device(inputs.positions, dev)
-        rows = _to_device(inputs.sample_rows, dev)
+        positions = to_device(inputs.positions, dev)
+        rows = to_device(inputs.sample_rows, dev)
         set_attention_metadata(meta)
+        if inputs.state_slots is not None:
+            set_state_metadata(
+                StateMetadata(
+                    query_start_loc=to_device(inputs.cu_seqlens_q, dev),
+                    slot_ids=to_device(inputs.state_slots, dev),
+                    has_initial_state=to_device(inputs.has_initial_state, dev),
+                )
+            )
         try:
             hidden = self.model(input_ids, positions)
         finally:
             set_attention_metadata(None)
+            set_state_metadata(None)
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[rows]).float()
 
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
         """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
-        if logits.shape[0] != len(samplers):
-            raise ValueError(f"logits: {logits.shape[0]} rows for {len(samplers)} sequences")
-        if all(_plain_greedy(seq) for seq in samplers):
-            return SamplerOutput(token_ids=greedy_argmax(logits))
-        return sample(logits, self._sampling_tensors(samplers))
+        return self.sampler(logits, samplers, self.eos_token_ids)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""
@@ -488,6 +374,8 @@ class ModelRunner:
         )
         if pending_rows:
             inputs.pending_sources = self._pending_sources(pending_rows, pending_seqs)
+        if self.state is not None:
+            self._add_state_rows(inputs, batch.seqs)
         if self._prompt_jobs:
             self._sampler_pos = sampler_pos
         return inputs, samplers
@@ -539,140 +427,35 @@ class ModelRunner:
         if min(ids) == PENDING_TOKEN:
             pending = [i for i, t in enumerate(ids) if t == PENDING_TOKEN]
             inputs.pending_sources = self._pending_sources(pending, [seqs[i] for i in pending])
+        if self.state is not None:
+            self._add_state_rows(inputs, seqs)
         return inputs, [seqs[i] for i in rows]
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        dev = self.device
-        params = [seq.sampling_params for seq in seqs]
-        temps = [0.0 if p.greedy else p.temperature for p in params]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        t = SamplingTensors(
-            temperature=_to_device(np.array(temps, dtype=np.float32), dev),
-            top_k=_to_device(np.array(top_k, dtype=np.int64), dev),
-            top_p=_to_device(np.array(top_p, dtype=np.float32), dev),
-            min_p=_to_device(np.array(min_p, dtype=np.float32), dev),
-            all_greedy=all(x == 0.0 for x in temps),
-            any_top_k=any(top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-            any_min_p=any(p > 0 for p in min_p),
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+    @staticmethod
+    def _add_state_rows(inputs: StepInputs, seqs: list[Sequence]) -> None:
+        """Each sequence's committed slot, and whether its state carries over: only once a
+        chunk of this residency has run (num_computed_tokens > 0; prefix hits are off for
+        hybrid models, and preemption resets the count, so a readmitted or slot-reusing
+        sequence starts from zero state)."""
+        if any(not seq.state_slots for seq in seqs):
+            raise RuntimeError("a hybrid model's sequence was scheduled without a state slot")
+        inputs.state_slots = np.array([seq.state_slots[0] for seq in seqs], dtype=np.int32)
+        inputs.has_initial_state = np.array(
+            [seq.num_computed_tokens > 0 for seq in seqs], dtype=np.bool_
         )
-        vocab = self.model_config.vocab_size
-        if any(p.has_penalties for p in params):
-            counts = torch.zeros((len(seqs), vocab), dtype=torch.float32, device=dev)
-            prompt_mask = torch.zeros((len(seqs), vocab), dtype=torch.bool, device=dev)
-            for row, seq in enumerate(seqs):
-                if not seq.sampling_params.has_penalties:
-                    continue  # neutral row (its tokens may still be pending under async)
-                out_ids = torch.from_numpy(np.asarray(seq.output_token_ids, dtype=np.int64)).to(dev)
-                counts[row].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-                prompt_ids = torch.from_numpy(np.asarray(seq.prompt_token_ids, dtype=np.int64)).to(
-                    dev
-                )
-                prompt_mask[row, prompt_ids] = True
-            t.output_counts, t.prompt_mask = counts, prompt_mask
-            t.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
-            t.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
-            t.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        banned_rows, banned_tokens = [], []
-        bias: tuple[list, list, list] = ([], [], [])
-        allowed: tuple[list, list, list] = ([], [], [])
-        for row, seq in enumerate(seqs):
-            p = seq.sampling_params
-            for tok, value in (p.logit_bias or {}).items():
-                for column, item in zip(bias, (row, tok, value), strict=True):
-                    column.append(item)
-            if p.allowed_token_ids is not None:
-                allowed[0].append(row)
-                allowed[1].extend([len(allowed[0]) - 1] * len(p.allowed_token_ids))
-                allowed[2].extend(p.allowed_token_ids)
-            if seq.num_output_tokens < p.min_tokens:
-                stop_ids = set(p.stop_token_ids or ())
-                if not p.ignore_eos:
-                    stop_ids.update(self.eos_token_ids)
-                for tok in stop_ids:
-                    banned_rows.append(row)
-                    banned_tokens.append(tok)
-            if p.seed is not None and not p.greedy:
-                gen = self.generators.get(seq.request_id)
-                if gen is None:
-                    gen = torch.Generator(dev).manual_seed(p.seed)
-                    self.generators[seq.request_id] = gen
-                t.generators = t.generators or {}
-                t.generators[row] = gen
-        if bias[0]:
-            t.bias_rows = _to_device(np.array(bias[0], dtype=np.int64), dev)
-            t.bias_tokens = _to_device(np.array(bias[1], dtype=np.int64), dev)
-            t.bias_values = _to_device(np.array(bias[2], dtype=np.float32), dev)
-        guided = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        if guided:
-            masks = fill_bitmasks([seqs[row].matcher for row in guided], vocab)
-            t.guided_rows = _to_device(np.array(guided, dtype=np.int64), dev)
-            t.guided_bitmask = _to_device(masks, dev)
-        if allowed[0]:
-            t.allowed_rows, t.allowed_index, t.allowed_tokens = (
-                _to_device(np.array(column, dtype=np.int64), dev) for column in allowed
-            )
-        if banned_rows:
-            t.banned_rows = _to_device(np.array(banned_rows, dtype=np.int64), dev)
-            t.banned_tokens = _to_device(np.array(banned_tokens, dtype=np.int64), dev)
-        return t
 
     def release(self, request_ids) -> None:
-        for rid in request_ids:
-            self.generators.pop(rid, None)
+        self.sampler.release(request_ids)
 
     def shutdown(self) -> None:
         """Drop the KV cache, the captured graphs and the generators, so their memory is freed
         even while something still holds this runner."""
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
+        if self.state is not None:
+            self.state.release()
         self.graphs.clear()
-        self.graph_inputs = {}
         self._last_samplers, self._last_token_ids = [], None
-        self.generators.clear()
+        self.sampler.generators.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)` (the first maximum of each row) in two stages: the maximum of each
-    of many vocabulary chunks in parallel, then of the chunk maxima. A single-stage argmax
-    over a 128k vocabulary runs one long reduction per row (27 us for one row on an H200)."""
-    rows, vocab = logits.shape
-    chunk = _argmax_chunk(vocab)
-    if chunk == 0:
-        return logits.argmax(dim=-1)
-    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)  # first max per chunk
-    best = values.argmax(dim=-1, keepdim=True)  # first chunk holding the row's maximum
-    return (best * chunk + within.gather(1, best)).squeeze(1)
-
-
-@functools.lru_cache(maxsize=8)
-def _argmax_chunk(vocab: int) -> int:
-    """The largest divisor of vocab in [64, 1024], or 0 when there is none."""
-    return next((c for c in range(1024, 63, -1) if vocab % c == 0), 0)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without a host sync: staged through pinned memory (the caching
-    host allocator keeps the block until the copy has run), then copied asynchronously."""
-    t = torch.from_numpy(array)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Argmax alone decides this row: greedy, no logprobs, no penalties, no logit edits, no
-    banned tokens."""
-    p = seq.sampling_params
-    return (
-        p.greedy
-        and p.logprobs is None
-        and not p.has_penalties
-        and not p.edits_logits
-        and seq.num_output_tokens >= p.min_tokens
-    )

@@ -7,13 +7,14 @@ request is finished here and its id is handed back so the caller aborts it in th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from atom_runtime.engine.messages import EngineOutput, EngineRequest
+from atom_runtime.engine.protocol import EngineOutput, EngineRequest
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.tokenizer import Tokenizer
 
@@ -33,6 +34,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine, as vLLM's RequestMetrics: wall-clock times
+    (time.time()) from the frontend (arrival, last token, finish) and the engine (first
+    scheduled, first token)."""
+
+    arrival_time: float
+    last_token_time: float  # the arrival time until a token came
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None  # first scheduled - arrival
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -40,7 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = None
     # With prompt_logprobs: per prompt token, {its id: logprob, and the top ones}; None first;
     # and each prompt token's rank (1: the model's first choice there).
@@ -148,9 +163,8 @@ class RequestState:
         self.kv_transfer_params: dict | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_logprob_ranks: list[int | None] | None = None
-        self.arrival_time = time.time()
-        self.first_token_time: float | None = None
-        self.first_scheduled_time: float | None = None
+        now = time.time()
+        self.metrics = RequestMetrics(arrival_time=now, last_token_time=now)
 
     @property
     def finished(self) -> bool:
@@ -164,10 +178,23 @@ class RequestState:
             outputs=[c.completion() for c in self.children.values()],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=dataclasses.replace(self.metrics),
             kv_transfer_params=self.kv_transfer_params,
             prompt_logprobs=self.prompt_logprobs,
             prompt_logprob_ranks=self.prompt_logprob_ranks,
         )
+
+    def note_times(self, out: EngineOutput, now: float) -> None:
+        """Take the engine's first-scheduled and first-token times (the earliest of the n
+        children) and, when `out` brings tokens, `now` as the last token's arrival."""
+        m = self.metrics
+        if out.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = out.first_scheduled_time
+            m.time_in_queue = out.first_scheduled_time - m.arrival_time
+        if out.first_token_time is not None and m.first_token_time is None:
+            m.first_token_time = out.first_token_time
+        if out.new_token_ids:
+            m.last_token_time = now
 
     def take_prompt_logprobs(self, out: EngineOutput) -> None:
         ids = self.prompt_token_ids
@@ -214,7 +241,11 @@ class OutputProcessor:
             self._parent[cid] = request_id
             out.append(
                 EngineRequest(
-                    cid, prompt_token_ids, child_params, state.arrival_time, kv_transfer_params
+                    cid,
+                    prompt_token_ids,
+                    child_params,
+                    state.metrics.arrival_time,
+                    kv_transfer_params,
                 )
             )
         return out
@@ -227,6 +258,7 @@ class OutputProcessor:
         the engine request ids that a stop string finished (to abort in the engine)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        now = time.time()
         for out in outputs:
             parent = self._parent.get(out.request_id)
             if parent is None:
@@ -238,14 +270,13 @@ class OutputProcessor:
                 state.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.take_prompt_logprobs(out)
-            if out.first_token_time and state.first_token_time is None:
-                state.first_token_time = out.first_token_time
-            if out.first_scheduled_time and state.first_scheduled_time is None:
-                state.first_scheduled_time = out.first_scheduled_time
+            state.note_times(out, now)
             if child.append(out) and out.finish_reason is None:
                 to_abort.append(out.request_id)
             if child.finished:
                 del self._parent[out.request_id]
+                if state.finished:
+                    state.metrics.finished_time = now
             touched[parent] = state
         results = []
         for rid, state in touched.items():
@@ -265,7 +296,3 @@ class OutputProcessor:
         for cid in ids:
             del self._parent[cid]
         return ids
-
-    def engine_ids(self, request_id: str) -> list[str]:
-        state = self.requests.get(request_id)
-        return [] if state is None else list(state.children)

@@ -1,4 +1,4 @@
-"""Process identity and GC policy for every long-lived ATOM process (design contract 7).
+"""Process identity and GC policy for every long-lived ATOM process (contract 7, docs/architecture.md).
 
 Each process entry point (API server, engine core, each worker) calls, in this order:
 

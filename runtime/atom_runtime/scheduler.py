@@ -5,7 +5,15 @@ decode, the next chunk for a prompt still being prefilled), then waiting sequenc
 the budget, `max_num_seqs` and free blocks last. A long prompt is cut into chunks that share the
 budget with decodes instead of stalling them. When blocks run out, the sequence at the tail of the
 running queue is preempted by recompute: its blocks are freed and it goes back to the head of the
-waiting queue. The scheduler never touches tensors.
+waiting queue. For hybrid models a sequence also needs a state slot (`StateSlotPool`) to be
+admitted; it waits, like one short of blocks, until a running sequence returns one (finishing,
+aborting or being preempted). The scheduler never touches tensors.
+
+After the model ran a step, `update_from_output` takes what it sampled (read back to the host):
+each token fills its sequence's pending slot, stop conditions are checked (`check_stop`), the
+step's computed blocks are published and finished sequences are freed. With async scheduling
+that happens one step late: the next step was scheduled, with a pending token in each sampled
+sequence's place, before this one's samples came back.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atom_runtime.block_manager import BlockManager
+from atom_runtime.engine.protocol import EngineOutput
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.state.slot_pool import StateSlotPool
 
 
 @dataclass
@@ -34,25 +44,53 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+@dataclass
+class StepOutput:
+    """What a step sampled, read back to the host: row i belongs to `samplers[i]`. Logprobs (and
+    the top ones) are there when a sampler of the step asked for them."""
+
+    samplers: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        state_pool: StateSlotPool | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids  # the engine's list: stop tokens unless ignore_eos
+        self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Prefix-cache counters, in prompt tokens, over every admission.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Cumulative prompt tokens computed and tokens generated.
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
 
     def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+
+    def reset_counters(self) -> None:
+        """Zero the token counters (after the engine's warm-up request)."""
+        self.prefix_queries = self.prefix_hits = 0
+        self.prompt_tokens = self.generation_tokens = 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,12 +126,16 @@ class Scheduler:
         if batch.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self.state_pool is not None and not self.state_pool.can_allocate():
+                    break  # every slot is held by a running sequence: wait for one to leave
                 hit = self.block_manager.find_prefix_hit(seq)
                 num_cached = len(hit) * self.block_manager.block_size
                 num_new = min(seq.num_tokens - num_cached, budget)
                 if not self.block_manager.allocate(seq, num_new, hit):
                     break
                 self.waiting.popleft()
+                if self.state_pool is not None:
+                    self.state_pool.allocate(seq)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.time()
                     seq.num_cached_tokens = num_cached
@@ -106,23 +148,60 @@ class Scheduler:
                 budget -= num_new
         return batch
 
-    def commit(self, batch: ScheduledBatch) -> None:
+    def commit(self, batch: ScheduledBatch, samplers: list[Sequence]) -> None:
         """The batch is on its way to the device: its tokens count as computed from here on (the
-        next schedule may run while this step is still in flight)."""
+        next schedule may run while this step is still in flight), and each sequence sampling
+        in it holds a pending token until `update_from_output` fills it in."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
+        for seq in samplers:
+            seq.append_pending(self.max_model_len)
 
-    def finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
-        """After a step's samples are appended and finish reasons set, for the step's sequences
-        that were still live when it completed: publish newly computed blocks and retire the
-        finished ones. A sequence preempted while its step was in flight may finish from the
-        waiting queue."""
+    def update_from_output(
+        self, batch: ScheduledBatch, output: StepOutput | None
+    ) -> tuple[list[EngineOutput], list[Sequence]]:
+        """Apply a completed step: fill in its sampled tokens, check stops, publish the blocks it
+        computed and free the sequences that finished. Sequences finished since the step was
+        launched (an abort, or a stop found by the step before) are skipped: their row was
+        wasted. Returns the step's outputs and the sequences it finished."""
+        live = [seq for seq in batch.seqs if not seq.is_finished]
+        outputs = []
+        if output is not None:
+            now = time.time()
+            for row, seq in enumerate(output.samplers):
+                if seq.is_finished:
+                    continue
+                token = output.token_ids[row]
+                seq.resolve_pending(token)
+                if seq.matcher is not None:
+                    seq.matcher.consume_token(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+                out = engine_output(seq, [token])
+                want = seq.sampling_params.logprobs
+                if want is not None:
+                    out.new_logprobs = [output.logprobs[row]]
+                    if want > 0:
+                        out.new_top_ids = [output.top_ids[row][:want]]
+                        out.new_top_logprobs = [output.top_logprobs[row][:want]]
+                outputs.append(out)
+                self.generation_tokens += 1
+        return outputs, self._finish_step(live)
+
+    def _finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """For a step's sequences that were still live when it completed: publish newly computed
+        blocks and retire the finished ones. A sequence preempted while its step was in flight
+        may finish from the waiting queue."""
         for seq in seqs:
             self.block_manager.publish_computed_blocks(seq)
         finished = [seq for seq in seqs if seq.is_finished]
         if finished:
             for seq in finished:
-                self.block_manager.free(seq)
+                self._release(seq)
+                self.requests.pop(seq.request_id, None)
             self.running = [seq for seq in self.running if not seq.is_finished]
             if any(seq.status is SequenceStatus.FINISHED for seq in self.waiting):
                 self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
@@ -135,15 +214,71 @@ class Scheduler:
             for seq in list(queue):
                 if seq.request_id in request_ids:
                     queue.remove(seq)
-                    self.block_manager.free(seq)
+                    self._release(seq)
                     seq.finish(FinishReason.ABORT)
                     aborted.append(seq)
+        for seq in aborted:
+            self.requests.pop(seq.request_id, None)
         return aborted
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Give back everything a sequence holds: blocks and state slots."""
         self.block_manager.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute from scratch: its slot goes back too (the state is rebuilt from token 0).
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: list[int], max_model_len: int) -> None:
+    """Finish `seq` if the token just filled in ends it: its grammar completed (or broke), EOS
+    (unless ignore_eos) or a stop token id once min_tokens is reached, max_tokens, or the context
+    length. Tokens still pending after it (sampled by a later step in flight) do not count."""
+    p = seq.sampling_params
+    num_output = seq.num_output_tokens - seq.num_pending
+    if seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+        # The grammar is complete (or the token broke it: a stop-id edit, say): done.
+        seq.finish(FinishReason.STOP)
+        return
+    if num_output >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            seq.finish(FinishReason.STOP)
+            return
+        if p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish(FinishReason.STOP, token)
+            return
+    if p.max_tokens is not None and num_output >= p.max_tokens:
+        seq.finish(FinishReason.LENGTH)
+    elif seq.num_tokens - seq.num_pending >= max_model_len:
+        seq.finish(FinishReason.LENGTH)
+
+
+def engine_output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
+    """What the frontend hears about `seq` this step: its new tokens, its finish once finished,
+    and with its first token the prompt's logprobs when it asked for them."""
+    out = EngineOutput(
+        request_id=seq.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+        stop_reason=seq.stop_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        first_scheduled_time=seq.first_scheduled_time,
+        first_token_time=seq.first_token_time,
+        num_preemptions=seq.num_preemptions,
+        kv_transfer_params=seq.kv_transfer_params if seq.finish_reason else None,
+    )
+    if seq.sampling_params.prompt_logprobs is not None and new_token_ids and not seq.prompt_lp_sent:
+        seq.prompt_lp_sent = True
+        out.prompt_logprobs = [lp for lp, _, _, _ in seq.prompt_lp]
+        out.prompt_top_ids = [ids for _, ids, _, _ in seq.prompt_lp]
+        out.prompt_top_logprobs = [lps for _, _, lps, _ in seq.prompt_lp]
+        out.prompt_ranks = [rank for _, _, _, rank in seq.prompt_lp]
+    return out

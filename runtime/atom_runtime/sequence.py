@@ -53,15 +53,12 @@ class Sequence:
         # Prompt tokens served from the prefix cache at first admission (reported as cached_tokens).
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        # Hybrid models: state slots held while resident ([0] committed, then scratch).
+        self.state_slots: list[int] = []
         # Chained hashes of this sequence's full blocks, computed once each, in order.
         self.block_hashes: list[int] = []
         # Leading blocks of block_table that carry their hash (prefix hits or published blocks).
         self.num_hashed_blocks = 0
-        # Sampled-token logprob per output token, and, when logprobs=k>0, k (id, logprob)
-        # alternatives per output token, flattened.
-        self.output_logprobs = array("f")
-        self.top_logprob_ids = array("i")
-        self.top_logprobs = array("f")
         self.num_preemptions = 0
         self.kv_transfer_params: dict | None = None
         # Async scheduling: trailing PENDING_TOKEN entries (sampled, not yet read back), and
@@ -117,17 +114,8 @@ class Sequence:
         return range(max(start, len(self.prompt_lp)), min(end, self.num_prompt_tokens - 1))
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
-        self.token_ids.append(token_id)
-        if logprob is not None:
-            self.output_logprobs.append(logprob)
 
     def append_pending(self, max_model_len: int) -> None:
         """Reserve the place of a token this step samples; `resolve_pending` fills it in."""
@@ -139,12 +127,10 @@ class Sequence:
         ):
             self.final_pending = True
 
-    def resolve_pending(self, token_id: int, logprob: float | None = None) -> None:
+    def resolve_pending(self, token_id: int) -> None:
         """The oldest pending token is now known."""
         self.token_ids[len(self.token_ids) - self.num_pending] = token_id
         self.num_pending -= 1
-        if logprob is not None:
-            self.output_logprobs.append(logprob)
 
     def drop_pending(self) -> None:
         """Forget pending tokens (the sequence finished before them)."""

@@ -194,3 +194,33 @@ def test_cli_sweep_reports_the_baseline_and_interleaved_conversations(
     table = capsys.readouterr().out
     assert "interval -1" in table and "prefix off" in table
     assert " n/a " in table  # no checkpoint memory on a dense model
+
+
+def test_hybrid_model_runs_the_trace_and_never_beats_the_ideal(tiny_hybrid_models):
+    """A hybrid (Gated DeltaNet) model: whatever it resumes from checkpoints (nothing while they
+    are not wired into the engine), it is whole blocks, never more than the full-attention
+    ideal, and every prompt token it did not resume it computed."""
+    from atom_runtime.llm import LLM
+
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        block_size=BLOCK,
+        num_gpu_blocks_override=256,
+        state_checkpoint_interval_tokens=-1,
+    )
+    try:
+        trace = make_trace(SPEC, llm.engine.model_config.vocab_size)
+        turns, figures = bench_multiturn.drive_trace(llm.engine, trace, max_concurrency=2)
+    finally:
+        llm.shutdown()
+    assert len(turns) == 9 and all(len(t.output_token_ids) == 4 for t in turns)
+    ideal = brute_force_ideal([(t.prompt_token_ids, t.output_token_ids) for t in turns], BLOCK)
+    realized = [t.num_cached_tokens for t in turns]
+    assert sum(ideal) > 0
+    assert all(0 <= r <= i and r % BLOCK == 0 for r, i in zip(realized, ideal, strict=True))
+    prompt_tokens = sum(len(t.prompt_token_ids) for t in turns)
+    assert figures["prompt_tokens_computed"] == prompt_tokens - sum(realized)
+    summary = bench_multiturn.summarize(turns, figures, BLOCK, SPEC.num_turns)
+    assert summary["lost_hit_tokens"] == sum(ideal) - sum(realized)
+    peak = figures["checkpoint_memory_peak"]
+    assert peak is None or 0 <= peak <= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom_runtime.engine.messages import EngineOutput
+from atom_runtime.engine.protocol import EngineOutput
 from atom_runtime.models.loader import default_model_path
 from atom_runtime.output_processor import OutputProcessor, SequenceText
 from atom_runtime.sampling_params import SamplingParams

@@ -4,10 +4,12 @@ and abort freeing everything."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.messages import EngineRequest
+from atom_runtime.engine.protocol import EngineRequest
 
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
 
@@ -119,6 +121,20 @@ def test_prompt_logprobs_match_transformers(tiny_models, budget):
     assert top == want[:-1].topk(3).indices.tolist()
 
 
+def test_request_metrics_are_filled_and_ordered(llm):
+    """RequestOutput.metrics (vLLM's RequestMetrics): arrival, first scheduled, first token,
+    last token and finish, in that order, within the call; queue time from the first two."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
+    before = time.time()
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    after = time.time()
+    m = out.metrics
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.first_token_time <= m.last_token_time <= m.finished_time <= after
+    assert m.last_token_time > m.arrival_time  # tokens came, so it moved off the arrival
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+
+
 def test_abort_frees_every_block(llm):
     engine = llm.engine
     params = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -150,7 +166,7 @@ def test_bad_requests_raise_naming_the_field_and_queue_nothing(llm, prompt, kwar
     params = SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=f"^{field}: "):
         engine.add_request(EngineRequest("bad", prompt, params))
-    assert not engine.has_unfinished_requests() and "bad" not in engine.requests
+    assert not engine.has_unfinished_requests() and "bad" not in engine.scheduler.requests
 
 
 def test_warm_up_leaves_no_trace(tiny_models):
@@ -171,5 +187,5 @@ def test_warm_up_leaves_no_trace(tiny_models):
     assert (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions) == (0, 0, 0)
     assert stats.num_running == stats.num_waiting == 0
     assert fresh.engine.pool.num_free_blocks == 8 and not fresh.engine.pool.cached
-    assert fresh.engine.requests == {}
+    assert fresh.engine.scheduler.requests == {}
     fresh.shutdown()

@@ -1,6 +1,6 @@
-"""Contract 7: process titles from one naming function; collect + freeze after warm-up,
-unfreeze at shutdown, ATOM_GC_FREEZE=0 thresholds, ATOM_GC_DEBUG=1 logging; and an engine torn
-down inside a live interpreter gives its memory back.
+"""Contract 7 (docs/architecture.md): process titles from one naming function; collect + freeze
+after warm-up, unfreeze at shutdown, ATOM_GC_FREEZE=0 thresholds, ATOM_GC_DEBUG=1 logging; and an
+engine torn down inside a live interpreter gives its memory back.
 
 Policy tests run in fresh interpreters: freezing pytest's own heap would leak into other tests.
 """
@@ -148,15 +148,15 @@ ENGINE_TEARDOWN = """
     engine = EngineCore(EngineConfig(model=sys.argv[1], dtype="float32", device="cpu",
                                      num_gpu_blocks_override=4096))
     cache = 0
-    for layer in engine.runner.model.attention_layers():
+    for layer in engine.executor.model.attention_layers():
         layer.k_cache.fill_(1.0)   # torch.empty pages are not resident until written
         layer.v_cache.fill_(1.0)
         cache += layer.k_cache.nbytes + layer.v_cache.nbytes
-    params = sum(p.nbytes for p in engine.runner.model.parameters())
+    params = sum(p.nbytes for p in engine.executor.model.parameters())
     apply_gc_policy()   # warm-up done: freeze, as every long-lived process does
     before = rss()
     alive = weakref.ref(engine)
-    weights = weakref.ref(next(engine.runner.model.parameters()))
+    weights = weakref.ref(next(engine.executor.model.parameters()))
     engine.shutdown()
     del engine
     gc.collect()

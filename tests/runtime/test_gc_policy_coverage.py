@@ -1,4 +1,5 @@
-"""Every long-lived ATOM process applies contract 7, checked on the source (AST), not on imports.
+"""Every long-lived ATOM process applies contract 7 (docs/architecture.md), checked on the source
+(AST), not on imports.
 
 Process entry points are found, not listed: every function handed to `Process(target=...)`, and
 every function that runs a server loop (`uvicorn.Server`, `uvicorn.run`, `kopf.run`). From each

@@ -48,7 +48,7 @@ def test_cuda_graph_replay_gives_the_same_tokens_as_eager(tiny_models):
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=32)
     eager = LLM(str(tiny_models["qwen3"]), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_models["qwen3"]), enforce_eager=False, **kw)
-    assert graphs.engine.runner.graphs, "no CUDA graph was captured"
+    assert graphs.engine.executor.graphs, "no CUDA graph was captured"
     assert _greedy(graphs, prompts, 24) == _greedy(eager, prompts, 24)
 
 
@@ -112,7 +112,7 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
     same top logprobs within bf16's resolution. Compared per step, not as greedy sequences: a
     near-tie flipped by a rounding would make later tokens diverge. Eager, so the layer flags
     set here take effect (graphs keep what was captured)."""
-    from atom_runtime.layers.linear import small_m_groups, small_m_paths, use_small_m_path
+    from atom_runtime.small_m import small_m_groups, small_m_paths, use_small_m_path
 
     llm = LLM(
         str(tiny_models[kind]),
@@ -121,7 +121,7 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
         num_gpu_blocks_override=256,
         enforce_eager=True,
     )
-    groups = small_m_groups(llm.engine.runner.model)
+    groups = small_m_groups(llm.engine.executor.model)
     if kind == "llama":  # no QK-norm: the qkv GEMV can take rotary + the cache store
         assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, ignore_eos=True)

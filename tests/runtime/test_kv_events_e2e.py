@@ -1,6 +1,6 @@
 """KV events end to end with the real engine: a subscriber on 127.0.0.1 keeps an index equal to
 the engine's set of cached block hashes after every step, through prefix hits, evictions and a
-reset; every published hash re-derives from the published tokens (contract 1)."""
+reset; every published hash re-derives from the published tokens (contract 1, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.block_hash import hash_block_tokens
-from atom_runtime.engine.messages import EngineRequest
+from atom_runtime.engine.protocol import EngineRequest
 from atom_runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 
 BLOCK = 16

@@ -127,7 +127,7 @@ def test_dummy_weights_from_a_config_alone(tiny_models, tmp_path):
         dtype="float32",
         num_gpu_blocks_override=16,
     )
-    weight = llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.weight
+    weight = llm.engine.executor.model.model.layers[0].mlp.gate_up_proj.weight
     assert weight.abs().max().item() <= 0.02 and weight.std().item() > 0.005
     assert llm.get_tokenizer() is None
     out = llm.generate(

@@ -188,7 +188,7 @@ def test_stop_string_becomes_a_list():
 
 @pytest.mark.parametrize("vocab", [128256, 151936, 49152, 1009, 100])
 def test_greedy_argmax_is_argmax_first_maximum_included(vocab):
-    from atom_runtime.model_runner import greedy_argmax
+    from atom_runtime.layers.sampler import greedy_argmax
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=g)

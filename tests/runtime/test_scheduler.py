@@ -1,5 +1,6 @@
-"""Scheduler invariants: budgets, chunked prefill, preemption from the tail, aborts anywhere, and
-no block leaked after any workload."""
+"""Scheduler invariants: budgets, chunked prefill, preemption from the tail, aborts anywhere, no
+block leaked after any workload, and what a step's output does to its sequences (tokens filled
+in, stops, finished sequences freed)."""
 
 from __future__ import annotations
 
@@ -8,29 +9,31 @@ import random
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.scheduler import Scheduler
+from atom_runtime.scheduler import Scheduler, StepOutput
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
 
-
-def _scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=16) -> Scheduler:
-    return Scheduler(BlockManager(BlockPool(num_blocks, block_size)), max_num_seqs, budget)
+EOS = 99
 
 
-def _run_step(s: Scheduler, rng: random.Random | None = None):
-    """Schedule, then play the model: sequences whose chunk reached their end get a token."""
+def _scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=16, max_model_len=64):
+    pool = BlockPool(num_blocks, block_size)
+    return Scheduler(BlockManager(pool), max_num_seqs, budget, max_model_len, [EOS])
+
+
+def _run_step(s: Scheduler, rng: random.Random | None = None, tokens: list[int] | None = None):
+    """Schedule, stand in for the model (the sequences whose chunk reaches their last token
+    sample one: from `tokens`, else random or 7), and apply the step's output."""
     batch = s.schedule()
-    sampling = [
-        seq.num_computed_tokens + n == seq.num_tokens
+    samplers = [
+        seq
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        if seq.num_computed_tokens + n == seq.num_tokens
     ]
-    s.commit(batch)
-    for seq, samples in zip(batch.seqs, sampling, strict=True):
-        if samples:
-            seq.append_token(rng.randrange(100) if rng else 7)
-            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                seq.finish(FinishReason.LENGTH)
-    s.finish_step(batch.seqs)
-    return batch
+    s.commit(batch, samplers)
+    if tokens is None:
+        tokens = [rng.randrange(EOS) if rng else 7 for _ in samplers]
+    output = StepOutput(samplers, tokens[: len(samplers)]) if samplers else None
+    return batch, *s.update_from_output(batch, output)
 
 
 def test_budget_and_seq_limits_hold():
@@ -105,3 +108,68 @@ def test_abort_frees_blocks_wherever_the_sequence_is():
     assert aborted == [a] and a.finish_reason is FinishReason.ABORT
     assert s.block_manager.pool.num_free_blocks == 8
     assert not s.has_unfinished()
+
+
+def test_a_step_output_fills_tokens_stops_and_frees_finished_sequences():
+    s = _scheduler(num_blocks=16, budget=64)
+    stop = Sequence("stop", [1, 2, 3], SamplingParams(max_tokens=8, stop_token_ids=[42]))
+    eos = Sequence("eos", [4, 5, 6], SamplingParams(max_tokens=8))
+    length = Sequence("length", [7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    for seq in (stop, eos, length):
+        s.add(seq)
+    batch, outs, finished = _run_step(s, tokens=[5, 6, EOS])
+    assert [o.new_token_ids for o in outs] == [[5], [6], [EOS]]
+    assert finished == [] and all(o.finish_reason is None for o in outs)
+    assert outs[0].first_scheduled_time is not None and outs[0].first_token_time is not None
+    _, outs, finished = _run_step(s, tokens=[42, EOS, 3])
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in outs] == [
+        ("stop", "stop", 42),  # a stop token id: its id is the stop reason
+        ("eos", "stop", None),  # EOS is no user stop token
+        ("length", "length", None),  # max_tokens reached (EOS ignored on the way)
+    ]
+    assert finished == [stop, eos, length]
+    assert list(stop.output_token_ids) == [5, 42] and list(length.output_token_ids) == [EOS, 3]
+    assert not s.has_unfinished() and s.requests == {}
+    assert s.block_manager.pool.num_free_blocks == 16
+    assert s.generation_tokens == 6 and s.prompt_tokens == 8
+
+
+def test_min_tokens_and_the_context_length_decide_stops():
+    s = _scheduler(num_blocks=16, budget=64, max_model_len=6)
+    early = Sequence("early", [1, 2], SamplingParams(max_tokens=None, min_tokens=2))
+    s.add(early)
+    _, outs, _ = _run_step(s, tokens=[EOS])
+    assert outs[0].finish_reason is None  # EOS before min_tokens does not stop
+    _, outs, _ = _run_step(s, tokens=[EOS])
+    assert outs[0].finish_reason == "stop"
+    long = Sequence("long", [1, 2, 3, 4], SamplingParams(max_tokens=None, ignore_eos=True))
+    s.add(long)
+    _run_step(s, tokens=[10])
+    _, outs, finished = _run_step(s, tokens=[11])
+    assert (outs[0].finish_reason, finished) == ("length", [long])  # 6 tokens: the context
+    assert long.num_tokens == 6
+
+
+def test_a_sequence_finished_while_its_step_was_in_flight_is_skipped():
+    """Async scheduling: the step after a stop was already launched when the stop was found;
+    its row for the finished sequence is dropped, the other rows apply, and the stopped
+    sequence's pending token is gone."""
+    s = _scheduler(num_blocks=16, budget=64)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=8, stop_token_ids=[42]))
+    b = Sequence("b", [4, 5, 6], SamplingParams(max_tokens=8))
+    s.add(a)
+    s.add(b)
+    first = s.schedule()
+    s.commit(first, [a, b])
+    s.update_from_output(first, StepOutput([a, b], [10, 11]))
+    second = s.schedule()  # launched: a and b each get a pending token
+    s.commit(second, [a, b])
+    third = s.schedule()  # launched before the second step's samples are read back
+    s.commit(third, [a, b])
+    assert a.num_pending == b.num_pending == 2
+    outs, finished = s.update_from_output(second, StepOutput([a, b], [42, 12]))
+    assert finished == [a] and a.finish_reason is FinishReason.STOP
+    assert list(a.output_token_ids) == [10, 42] and a.num_pending == 0
+    outs, finished = s.update_from_output(third, StepOutput([a, b], [77, 13]))
+    assert [o.request_id for o in outs] == ["b"] and finished == []
+    assert list(b.output_token_ids) == [11, 12, 13] and b.num_pending == 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.layers.linear import (
-    LinearBase,
+from atom_runtime.layers.linear import LinearBase
+from atom_runtime.small_m import (
     choose_small_m_kernels,
     small_m_groups,
     small_m_paths,
@@ -25,7 +25,7 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
     prompt = {"prompt_token_ids": [3, 14, 15, 92, 65, 35]}
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
     assert any(m.act_after == "silu_mul" for m in layers)
     # Qwen2 has no QK-norm, so its qkv projection can take rotary + cache store in as well.
@@ -47,23 +47,23 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
 
 def test_no_kernel_choice_off_the_gpu(tiny_models):
     llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=16)
-    assert choose_small_m_kernels(llm.engine.runner.model, llm.engine.runner.device) == {}
-    assert llm.engine.runner.small_m_kernels == {}
+    assert choose_small_m_kernels(llm.engine.executor.model, llm.engine.executor.device) == {}
+    assert llm.engine.executor.small_m_kernels == {}
 
 
 def test_small_m_kernel_setting_is_checked(tiny_models, monkeypatch):
     llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=16)
     monkeypatch.setenv("ATOM_SMALL_M_KERNELS", "triton")
     with pytest.raises(ValueError, match="ATOM_SMALL_M_KERNELS='triton'"):
-        choose_small_m_kernels(llm.engine.runner.model, llm.engine.runner.device)
+        choose_small_m_kernels(llm.engine.executor.model, llm.engine.executor.device)
 
 
 def test_one_row_groups_and_their_paths(tiny_models):
     """Layers group by weight shape and what is in front of them; a group with a norm or an
     activation in front has the fused path too, and choosing a path sets both flags."""
     llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", num_gpu_blocks_override=16)
-    groups = small_m_groups(llm.engine.runner.model)
-    config = llm.engine.runner.model_config
+    groups = small_m_groups(llm.engine.executor.model)
+    config = llm.engine.executor.model_config
     layers = config.num_hidden_layers
     assert all(len(g) == layers for g in groups.values()) and len(groups) == 4
     paths = {k: small_m_paths(g[0]) for k, g in groups.items()}

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.messages import EngineRequest
+from atom_runtime.engine.protocol import EngineRequest
 from atom_runtime.structured_outputs import StructuredOutputs
 
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
@@ -100,7 +100,7 @@ def test_bad_grammars_are_refused_and_the_engine_carries_on(llm, spec):
     engine = llm.engine
     with pytest.raises(ValueError, match="^structured_outputs: "):
         engine.add_request(EngineRequest("bad", [1, 2, 3], SamplingParams(structured_outputs=spec)))
-    assert "bad" not in engine.requests and not engine.has_unfinished_requests()
+    assert "bad" not in engine.scheduler.requests and not engine.has_unfinished_requests()
     (out,) = _run(llm, StructuredOutputs(choice=["ok"]))
     assert out.text == "ok"
 

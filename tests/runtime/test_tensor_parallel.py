@@ -215,7 +215,7 @@ def _cmdline(pid: int) -> str:
 def test_workers_are_named_frozen_sharded_and_gone_after_shutdown(tiny_models):
     folder = tiny_models["qwen3"]
     one = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=64)
-    one_bytes = sum(p.numel() * p.element_size() for p in one.engine.runner.model.parameters())
+    one_bytes = sum(p.numel() * p.element_size() for p in one.engine.executor.model.parameters())
     one.shutdown()
 
     llm = LLM(
@@ -225,13 +225,15 @@ def test_workers_are_named_frozen_sharded_and_gone_after_shutdown(tiny_models):
         num_gpu_blocks_override=64,
         tensor_parallel_size=2,
     )
-    executor = llm.engine.runner
+    executor = llm.engine.executor
     (worker,) = executor.workers
     assert _cmdline(worker.pid) == "ATOM::DP0TP1"
     # Warm-up then the GC policy ran in the worker over the same RPC path, and returned.
     (policy,) = executor.worker_gc_policies
     assert policy["frozen"] is True and policy["frozen_objects"] > 10_000
-    norms = sum(p.numel() * 4 for n, p in one.engine.runner.model.named_parameters() if "norm" in n)
+    norms = sum(
+        p.numel() * 4 for n, p in one.engine.executor.model.named_parameters() if "norm" in n
+    )
     for held in executor.parameter_bytes():
         assert one_bytes / 2 <= held <= one_bytes / 2 + norms
     assert _greedy(llm, PROMPTS[:2])
@@ -254,7 +256,7 @@ def test_killed_worker_fails_the_next_step_promptly_naming_the_rank(tiny_models)
     )
     try:
         assert _greedy(llm, PROMPTS[:2])
-        (worker,) = llm.engine.runner.workers
+        (worker,) = llm.engine.executor.workers
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
@@ -277,7 +279,7 @@ def test_rank0_failing_mid_step_takes_the_engine_down(tiny_models, monkeypatch):
         tensor_parallel_size=2,
     )
     try:
-        runner = llm.engine.runner.runner
+        runner = llm.engine.executor.runner
 
         def broken_forward(inputs):
             raise MemoryError("simulated")

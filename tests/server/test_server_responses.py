@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from array import array
 
-import msgspec
 import pytest
 from pydantic import ValidationError
 
-from atom_runtime.engine.core_proc import (
+from atom_runtime.engine.protocol import (
     AddRequests,
     ClientMessage,
     EngineMessage,
+    EngineOutput,
+    EngineReady,
+    EngineRequest,
+    EngineStats,
     Outputs,
-    Ready,
+    decoder,
+    encoder,
 )
-from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import field_path, from_validation_error, from_value_error
@@ -118,8 +121,8 @@ def test_socket_messages_round_trip_as_msgpack():
     for msg in (
         AddRequests(7, [EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))]),
         Outputs([out], stats),
-        Ready("/m", [2], 1024, "cpu", 64, 16, 49152, stats),
+        EngineReady("/m", [2], 1024, "cpu", 64, 16, 49152, stats),
     ):
-        data = msgspec.msgpack.encode(msg)
+        data = encoder().encode(msg)
         union = ClientMessage if isinstance(msg, AddRequests) else EngineMessage
-        assert msgspec.msgpack.Decoder(union).decode(data) == msg
+        assert decoder(union).decode(data) == msg

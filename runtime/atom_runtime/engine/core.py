@@ -1,26 +1,27 @@
 """EngineCore: the scheduler and the model runner in one loop.
 
-One step: `schedule()` -> `runner.execute(batch)` (launched on the device; each sampling sequence
-gets a pending token) -> `Scheduler.commit` -> read the samples back, fill the pending tokens in
-and check stops -> `Scheduler.finish_step` (publish computed blocks, free finished) -> publish KV
-events -> outputs.
+One step: `schedule()` -> `executor.execute(batch)` (launched on the device) -> `Scheduler.commit`
+(its tokens count as computed; each sampling sequence gets a pending token) -> read the samples
+back -> `Scheduler.update_from_output` (fill the pending tokens in, check stops, publish computed
+blocks, free finished) -> publish KV events -> outputs.
 
 With async scheduling the read-back of step N waits until step N+1 has been scheduled and
 launched, so the CPU prepares N+1 while the GPU runs N: step N+1's inputs take the tokens step
 N sampled straight from the device, and each call returns the previous step's outputs. A
 sequence whose pending token ends it by length is not scheduled again; one that stops on a
-token runs one wasted row, whose result is dropped. Penalties read the output tokens, so a step
-whose samplers use them is read back before the next is scheduled.
-The same class runs in-process under `LLM` and in its own process under `atom serve`. `runner` is
-the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a TPExecutor that drives one
-worker process per other rank (executor.py); the scheduler and block manager exist only here.
+token runs one wasted row, whose result is dropped. A sequence whose next step needs its last
+token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight.
+
+The same class runs in-process under `LLM` and in its own process under `atom serve`. `executor`
+(an executor.Executor) is the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a
+TPExecutor that drives one worker process per other rank; the scheduler and block manager exist
+only here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import torch
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
-from atom_runtime.engine.messages import (
+from atom_runtime.engine.protocol import (
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -40,8 +41,9 @@ from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.scheduler import ScheduledBatch, Scheduler
-from atom_runtime.sequence import FinishReason, Sequence
+from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, engine_output
+from atom_runtime.sequence import Sequence
+from atom_runtime.state.slot_pool import StateSlotPool
 from atom_runtime.structured_outputs import Guides
 
 log = logging.getLogger(__name__)
@@ -53,41 +55,53 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_path)
         self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
-        self.runner = make_executor(config, self.model_config, self.model_path)
+        self.executor = make_executor(config, self.model_config, self.model_path)
         try:
             self._finish_init(config)
         except BaseException:
-            self.runner.shutdown()  # tensor-parallel workers must not outlive a failed start
+            self.executor.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
 
     def _finish_init(self, config: EngineConfig) -> None:
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
-        self.runner.eos_token_ids = self.eos_token_ids
+        self.executor.eos_token_ids = self.eos_token_ids
         self.guides = Guides(str(self.model_path), self.model_config.vocab_size, self.eos_token_ids)
         self.block_size = config.block_size
         self.max_model_len = self._decide_max_model_len()
-        self.runner.capture_cudagraphs(self.max_model_len)
-        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
+        self.executor.capture_cudagraphs(self.max_model_len)
+        self.max_num_batched_tokens = self.executor.max_num_batched_tokens
         self.pool = BlockPool(
-            self.runner.num_blocks,
+            self.executor.num_blocks,
             config.block_size,
             enable_events=self.kv_events_config.enable_kv_cache_events,
         )
+        hybrid = self.model_config.is_hybrid
+        self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
+        prefix_caching = config.enable_prefix_caching
+        if hybrid and prefix_caching:
+            # A KV prefix hit without the recurrent state at that point cannot be resumed from.
+            log.info(
+                "prefix caching is off for %s: prefix reuse for hybrid models needs state "
+                "checkpoints",
+                self.model_config.model_type,
+            )
+            prefix_caching = False
+        _warn_checkpoint_flags(config, hybrid)
         self.scheduler = Scheduler(
-            BlockManager(self.pool, config.enable_prefix_caching),
+            BlockManager(self.pool, prefix_caching),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            state_pool=self.state_pool,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (
-                self.runner.device.type == "cuda" and config.tensor_parallel_size == 1
+                self.executor.device.type == "cuda" and config.tensor_parallel_size == 1
             )
         self._in_flight: _InFlight | None = None
-        self.requests: dict[str, Sequence] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -104,11 +118,12 @@ class EngineCore:
             self.step()
         if self.pool.num_free_blocks != self.pool.num_blocks or self.pool.cached:
             raise RuntimeError("warm-up left blocks or cached hashes behind")
-        self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+        if self.state_pool is not None and self.state_pool.num_in_use:
+            raise RuntimeError("warm-up left state slots behind")
+        self.scheduler.reset_counters()
 
     def _decide_max_model_len(self) -> int:
-        cache_tokens = self.runner.num_blocks * self.block_size
+        cache_tokens = self.executor.num_blocks * self.block_size
         model_len = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len
         if wanted is not None:
@@ -131,7 +146,7 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request. Bad input raises ValueError naming the field; nothing
         is queued then."""
-        if request.request_id in self.requests:
+        if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         prompt = request.prompt_token_ids
         if not prompt:
@@ -157,15 +172,12 @@ class EngineCore:
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
         seq.kv_transfer_params = request.kv_transfer_params
         seq.matcher = matcher
-        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
     def abort_requests(self, request_ids) -> list[EngineOutput]:
         aborted = self.scheduler.abort(set(request_ids))
-        for seq in aborted:
-            self.requests.pop(seq.request_id, None)
-        self.runner.release(seq.request_id for seq in aborted)
-        return [self._output(seq, []) for seq in aborted]
+        self.executor.release(seq.request_id for seq in aborted)
+        return [engine_output(seq, []) for seq in aborted]
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts while it holds a live sequence (not once all were aborted).
@@ -191,99 +203,17 @@ class EngineCore:
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
-        """Run the batch on the device, commit its tokens as computed, and give each sampling
-        sequence a pending token; the samples start their way back to the host."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-        samplers, sampled = self.runner.execute(batch)
-        self.scheduler.commit(batch)
-        for seq in samplers:
-            seq.append_pending(self.max_model_len)
+        """Run the batch on the device and commit it; the samples start their way back to the
+        host."""
+        samplers, sampled = self.executor.execute(batch)
+        self.scheduler.commit(batch, samplers)
         return _InFlight.start(batch, samplers, sampled)
 
     def _complete(self, step: _InFlight) -> list[EngineOutput]:
-        """Read a launched step's samples back, fill in its pending tokens, check stops and
-        retire finished sequences. Sequences that finished since the launch (an abort, or a stop
-        found by the step before) are skipped: their row was wasted."""
-        live = [seq for seq in step.batch.seqs if not seq.is_finished]
-        outputs = []
-        if step.samplers:
-            token_ids, logprobs, top_ids, top_lps = step.wait()
-            now = time.time()
-            for row, seq in enumerate(step.samplers):
-                if seq.is_finished:
-                    continue
-                token = token_ids[row]
-                want = seq.sampling_params.logprobs
-                seq.resolve_pending(token, logprobs[row] if want is not None else None)
-                if seq.matcher is not None:
-                    seq.matcher.consume_token(token)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self._check_stop(seq, token)
-                out = self._output(seq, [token])
-                if want is not None:
-                    out.new_logprobs = [logprobs[row]]
-                    if want > 0:
-                        out.new_top_ids = [top_ids[row][:want]]
-                        out.new_top_logprobs = [top_lps[row][:want]]
-                outputs.append(out)
-                self.generation_tokens_total += 1
-        finished = self.scheduler.finish_step(live)
-        for seq in finished:
-            self.requests.pop(seq.request_id, None)
-        self.runner.release(seq.request_id for seq in finished)
+        """Read a launched step's samples back and hand them to the scheduler."""
+        outputs, finished = self.scheduler.update_from_output(step.batch, step.wait())
+        self.executor.release(seq.request_id for seq in finished)
         return outputs
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        """Stop checks for the token just filled in; tokens still pending after it (sampled by
-        a later step in flight) do not count."""
-        p = seq.sampling_params
-        num_output = seq.num_output_tokens - seq.num_pending
-        if seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
-            # The grammar is complete (or the token broke it: a stop-id edit, say): done.
-            seq.finish(FinishReason.STOP)
-            return
-        if num_output >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish(FinishReason.STOP)
-                return
-            if p.stop_token_ids and token in p.stop_token_ids:
-                seq.finish(FinishReason.STOP, token)
-                return
-        if p.max_tokens is not None and num_output >= p.max_tokens:
-            seq.finish(FinishReason.LENGTH)
-        elif seq.num_tokens - seq.num_pending >= self.max_model_len:
-            seq.finish(FinishReason.LENGTH)
-
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
-        out = self._plain_output(seq, new_tokens)
-        if (
-            seq.sampling_params.prompt_logprobs is not None
-            and new_tokens
-            and not seq.prompt_lp_sent
-        ):
-            seq.prompt_lp_sent = True
-            out.prompt_logprobs = [lp for lp, _, _, _ in seq.prompt_lp]
-            out.prompt_top_ids = [ids for _, ids, _, _ in seq.prompt_lp]
-            out.prompt_top_logprobs = [lps for _, _, lps, _ in seq.prompt_lp]
-            out.prompt_ranks = [rank for _, _, _, rank in seq.prompt_lp]
-        return out
-
-    def _plain_output(self, seq: Sequence, new_tokens: list[int]) -> EngineOutput:
-        return EngineOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_tokens,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            num_preemptions=seq.num_preemptions,
-            kv_transfer_params=seq.kv_transfer_params if seq.finish_reason else None,
-        )
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -298,10 +228,13 @@ class EngineCore:
             prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits,
             num_preemptions=s.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total,
-            generation_tokens=self.generation_tokens_total,
+            prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
             kv_events_published=self.publisher.published_total,
             kv_events_dropped=self.publisher.dropped_total,
+            state_slots_total=self.state_pool.num_slots if self.state_pool else 0,
+            state_slots_in_use=self.state_pool.num_in_use if self.state_pool else 0,
+            state_slot_bytes=self.executor.state_bytes_per_slot if self.state_pool else 0,
         )
 
     def cached_block_hashes(self) -> list[int]:
@@ -315,7 +248,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.publisher.shutdown()
-        self.runner.shutdown()
+        self.executor.shutdown()
 
 
 @dataclass
@@ -347,14 +280,45 @@ class _InFlight:
             done.record()
         return cls(batch, samplers, sampled, done)
 
-    def wait(self) -> tuple[list, list | None, list | None, list | None]:
-        """The samples as host lists: token ids, logprobs, top ids, top logprobs."""
+    def wait(self) -> StepOutput | None:
+        """The samples as host lists (None when no sequence sampled)."""
+        if not self.samplers:
+            return None
         if self.done is not None:
             self.done.synchronize()
         s = self.sampled
-        return tuple(
-            None if t is None else t.tolist()
-            for t in (s.token_ids, s.logprobs, s.top_ids, s.top_logprobs)
+        return StepOutput(
+            self.samplers,
+            *(
+                None if t is None else t.tolist()
+                for t in (s.token_ids, s.logprobs, s.top_ids, s.top_logprobs)
+            ),
+        )
+
+
+def _warn_checkpoint_flags(config: EngineConfig, hybrid: bool) -> None:
+    """The --state-checkpoint-* flags drive nothing yet: say so instead of failing (the operator
+    renders them for every deployment)."""
+    flags = []
+    if config.state_checkpoint_interval_tokens != 0:
+        flags.append(
+            f"--state-checkpoint-interval-tokens={config.state_checkpoint_interval_tokens}"
+        )
+    if not config.state_checkpoint_demand:
+        flags.append("--no-state-checkpoint-demand")
+    if not flags:
+        return
+    if hybrid:
+        log.warning(
+            "%s: state checkpoints are not implemented in this runtime yet; the flag has no "
+            "effect (prefix reuse stays off for hybrid models)",
+            ", ".join(flags),
+        )
+    else:
+        log.warning(
+            "%s has no effect: the model holds no recurrent state (only hybrid models use "
+            "state checkpoints)",
+            ", ".join(flags),
         )
 
 

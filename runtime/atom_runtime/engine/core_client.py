@@ -27,26 +27,28 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.engine.core_proc import (
-    HEARTBEAT_S,
+from atom_runtime.engine.core_proc import HEARTBEAT_S, run_engine_core
+from atom_runtime.engine.protocol import (
     AbortRequests,
     AddRequests,
     AddResult,
     EngineMessage,
+    EngineReady,
+    EngineRequest,
+    EngineStats,
     Outputs,
-    Ready,
     Shutdown,
     StartupFailed,
     UtilityCall,
     UtilityResult,
-    run_engine_core,
+    check_token_ids,
+    decoder,
+    encoder,
 )
-from atom_runtime.engine.messages import EngineRequest, EngineStats, check_token_ids
 from atom_runtime.output_processor import OutputProcessor, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ class EngineCoreClient:
         self.config = config
         self.log_level = log_level
         self.stall_timeout = stall_timeout
-        self.ready: Ready | None = None
+        self.ready: EngineReady | None = None
         self.stats: EngineStats | None = None
         self.processor: OutputProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -124,15 +126,15 @@ class EngineCoreClient:
         self._from_engine = self._ctx.socket(zmq.PULL)
         self._to_engine.bind(self._inbox_addr)
         self._from_engine.bind(self._outbox_addr)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._encoder = encoder()
+        self._decoder = decoder(EngineMessage)
         self._reader: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> Ready:
+    async def start(self) -> EngineReady:
         """Spawn the engine core and wait until it has loaded the model."""
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(
@@ -154,8 +156,10 @@ class EngineCoreClient:
         if isinstance(msg, StartupFailed):
             self._watch_stop()
             raise EngineStartupError(msg.message)
-        if not isinstance(msg, Ready):
-            raise RuntimeError(f"engine core handshake: expected Ready, got {type(msg).__name__}")
+        if not isinstance(msg, EngineReady):
+            raise RuntimeError(
+                f"engine core handshake: expected EngineReady, got {type(msg).__name__}"
+            )
         self.ready = msg
         self.stats = msg.stats
         loop.remove_reader(self.proc.sentinel)
@@ -342,12 +346,6 @@ class EngineCoreClient:
         self.stats = msg.stats
         if not msg.outputs:
             return
-        for out in msg.outputs:
-            if out.first_scheduled_time is not None:
-                # Engine ids are the API id, or "<id>#<i>" for the i-th of n (output_processor).
-                stream = self.streams.get(out.request_id.partition("#")[0])
-                if stream is not None and stream.first_scheduled_time is None:
-                    stream.first_scheduled_time = out.first_scheduled_time
         results, to_abort = self.processor.process(msg.outputs)
         if to_abort:
             with contextlib.suppress(EngineDeadError):
@@ -355,6 +353,8 @@ class EngineCoreClient:
         for out in results:
             stream = self.streams.get(out.request_id)
             if stream is not None:
+                if stream.first_scheduled_time is None:
+                    stream.first_scheduled_time = out.metrics.first_scheduled_time
                 stream.put(out)
                 if out.finished:
                     del self.streams[out.request_id]

@@ -7,9 +7,9 @@
 The API server binds both sockets and spawns this process (multiprocessing spawn: no fork after
 torch is imported; the only pickled thing is the spawn call's arguments, a plain dict of the
 EngineConfig fields and two addresses). Everything on the sockets is msgspec msgpack, never
-pickle: the tagged unions below are the whole wire protocol.
+pickle: `ClientMessage` in, `EngineMessage` out (engine/protocol.py).
 
-Startup: load the engine, apply the GC policy, then send `Ready` (or `StartupFailed` with the
+Startup: load the engine, apply the GC policy, then send `EngineReady` (or `StartupFailed` with the
 reason, and exit 1). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
 if its parent died. `Shutdown` aborts what is left, shuts the engine down and exits 0.
 """
@@ -22,83 +22,29 @@ import signal
 import time
 from typing import Any
 
-import msgspec
-
-from atom_runtime.engine.messages import EngineOutput, EngineRequest, EngineStats
+from atom_runtime.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    AddResult,
+    ClientMessage,
+    EngineOutput,
+    EngineReady,
+    Outputs,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+    decoder,
+    encoder,
+    receive_waiting,
+)
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 
 
-# -- API server -> engine ------------------------------------------------------------------------
-
-
-class AddRequests(msgspec.Struct, tag="add", array_like=True):
-    """Queue these engine requests (the n children of one API request) all or none; answered
-    by one AddResult carrying `call_id`."""
-
-    call_id: int
-    requests: list[EngineRequest]
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    """Call one of UTILITY_METHODS on the engine; answered by a UtilityResult."""
-
-    call_id: int
-    method: str
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-ClientMessage = AddRequests | AbortRequests | UtilityCall | Shutdown
-
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "cached_block_hashes"})
-
-
-# -- engine -> API server ------------------------------------------------------------------------
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    model_path: str
-    eos_token_ids: list[int]
-    max_model_len: int
-    device: str
-    num_blocks: int
-    block_size: int
-    vocab_size: int
-    stats: EngineStats  # so /metrics has engine numbers from the first scrape on
-
-
-class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
-    message: str
-
-
-class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    """One step's outputs (empty for a heartbeat) and the engine's stats after it."""
-
-    outputs: list[EngineOutput]
-    stats: EngineStats
-
-
-class AddResult(msgspec.Struct, tag="added", array_like=True):
-    call_id: int
-    error: str | None = None  # "field: message" from EngineCore.add_request
-
-
-class UtilityResult(msgspec.Struct, tag="result", array_like=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-EngineMessage = Ready | StartupFailed | Outputs | AddResult | UtilityResult
 
 
 # -- the process ---------------------------------------------------------------------------------
@@ -126,23 +72,23 @@ def run_engine_core(
     outbox.setsockopt(zmq.SNDHWM, 0)  # a send never blocks the loop; a gone parent is noticed
     inbox.connect(input_address)
     outbox.connect(output_address)
-    encoder = msgspec.msgpack.Encoder()
+    encode = encoder().encode
     engine = None
     try:
         try:
             engine = _build_engine(config)
         except Exception as e:  # any load failure is reported, then this process exits 1
             log.exception("engine core failed to start")
-            outbox.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+            outbox.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
             raise SystemExit(1) from e
         apply_gc_policy()
         outbox.send(
-            encoder.encode(
-                Ready(
+            encode(
+                EngineReady(
                     model_path=str(engine.model_path),
                     eos_token_ids=list(engine.eos_token_ids),
                     max_model_len=engine.max_model_len,
-                    device=str(engine.runner.device),
+                    device=str(engine.executor.device),
                     num_blocks=engine.pool.num_blocks,
                     block_size=engine.block_size,
                     vocab_size=engine.model_config.vocab_size,
@@ -184,12 +130,11 @@ class EngineLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
-        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
-        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = decoder(ClientMessage)
+        self.encoder = encoder()
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.running = True
-        self._zmq = zmq
 
     def run(self) -> None:
         last_sent = time.monotonic()
@@ -214,12 +159,7 @@ class EngineLoop:
 
     def _drain_inbox(self) -> list[EngineOutput]:
         aborted: list[EngineOutput] = []
-        while True:
-            try:
-                frame = self.inbox.recv(self._zmq.NOBLOCK, copy=False)
-            except self._zmq.Again:
-                return aborted
-            msg = self.decoder.decode(frame.buffer)
+        for msg in receive_waiting(self.inbox, self.decoder):
             if isinstance(msg, AddRequests):
                 self._send(self._add(msg))
             elif isinstance(msg, AbortRequests):
@@ -228,7 +168,8 @@ class EngineLoop:
                 self._send(self._utility(msg))
             elif isinstance(msg, Shutdown):
                 self.running = False
-                return aborted
+                break
+        return aborted
 
     def _add(self, msg: AddRequests) -> AddResult:
         added: list[str] = []
@@ -247,7 +188,7 @@ class EngineLoop:
         return UtilityResult(msg.call_id, getattr(self.engine, msg.method)())
 
     def _abort_all(self) -> None:
-        ids = list(self.engine.requests)
+        ids = list(self.engine.scheduler.requests)
         if ids:
             log.info("aborting %d unfinished requests at shutdown", len(ids))
             self.engine.abort_requests(ids)

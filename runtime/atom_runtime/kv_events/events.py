@@ -1,4 +1,5 @@
-"""KV-cache events on the wire (contract 4): vLLM's layout, so existing routers read them unchanged.
+"""KV-cache events on the wire (contract 4, docs/architecture.md): vLLM's layout, so existing
+routers read them unchanged.
 
 A payload is one msgpack `EventBatch` array `[ts, events, data_parallel_rank]`. Each event is a
 tagged positional array whose first element is the class name, then the fields in vLLM's order:

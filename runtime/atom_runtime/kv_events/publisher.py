@@ -1,4 +1,5 @@
-"""Publishing KV events from the engine without ever blocking it (contracts 4 and 5).
+"""Publishing KV events from the engine without ever blocking it (contracts 4 and 5,
+docs/architecture.md).
 
 The engine calls `publish(events)` once per step. The ZMQ publisher only appends the step's batch
 to a bounded in-memory queue; when the queue is full the OLDEST batch is dropped and counted. One

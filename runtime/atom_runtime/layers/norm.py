@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from atom_kernels import ops
-from atom_runtime.layers.linear import copy_weight
+from atom_runtime.layers.weights import copy_weight
 
 
 class RMSNorm(nn.Module):

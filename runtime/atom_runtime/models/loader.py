@@ -258,9 +258,10 @@ def build_model(
     seed: int = 0,
 ):
     from atom_runtime.models.llama import LlamaForCausalLM
+    from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        model = Qwen3NextForCausalLM(cfg) if cfg.is_hybrid else LlamaForCausalLM(cfg)
     model.to(dtype=dtype)
     for buf_name, buf in model.named_buffers():
         if buf_name.endswith("cos_sin_cache"):

@@ -1,4 +1,4 @@
-"""Prometheus metrics of `atom serve` (design contract 8), in their own registry.
+"""Prometheus metrics of `atom serve` (contract 8, docs/architecture.md), in their own registry.
 
 Engine-side numbers (queue lengths, KV usage, cumulative token and cache counters) come from the
 latest EngineStats the engine core pushed; they are read at scrape time by a collector, so the
@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from atom_runtime.engine.messages import EngineStats
+from atom_runtime.engine.protocol import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,6 +58,26 @@ class EngineStatsCollector(Collector):
         info = InfoMetricFamily("atom:cache_config", "KV-cache configuration.")
         info.add_metric([], {"block_size": str(s.block_size), "num_gpu_blocks": str(s.num_blocks)})
         yield info
+        if s.state_slots_total:  # hybrid models: the recurrent-state slot pool
+            yield GaugeMetricFamily(
+                "atom:state_slots_total",
+                "State slots in the pool (one per resident request).",
+                value=s.state_slots_total,
+            )
+            yield GaugeMetricFamily(
+                "atom:state_slots_in_use",
+                "State slots held by requests.",
+                value=s.state_slots_in_use,
+            )
+            slot_info = InfoMetricFamily("atom:state_slot_config", "State slot pool configuration.")
+            slot_info.add_metric(
+                [],
+                {
+                    "num_slots": str(s.state_slots_total),
+                    "bytes_per_slot": str(s.state_slot_bytes),
+                },
+            )
+            yield slot_info
         counters = (
             ("atom:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("atom:generation_tokens", "Tokens generated.", s.generation_tokens),

@@ -27,7 +27,6 @@ from atom_runtime.output_processor import RequestOutput
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
-    APIError,
     bad_request,
     engine_unavailable,
     error_body,
@@ -461,10 +460,6 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def api_error_response(error: APIError) -> Response:
-    return json_response(error.body(), error.status)
 
 
 def _kv_transfer(outs) -> dict | None:

@@ -1,0 +1,1 @@
+"""Per-request state of hybrid (recurrent) models: the slot pool, and later its checkpoints."""

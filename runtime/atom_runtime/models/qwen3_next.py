@@ -1,0 +1,439 @@
+"""Hybrid decoders: Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next (sparse MoE + shared expert).
+
+Most layers are Gated DeltaNet (GDN) linear attention, whose per-request state (a short causal
+conv window and a [heads, k_dim, v_dim] recurrent matrix) lives in the state slot pool
+(`atom_runtime.state`); every `full_attention_interval`-th layer (or as `layer_types` says) is
+gated full attention over the paged KV cache: q_proj yields a query and an output gate per head,
+q/k get a per-head RMSNorm, rotary covers only the first `partial_rotary_factor` of each head,
+and the attention output is multiplied by sigmoid(gate) before o_proj.
+
+The three architectures differ only in how their checkpoints store things:
+- Qwen3.5 projects q/k/v, z, b and a with separate matrices; Qwen3-Next interleaves q/k/v/z per
+  key-head group in `in_proj_qkvz` (and b/a in `in_proj_ba`). We de-interleave at load time, so
+  one layer serves both.
+- Every decoder RMSNorm (not the gated one inside GDN) scales by (1 + weight): the loader adds
+  the 1 once, so the ordinary RMSNorm kernels run.
+- MoE experts come either fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
+  [E, H, I]) or one tensor per expert (`experts.{e}.gate_proj.weight`, ...).
+- The multimodal Qwen3.5 checkpoints put the language model under `model.language_model.` and
+  carry a vision tower and an MTP head, which a text-only engine skips.
+
+Tensor parallelism splits attention heads, GDN key/value heads (the state follows its heads)
+and each expert's intermediate dimension; the router, norms and the shared expert gate are
+replicated (plain `LinearBase`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_kernels import ops
+from atom_runtime.distributed import all_reduce, tp_rank, tp_size
+from atom_runtime.forward_context import get_attention_metadata, get_state_metadata
+from atom_runtime.layers.attention import PagedAttention
+from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atom_runtime.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    _divide,
+)
+from atom_runtime.layers.norm import RMSNorm
+from atom_runtime.layers.rotary import RotaryEmbedding
+from atom_runtime.layers.weights import copy_weight
+from atom_runtime.models.config import ModelConfig
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Qwen3.5/Next's RMSNorm scales by (1 + weight); the checkpoint's weight gets its 1 added at
+    load time so the plain RMSNorm kernels apply. A fresh (dummy) model holds ones: the
+    checkpoint's zeros."""
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        copy_weight(param.data, loaded)
+        param.data.add_(1.0)
+
+
+def _narrow_rank(param: nn.Parameter, loaded, dim: int = 0) -> None:
+    n = param.data.shape[dim]
+    copy_weight(param.data, loaded.narrow(dim, tp_rank() * n, n))
+
+
+def _read(t) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t.read()
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        # q_proj holds [query; gate] per head: a "q" shard of 2 * heads pseudo-heads keeps each
+        # head's pair on one rank.
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, hd, 2 * cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias,
+        )  # fmt: skip
+        self.num_heads = _divide(cfg.num_attention_heads, tp_size(), "attention heads")
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias
+        )
+        self.q_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(hd, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        t, hd, nh, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        q_size, kv_size = nh * 2 * hd, nkv * hd
+        q_gate = qkv[:, :q_size].view(t, nh, 2 * hd)
+        gate = q_gate[..., hd:].reshape(t, nh * hd)
+        q = ops.rms_norm(q_gate[..., :hd].reshape(t * nh, hd), self.q_norm.weight, self.q_norm.eps)
+        k = qkv[:, q_size : q_size + kv_size].reshape(t * nkv, hd)
+        k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
+        v = qkv[:, q_size + kv_size :].reshape(t, nkv, hd)
+        ops.rotary_embedding_(positions, q, k, self.rotary.cos_sin_cache, is_neox=True)
+        self.attn._check_bound()
+        ops.store_kvcache(
+            k, v, self.attn.k_cache, self.attn.v_cache, get_attention_metadata().slot_mapping
+        )
+        out = self.attn(q) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer. Its conv and recurrent state tensors ([slots, ...], every
+    slot of the pool) are bound by the model runner; the step's state metadata says which slot
+    each sequence of the batch reads and writes, and whether it starts from zero."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        tp = tp_size()
+        nk_all, nv_all = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.num_k_heads = _divide(nk_all, tp, "linear_num_key_heads")
+        self.num_v_heads = nv_all // tp  # a multiple of the key heads, so it divides too
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_size = self.num_k_heads * self.k_dim  # per rank
+        self.value_size = self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.conv_width = cfg.linear_conv_kernel_dim
+        self.layout = cfg.gdn_projection_layout
+        self.nk_all, self.nv_all = nk_all, nv_all
+        key_all, value_all = nk_all * self.k_dim, nv_all * self.v_dim
+        # One projection for [q | k | v | z | b | a]: shards 0..5.
+        self.in_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [key_all, key_all, value_all, value_all, nv_all, nv_all]
+        )
+        self.conv_weight = nn.Parameter(
+            torch.empty(self.conv_dim, self.conv_width), requires_grad=False
+        )
+        self.conv_weight.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log.weight_loader = _narrow_rank
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias.weight_loader = _narrow_rank
+        self.norm = RMSNorm(self.v_dim, cfg.rms_norm_eps)  # gated; plain weight, not 1 + w
+        self.out_proj = RowParallelLinear(value_all, cfg.hidden_size)
+        # Bound by the model runner: [slots, conv_dim, width - 1] and [slots, Hv, Dk, Dv].
+        self.conv_state = torch.empty(0)
+        self.ssm_state = torch.empty(0)
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """Per-slot shapes of (conv state, recurrent state) on this rank."""
+        return [
+            (self.conv_dim, self.conv_width - 1),
+            (self.num_v_heads, self.k_dim, self.v_dim),
+        ]
+
+    def _load_conv(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """conv1d.weight [2K + V, 1, W]: this rank's rows of each of the q, k, v blocks."""
+        w = _read(loaded)
+        w = w.reshape(w.shape[0], -1)
+        key_all = self.nk_all * self.k_dim
+        r = tp_rank()
+        parts = [
+            w[r * self.key_size : (r + 1) * self.key_size],
+            w[key_all + r * self.key_size : key_all + (r + 1) * self.key_size],
+            w[2 * key_all + r * self.value_size : 2 * key_all + (r + 1) * self.value_size],
+        ]
+        copy_weight(param.data, torch.cat(parts))
+
+    def load_projection(self, kind: str, loaded) -> None:
+        """Split a checkpoint projection into the fused in_proj's shards."""
+        w = self.in_proj.weight
+        key_all = self.nk_all * self.k_dim
+        if kind == "in_proj_qkv":
+            t = _read(loaded)
+            shards = [t[:key_all], t[key_all : 2 * key_all], t[2 * key_all :]]
+            for i, part in enumerate(shards):
+                self.in_proj.weight_loader(w, part, i)
+        elif kind in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            self.in_proj.weight_loader(
+                w, loaded, {"in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}[kind]
+            )
+        elif kind == "in_proj_qkvz":
+            # Per key head: [q (Dk), k (Dk), v (r * Dv), z (r * Dv)], r = Hv / Hk.
+            t = _read(loaded)
+            ratio = self.nv_all // self.nk_all
+            t = t.reshape(self.nk_all, 2 * self.k_dim + 2 * ratio * self.v_dim, -1)
+            q, k, v, z = t.split(
+                [self.k_dim, self.k_dim, ratio * self.v_dim, ratio * self.v_dim], 1
+            )
+            for i, part in enumerate((q, k, v, z)):
+                self.in_proj.weight_loader(w, part.reshape(-1, t.shape[-1]), i)
+        elif kind == "in_proj_ba":
+            t = _read(loaded)
+            ratio = self.nv_all // self.nk_all
+            b, a = t.reshape(self.nk_all, 2 * ratio, -1).split([ratio, ratio], 1)
+            self.in_proj.weight_loader(w, b.reshape(self.nv_all, -1), 4)
+            self.in_proj.weight_loader(w, a.reshape(self.nv_all, -1), 5)
+        else:
+            raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ssm_state.numel() == 0:
+            raise RuntimeError("state slots not allocated: the model runner binds them first")
+        meta = get_state_metadata()
+        t = x.shape[0]
+        ks, vs, nv = self.key_size, self.value_size, self.num_v_heads
+        proj = self.in_proj(x)
+        mixed = proj[:, : self.conv_dim].contiguous()
+        z = proj[:, self.conv_dim : self.conv_dim + vs]
+        b = proj[:, self.conv_dim + vs : self.conv_dim + vs + nv]
+        a = proj[:, self.conv_dim + vs + nv :]
+        mixed = ops.causal_conv1d_(
+            mixed, self.conv_weight, None, self.conv_state, meta.query_start_loc,
+            meta.slot_ids, meta.has_initial_state, activation="silu",
+        )  # fmt: skip
+        q = mixed[:, :ks].reshape(t, self.num_k_heads, self.k_dim)
+        k = mixed[:, ks : 2 * ks].reshape(t, self.num_k_heads, self.k_dim)
+        v = mixed[:, 2 * ks :].reshape(t, nv, self.v_dim)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = ops.gated_delta_rule_(
+            q, k, v, g, beta, self.ssm_state, meta.query_start_loc, meta.slot_ids,
+            meta.has_initial_state, self.k_dim**-0.5, use_qk_l2norm=True,
+        )  # fmt: skip
+        o = ops.gated_rms_norm(
+            o.reshape(t * nv, self.v_dim),
+            z.reshape(t * nv, self.v_dim),
+            self.norm.weight,
+            self.norm.eps,
+        )
+        return self.out_proj(o.reshape(t, vs))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.gate_up_proj.act_after = "silu_mul"
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing over experts (fused MoE op), plus an optional shared expert scaled
+    by sigmoid(shared_expert_gate(x)). Each rank holds every expert's slice of the intermediate
+    dimension; the partial outputs are summed across ranks."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h = cfg.num_experts, cfg.hidden_size
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.inter_all = cfg.moe_intermediate_size
+        self.inter = _divide(cfg.moe_intermediate_size, tp_size(), "moe_intermediate_size")
+        self.gate = LinearBase(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, self.inter), requires_grad=False)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = LinearBase(h, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def load_experts(self, name: str, loaded) -> None:
+        """`gate_up_proj` / `down_proj` (all experts fused) or `{e}.{gate,up,down}_proj.weight`."""
+        i, r = self.inter, tp_rank()
+        if name == "gate_up_proj":
+            t = loaded  # [E, 2I, H]: gate rows then up rows
+            copy_weight(self.w13.data[:, :i], t.narrow(1, r * i, i))
+            copy_weight(self.w13.data[:, i:], t.narrow(1, self.inter_all + r * i, i))
+            return
+        if name == "down_proj":
+            copy_weight(self.w2.data, loaded.narrow(2, r * i, i))
+            return
+        m = re.fullmatch(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m is None or int(m.group(1)) >= self.num_experts:
+            raise ValueError(f"mlp.experts.{name}: not an expert tensor of this model")
+        e, which = int(m.group(1)), m.group(2)
+        if which == "down_proj":
+            copy_weight(self.w2.data[e], loaded.narrow(1, r * i, i))
+        else:
+            rows = slice(0, i) if which == "gate_proj" else slice(i, 2 * i)
+            copy_weight(self.w13.data[e, rows], loaded.narrow(0, r * i, i))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = ops.moe_topk(self.gate(x), self.top_k, self.renormalize)
+        y = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        if tp_size() > 1:
+            y = all_reduce(y)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_linear = cfg.layer_types[index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoE(cfg)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        normed, residual = self.input_layernorm.with_residual(hidden, residual)
+        if self.is_linear:
+            mixed = self.linear_attn(normed)
+        else:
+            mixed = self.self_attn(positions, normed)
+        normed, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(normed), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# Checkpoint prefixes a text-only engine drops: the vision tower and the multi-token-prediction
+# head of the Qwen3.5 / Qwen3-Next releases.
+_SKIPPED = ("model.visual.", "mtp.", "model.mtp.", "visual.")
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Qwen3.5 (`qwen3_5`, `qwen3_5_text`), Qwen3.5-MoE (`qwen3_5_moe`, `qwen3_5_moe_text`) and
+    Qwen3-Next (`qwen3_next`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not cfg.is_hybrid:
+            raise ValueError(f"model_type {cfg.model_type!r} is not a hybrid model")
+        self.config = cfg
+        self.model = HybridModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+
+    def load_weights(self, weights) -> set[str]:
+        """Copy (name, tensor) pairs in Hugging Face naming into this model's parameters;
+        returns the names of the parameters loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model.") :]
+            if name.startswith(_SKIPPED) or "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = self._load_special(name, tensor, modules)
+            if target is not None:
+                loaded.add(target)
+                continue
+            for src, (dst, shard) in _STACKED.items():
+                if f".{src}." in name:
+                    target = name.replace(f".{src}.", f".{dst}.")
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                    params[target].weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    copy_weight(param.data, tensor)
+                else:
+                    loader(param, tensor)
+                loaded.add(name)
+        return loaded
+
+    def _load_special(self, name: str, tensor, modules) -> str | None:
+        """GDN projections, the conv weight and MoE experts: their own loaders. Returns the
+        parameter name loaded, or None when `name` is an ordinary tensor."""
+        m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
+        if m and m.group(2).startswith("in_proj"):
+            modules[f"{m.group(1)}.linear_attn"].load_projection(m.group(2), tensor)
+            return f"{m.group(1)}.linear_attn.in_proj.weight"
+        if m and m.group(2) == "conv1d":
+            gdn = modules[f"{m.group(1)}.linear_attn"]
+            gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
+            return f"{m.group(1)}.linear_attn.conv_weight"
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
+        if m:
+            moe = modules.get(m.group(1))
+            if not isinstance(moe, SparseMoE):
+                raise ValueError(f"checkpoint tensor {name!r}: layer has no experts here")
+            moe.load_experts(m.group(2), tensor)
+            which = "w2" if "down_proj" in m.group(2) else "w13"
+            return f"{m.group(1)}.{which}"
+        return None
+
+
+# checkpoint name fragment -> (our parameter fragment, shard id)
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}

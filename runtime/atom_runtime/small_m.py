@@ -1,0 +1,290 @@
+"""Batch-1 kernel selection: which path each group of linear layers takes for a one-row input.
+
+A decode step of one sequence multiplies a single row by every weight; cuBLAS picks poor kernels
+for some of those narrow shapes, and the Triton GEMV (`ops.linear_small_m`), alone or with the
+RMSNorm before it, the SwiGLU after it or the rotary + cache store after a qkv projection fused
+in, wins on others. At start-up on a GPU each group of layers of the same shape is timed along
+every path it has (`choose_small_m_kernels`), then the choices are checked on a whole batch-1
+step (`refine_small_m_kernels`); the layers keep the winner in their `gemv` / `fuse_*` flags
+(layers/linear.py). `ATOM_SMALL_M_KERNELS` overrides the timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_kernels import ops
+from atom_runtime.forward_context import (
+    AttentionMetadata,
+    padding_state_metadata,
+    set_attention_metadata,
+    set_state_metadata,
+)
+from atom_runtime.layers.linear import LinearBase
+
+log = logging.getLogger(__name__)
+# "auto" (default): time the paths per layer group at start-up; "cublas": always cuBLAS;
+# "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
+SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
+
+
+def select_small_m_kernels(
+    model: nn.Module, device: torch.device, num_blocks: int, block_size: int
+) -> dict[str, str]:
+    """The one-row path of every layer group, set on the layers: timed per group, then (in
+    "auto" mode) checked on a batch-1 step over the model's KV cache of `num_blocks` blocks.
+    Returns {group: path}; empty off the GPU or with ATOM_SMALL_M_KERNELS=cublas."""
+    choice = choose_small_m_kernels(model, device)
+    if choice and small_m_mode() == "auto":
+        choice = refine_small_m_kernels(model, choice, num_blocks, block_size)
+    return choice
+
+
+def small_m_mode() -> str:
+    """ATOM_SMALL_M_KERNELS: "auto" (the default), "cublas" or "gemv"."""
+    mode = os.environ.get(SMALL_M_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "cublas", "gemv"):
+        raise ValueError(f"{SMALL_M_ENV}={mode!r}: expected auto, cublas or gemv")
+    return mode
+
+
+def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
+    """The model's half-precision linear layers grouped by what a one-row product through them
+    is: "[rmsnorm+]NxK[+act]" (the norm before it, the weight shape, the activation after)."""
+    groups: dict[str, list[LinearBase]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.weight.dtype != torch.float32:
+            n, k = module.weight.shape
+            norm = "rmsnorm+" if module.norm_before else ""
+            act = f"+{module.act_after}" if module.act_after else ""
+            groups[f"{norm}{n}x{k}{act}"].append(module)
+    return groups
+
+
+def small_m_paths(layer: LinearBase) -> list[str]:
+    """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
+    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope"."""
+    paths = ["cublas", "gemv"]
+    if layer.norm_before:
+        paths.append("gemv+norm")
+    if layer.rope_after:
+        paths.append("gemv+rope")
+    if layer.act_after is not None:
+        paths.append("gemv+act")
+        if layer.norm_before:
+            paths.append("gemv+norm+act")
+    return paths
+
+
+def use_small_m_path(layers: list[LinearBase], path: str) -> None:
+    for m in layers:
+        m.gemv = path != "cublas"
+        m.fuse_norm = "+norm" in path
+        m.fuse_act = "+act" in path
+        m.fuse_rope = "+rope" in path
+
+
+def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
+    """For each group of linear layers (`small_m_groups`), time a one-row product through every
+    layer of the group (so weights stream from memory, as in a decode step) along each of its
+    paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm before it, the
+    activation after it or the rotary + cache store after it fused in), each replayed in a CUDA
+    graph, the unfused ones paying for those kernels of their own; the layers take the
+    fastest. A path whose kernels fail to build is left out. cuBLAS picks poor kernels for some
+    narrow shapes at M = 1 (on an H200, Qwen3-0.6B's 1024 x 2048 o_proj: 10.7 us against
+    3.1 us) and wins on others; a fused prologue can cost more than the launch it saves (every
+    program recomputes it). Alone, a projection can time differently than inside a decode
+    step: the model runner then checks the choices on the whole step
+    (`refine_small_m_kernels`). Returns {group: path}."""
+    mode = small_m_mode()
+    if device.type != "cuda" or mode == "cublas":
+        return {}
+    choice = {}
+    for key, layers in small_m_groups(model).items():
+        paths = small_m_paths(layers[0])
+        if mode == "gemv":
+            choice[key] = paths[-1]
+            use_small_m_path(layers, paths[-1])
+            continue
+        fns = _one_row_paths(layers[0])
+        usable = []
+        for path in paths:
+            try:
+                fns[path](layers[0].weight)  # builds its kernels
+                torch.cuda.synchronize()
+                usable.append(path)
+            except Exception as exc:  # a kernel this GPU's Triton cannot build or run
+                if path == "cublas":
+                    raise
+                log.warning("one-row %s: the %s path failed (%s); not used", key, path, exc)
+        times = graph_times(
+            *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable)  # noqa: B023
+        )
+        timed = dict(zip(usable, times, strict=True))
+        choice[key] = min(timed, key=timed.get)
+        use_small_m_path(layers, choice[key])
+        log.info(
+            "one-row %s projections (%d layers): %s -> %s",
+            key,
+            len(layers),
+            ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
+            choice[key],
+        )
+    return choice
+
+
+def refine_small_m_kernels(
+    model: nn.Module,
+    choice: dict[str, str],
+    num_blocks: int,
+    block_size: int,
+    context: int = 256,
+) -> dict[str, str]:
+    """Check the per-group one-row path choices on a whole batch-1 decode step: a projection
+    timed alone can rank differently than inside the step (on an H200, Llama-3.1-8B's qkv
+    and down GEMVs won alone by 0.7-0.8 us and lost 0.07 ms a step in place). Starting from
+    the isolated choices, try each group's other paths in turn on the step (a CUDA graph of
+    the forward and logits over a `context`-token cache, replayed) and keep a change that
+    makes the step faster by more than noise. Returns the kept choice, set on the layers."""
+    dev = next(model.parameters()).device
+    blocks = -(-context // block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None] % num_blocks,
+        seq_lens=torch.tensor([context], dtype=torch.int32, device=dev),
+        decode_only=True,
+    )
+    ids = torch.zeros(1, dtype=torch.int64, device=dev)
+    pos = torch.tensor([context - 1], dtype=torch.int64, device=dev)
+
+    def step_with(paths: dict[str, str]):
+        def step():
+            for key, path in paths.items():
+                use_small_m_path(groups[key], path)
+            return model.compute_logits(model(ids, pos))
+
+        return step
+
+    groups = small_m_groups(model)
+    first = last = None  # step times, ms: the first timed, the last kept
+    set_attention_metadata(meta)
+    set_state_metadata(padding_state_metadata(1, 1, dev))  # hybrid models: touch no slot
+    try:
+        for key, layers in groups.items():
+            for path in small_m_paths(layers[0]):
+                if path == choice[key]:
+                    continue
+                # The current choice and the candidate, captured and replayed in turn,
+                # so a clock ramp or a neighbour's burst does not favour either.
+                candidate = {**choice, key: path}
+                try:
+                    now, new = graph_times(step_with(choice), step_with(candidate), replays=20)
+                except Exception as exc:  # the path's kernels failed to build: skip it
+                    log.warning("one-row %s: the %s path failed (%s)", key, path, exc)
+                    continue
+                first = now if first is None else first
+                last = now
+                if new < now * 0.998:
+                    choice, last = candidate, new
+    finally:
+        for key, path in choice.items():
+            use_small_m_path(groups[key], path)
+        set_attention_metadata(None)
+        set_state_metadata(None)
+    log.info(
+        "one-row paths checked on a batch-1 step (%s ms as first chosen, %s ms as kept): %s",
+        first,
+        last,
+        choice,
+    )
+    return choice
+
+
+def _one_row_paths(layer: LinearBase) -> dict:
+    """{path name: function of a weight}: a one-row product with that weight along each of the
+    layer's paths, with the add + RMSNorm before it, the activation after it, and the rotary +
+    cache store after a qkv projection that the layer has, each in its own kernel or fused into
+    the GEMV as the path says."""
+    like, act = layer.weight, layer.act_after
+    k = like.shape[1]
+    x = torch.randn(1, k, dtype=like.dtype, device=like.device)
+    residual = torch.randn_like(x)
+    norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+    rope = _rope_target(layer) if layer.rope_after else None
+
+    def path_fn(path: str):
+        fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
+
+        def run(w):
+            if fuse_norm:
+                y = ops.rms_norm_linear_small_m(
+                    x, residual, norm_w, 1e-6, w, act=act if fuse_act else None
+                )[0]
+            else:
+                h = ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0] if layer.norm_before else x
+                if path == "cublas":
+                    y = F.linear(h, w)
+                elif fuse_rope:
+                    return ops.linear_rope_store_small_m(h, w, None, *rope)
+                else:
+                    y = ops.linear_small_m(h, w, act=act if fuse_act else None)
+            if rope is not None:
+                ops.qk_norm_rope_store_(y, rope[0], rope[1], None, None, 0.0, *rope[2:])
+            return ops.silu_and_mul(y) if act is not None and not fuse_act else y
+
+        return run
+
+    return {path: path_fn(path) for path in small_m_paths(layer)}
+
+
+def _rope_target(layer: LinearBase) -> tuple:
+    """Stand-ins for what a qkv projection's rotary + cache store touches, for timing:
+    (positions, cos/sin table, k cache, v cache, slot mapping, heads, kv heads, head_dim)."""
+    dev, dtype = layer.weight.device, layer.weight.dtype
+    heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    cache = (4, 16, kv_heads, dim)
+    return (
+        torch.tensor([3], device=dev),
+        torch.rand(8, dim, device=dev),
+        torch.zeros(cache, dtype=dtype, device=dev),
+        torch.zeros(cache, dtype=dtype, device=dev),
+        torch.tensor([5], device=dev),
+        heads,
+        kv_heads,
+        dim,
+    )
+
+
+def graph_times(*fns, replays: int = 5, rounds: int = 3) -> list[float]:
+    """Milliseconds per call of each fn, each captured once in a CUDA graph; the graphs are
+    replayed in turn for several rounds and each keeps its best round, so a clock or
+    neighbour's hiccup during one measurement does not decide between near-equal paths."""
+    graphs = []
+    with torch.inference_mode():
+        for fn in fns:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graph.replay()
+            graphs.append(graph)
+        torch.cuda.synchronize()
+        best = [float("inf")] * len(fns)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(rounds):
+            for i, graph in enumerate(graphs):
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                best[i] = min(best[i], start.elapsed_time(end) / replays)
+    del graphs
+    return best
