@@ -42,13 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
         add_engine_arguments(p)
-    from atom_runtime import bench_prefix, bench_serve
+    from atom_runtime import bench_multiturn, bench_prefix, bench_serve
 
     pre = sub.add_parser("prefix", help="W3: TTFT over a cached shared prefix vs caching off")
     bench_prefix.add_arguments(pre)
     add_engine_arguments(pre)
     serve = sub.add_parser("serve", help="W4: drive an OpenAI-compatible server (vllm bench serve)")
     bench_serve.add_arguments(serve)
+    bench_multiturn.add_parser(sub)  # W5
 
 
 def w1_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -81,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
             from atom_runtime import bench_prefix
 
             return bench_prefix.run(args)
+        if args.workload == "multiturn":
+            from atom_runtime import bench_multiturn
+
+            return bench_multiturn.run(args)
         return _run_offline(args)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, OSError) as e:
         print(f"atom bench {args.workload}: error: {type(e).__name__}: {e}", file=sys.stderr)
