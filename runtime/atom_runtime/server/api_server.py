@@ -5,10 +5,12 @@ Lifecycle, in order:
    `/health` answers 503 while the engine core loads in the background.
 2. The engine core says Ready; the tokenizer loads; the GC policy is applied; `/health` is 200.
 3. SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get `--shutdown-grace-period`
-   seconds to finish, then are cancelled (their `finally` aborts them in the engine); the engine
-   core is stopped, the GC unfrozen, and the process exits 0.
+   seconds to finish; those still running then are cut cleanly (a 503 with an error body, or a
+   final SSE error event and `[DONE]`; aborted in the engine; one log line says how many), the
+   engine core is stopped, the GC unfrozen, and the process exits 0.
 4. If the engine core dies: in-flight requests fail with 503, `/health` turns 503, and the server
-   exits 1 after ENGINE_DEATH_EXIT_DELAY_S (long enough for a probe to see the 503).
+   exits 1 after $ATOM_ENGINE_DEATH_EXIT_DELAY_S (default 1 s: long enough for a probe to see
+   the 503; a test raises it to look at the 503 at leisure).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import socket
 import time
@@ -48,7 +51,10 @@ from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
 
-ENGINE_DEATH_EXIT_DELAY_S = 1.0
+ENGINE_DEATH_EXIT_DELAY_ENV = "ATOM_ENGINE_DEATH_EXIT_DELAY_S"
+# After the grace period's cut, how long the cut responses get to be written out before uvicorn
+# cancels what is left (a last resort: the cut ends every request the server knows of).
+CUT_DRAIN_S = 10.0
 
 
 @dataclass
@@ -133,9 +139,27 @@ class ServerState:
         )
         log.info("OpenAI-compatible API ready at http://%s:%d/v1", c.host, c.port)
 
+    def cut_in_flight(self) -> None:
+        """The shutdown grace period is over: end the requests still running, cleanly."""
+        if self.serving is None:
+            return
+        grace = self.config.shutdown_grace_period
+        cut = self.serving.cut_in_flight(
+            f"the server is shutting down and the request did not finish within the "
+            f"{grace:g} s shutdown grace period"
+        )
+        if cut:
+            log.warning(
+                "shutdown grace period (%g s) over: %d request(s) still running were cut off "
+                "(503 / SSE error event)",
+                grace,
+                cut,
+            )
+
     def on_engine_death(self) -> None:
         self.exit_code = 1
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, self.exit, 1)
+        delay = float(os.environ.get(ENGINE_DEATH_EXIT_DELAY_ENV, "1"))
+        asyncio.get_running_loop().call_later(delay, self.exit, 1)
 
 
 def _default_model_name() -> str:
@@ -295,15 +319,16 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         return 2
     state = ServerState(config, engine_config)
     app = build_app(state)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             log_level=config.log_level,
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=config.shutdown_grace_period,
+            timeout_graceful_shutdown=config.shutdown_grace_period + CUT_DRAIN_S,
             lifespan="on",
-        )
+        ),
+        state,
     )
     state.server = server
     # uvicorn re-raises the signal that stopped it once it is done; catch it here so a SIGTERM
@@ -312,6 +337,25 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         signal.signal(sig, _note_signal)
     await server.serve(sockets=[sock])
     return state.exit_code
+
+
+class _Server(uvicorn.Server):
+    """uvicorn whose graceful shutdown ends with a clean cut: when the grace period is over, the
+    requests still running are answered (503, or an SSE error event and [DONE]) instead of
+    being cancelled mid-write by uvicorn, which would leave clients a truncated stream and the
+    log a CancelledError traceback."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.state.config.shutdown_grace_period
+        timer = asyncio.get_running_loop().call_later(grace, self.state.cut_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def _note_signal(signum: int, frame: object) -> None:
