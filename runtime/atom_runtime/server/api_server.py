@@ -199,9 +199,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> Response:
         serving = state.require_serving()
         ready = state.client.ready
+        # `root` is the served name, never the server's filesystem path (which says nothing
+        # useful to a client and tells an attacker about the pod's layout).
         return json_response(
             R.model_list(
-                serving.model_names, int(state.started), ready.model_path, ready.max_model_len
+                serving.model_names,
+                int(state.started),
+                serving.model_names[0],
+                ready.max_model_len,
             )  # fmt: skip
         )
 
