@@ -169,7 +169,9 @@ def launch_module_server(tmp_path_factory) -> Iterator[Launcher]:
 
 @pytest.fixture(scope="module")
 def server(tiny_models, launch_module_server):
-    srv = launch_module_server("--model", str(tiny_models["llama"]), *TINY_FLAGS)
+    srv = launch_module_server(
+        "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--enable-debug-endpoints"
+    )
     yield srv
     code = srv.stop()
     assert code == 0, f"atom serve exited with {code}:\n{srv.log()}"

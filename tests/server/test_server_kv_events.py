@@ -36,6 +36,7 @@ def events_server(tiny_models, launch_module_server):
         "128",
         "--kv-events-config",
         json.dumps(config),
+        "--enable-debug-endpoints",
     )
     yield srv, port, replay
     assert srv.stop() == 0, srv.log()

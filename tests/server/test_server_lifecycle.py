@@ -332,6 +332,10 @@ def test_api_key_guards_v1_and_health_is_503_while_loading(tiny_models, launch_s
     out = good.completions.create(model=str(tiny_models["llama"]), prompt="Hi", max_tokens=2)
     assert out.usage.completion_tokens == 2
     assert httpx.get(f"{srv.url}/metrics").status_code == 200  # not under /v1
+    # Without --enable-debug-endpoints the debug and reset routes do not exist, key or not.
+    keyed = {"Authorization": "Bearer s3cret"}
+    assert httpx.get(f"{srv.url}/debug/kv_cache", headers=keyed).status_code == 404
+    assert httpx.post(f"{srv.url}/reset_prefix_cache", headers=keyed).status_code == 404
     assert srv.stop() == 0
 
 

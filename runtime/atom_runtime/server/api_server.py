@@ -68,6 +68,9 @@ class ServerConfig:
     shutdown_grace_period: float = 10.0
     engine_stall_timeout: float = 300.0
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto"
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_sequences_per_request: int = 256
+    enable_debug_endpoints: bool = False  # /debug/kv_cache and POST /reset_prefix_cache
 
 
 class ServerState:
@@ -125,6 +128,7 @@ class ServerState:
             self.metrics,
             self.config.log_requests,
             self.config.tool_call_parser,
+            self.config.max_sequences_per_request,
         )
         apply_gc_policy()
         c = self.config
@@ -179,9 +183,12 @@ def build_app(state: ServerState) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
             await state.client.shutdown()
+            if state.serving is not None:
+                state.serving.close()
             release_gc_policy()
 
     app = FastAPI(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
 
     async def require_api_key(request: Request) -> None:
         key = state.config.api_key
@@ -193,7 +200,11 @@ def build_app(state: ServerState) -> FastAPI:
         ):
             raise invalid_api_key()
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    # With --api-key: every route that serves the model or reads what it was sent needs the key
+    # (/v1/*, tokenize, detokenize, debug and reset). /health, /metrics and /version stay open for
+    # probes and scrapers (as in vLLM); they carry no prompt or output. See docs/serving.md.
+    keyed = [Depends(require_api_key)]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @v1.get("/models")
     async def models() -> Response:
@@ -240,7 +251,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=keyed)
     async def tokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
@@ -248,10 +259,10 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             try:
-                ids = serving.tokenizer.encode_chat(
+                ids = await serving.encode_chat(
                     [m.template_dict() for m in req.messages],
                     add_generation_prompt=req.add_generation_prompt,
                 )
@@ -261,7 +272,7 @@ def build_app(state: ServerState) -> FastAPI:
             {"count": len(ids), "max_model_len": state.client.ready.max_model_len, "tokens": ids}
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=keyed)
     async def detokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
@@ -273,20 +284,23 @@ def build_app(state: ServerState) -> FastAPI:
                     f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})",
                     f"tokens[{i}]",
                 )
-        return json_response({"prompt": serving.tokenizer.decode(req.tokens)})
+        return json_response({"prompt": await serving.decode(req.tokens)})
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        state.require_serving()
-        return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
+    if state.config.enable_debug_endpoints:
+        # Off by default: one drops every cached prefix (a cheap way to slow a server down), the
+        # other lists what is cached. Tests and operators switch them on deliberately.
+        @app.post("/reset_prefix_cache", dependencies=keyed)
+        async def reset_prefix_cache() -> Response:
+            state.require_serving()
+            return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
 
-    @app.get("/debug/kv_cache")
-    async def debug_kv_cache() -> Response:
-        state.require_serving()
-        hashes = await state.client.utility("cached_block_hashes")
-        return json_response(
-            {"block_hashes": list(hashes), "num_blocks": state.client.ready.num_blocks}
-        )
+        @app.get("/debug/kv_cache", dependencies=keyed)
+        async def debug_kv_cache() -> Response:
+            state.require_serving()
+            hashes = await state.client.utility("cached_block_hashes")
+            return json_response(
+                {"block_hashes": list(hashes), "num_blocks": state.client.ready.num_blocks}
+            )
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
@@ -309,6 +323,47 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before it is parsed
+    (at once when Content-Length says so, else as soon as the streamed body passes the limit),
+    so one request cannot make the server buffer and tokenize megabytes it will refuse anyway."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _error(self) -> APIError:
+        return APIError(
+            413,
+            f"request body: larger than the server's limit of {self.limit} bytes "
+            "(--max-request-body-bytes)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                response = json_response(self._error().body(), 413)
+                response.headers["connection"] = "close"  # the unread body is not drained
+                return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise self._error()  # the app's APIError handler answers the 413
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
@@ -114,8 +116,14 @@ class OpenAIServing:
         metrics: ServerMetrics,
         log_requests: bool = True,
         tool_parser: str | None = None,
+        max_sequences: int = 256,
     ) -> None:
         self.client = client
+        self.max_sequences = max_sequences
+        # Tokenizing and chat templates run here, off the event loop, so a long prompt never
+        # stalls /health or other requests; two workers bound how many prompts are tokenized
+        # (and so how much tokenizer memory is in use) at once.
+        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="atom-tokenize")
         self.tool_parser = tool_parser
         self.tokenizer = tokenizer
         self.model_names = model_names
@@ -138,6 +146,36 @@ class OpenAIServing:
             cut += bool(unfinished)
         return cut
 
+    async def _off_loop(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return await self._off_loop(self.tokenizer.encode_chat, messages, **kwargs)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._off_loop(self.tokenizer.decode, ids)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_sequences(self, n: int, num_prompts: int) -> None:
+        """One request may fan out to at most max_sequences sequences (n x prompts)."""
+        if n * num_prompts <= self.max_sequences:
+            return
+        param = "n" if n > 1 else "prompt"
+        raise bad_request(
+            f"{param}: n x prompts = {n} x {num_prompts} = {n * num_prompts} sequences is more "
+            f"than the {self.max_sequences} one request may ask for "
+            "(--max-sequences-per-request)",
+            param,
+        )
+
     def check_model(self, name: str | None) -> str:
         if name is None:
             return self.model_names[0]
@@ -159,10 +197,9 @@ class OpenAIServing:
         req: CompletionRequest = parse_body(CompletionRequest, await request.body())
         model = self.check_model(req.model)
         params = req.sampling_params()
-        prompts = [
-            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
-            for p in req.prompts()
-        ]
+        batch = req.prompts()
+        self.check_sequences(params.n, len(batch))
+        prompts = [(p, await self.encode(p)) if isinstance(p, str) else (None, p) for p in batch]
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = await self._submit(
             rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
@@ -192,11 +229,12 @@ class OpenAIServing:
         model = self.check_model(req.model)
         tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
         params = req.sampling_params(tools)
+        self.check_sequences(params.n, 1)
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             template_kwargs["tools"] = req.tools
         try:
-            prompt_ids = self.tokenizer.encode_chat(
+            prompt_ids = await self.encode_chat(
                 req.conversation(),
                 add_generation_prompt=req.add_generation_prompt,
                 **template_kwargs,
