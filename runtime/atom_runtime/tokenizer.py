@@ -167,8 +167,9 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         text = self.apply_chat_template(messages, **kwargs)
-        # The template writes any BOS itself; encode its special tokens literally.
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # The template writes any BOS itself; encode its special tokens literally. (encode_batch:
+        # the GIL is released while it works, see encode.)
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _token_text(value) -> str | None:

@@ -36,6 +36,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
 from atom_runtime.output_processor import OutputProcessor
 from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.server import openapi as D
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
     APIError,
@@ -45,7 +46,12 @@ from atom_runtime.server.errors import (
     invalid_api_key,
 )
 from atom_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from atom_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from atom_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from atom_runtime.server.serving import ClientGone, OpenAIServing, json_response, parse_body
 from atom_runtime.tokenizer import Tokenizer
 
@@ -187,7 +193,7 @@ def build_app(state: ServerState) -> FastAPI:
                 state.serving.close()
             release_gc_policy()
 
-    app = FastAPI(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
+    app = D.make_app(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
 
     async def require_api_key(request: Request) -> None:
@@ -206,7 +212,7 @@ def build_app(state: ServerState) -> FastAPI:
     keyed = [Depends(require_api_key)]
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
-    @v1.get("/models")
+    @v1.get("/models", responses=D.responses(D.ModelList, 401, 503))
     async def models() -> Response:
         serving = state.require_serving()
         ready = state.client.ready
@@ -221,17 +227,25 @@ def build_app(state: ServerState) -> FastAPI:
             )  # fmt: skip
         )
 
-    @v1.post("/completions")
+    @v1.post(
+        "/completions",
+        openapi_extra=D.request_body(CompletionRequest),
+        responses=D.responses(D.CompletionResponse, 400, 401, 404, 413, 503, stream=True),
+    )
     async def completions(request: Request) -> Response:
         return await state.require_serving().completions(request)
 
-    @v1.post("/chat/completions")
+    @v1.post(
+        "/chat/completions",
+        openapi_extra=D.request_body(ChatCompletionRequest),
+        responses=D.responses(D.ChatCompletionResponse, 400, 401, 404, 413, 503, stream=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await state.require_serving().chat(request)
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses=D.responses(D.HealthResponse, 503))
     async def health() -> Response:
         if state.healthy:
             return json_response({"status": "ok"})
@@ -243,15 +257,24 @@ def build_app(state: ServerState) -> FastAPI:
             reason = "the server is shutting down"
         return json_response(engine_unavailable(reason).body(), 503)
 
-    @app.get("/version")
+    @app.get("/version", responses=D.responses(D.VersionResponse))
     async def version() -> Response:
         return json_response({"version": atom_runtime.__version__})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        responses={200: {"description": "Prometheus text format",
+                         "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )  # fmt: skip
     async def metrics() -> Response:
         return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize", dependencies=keyed)
+    @app.post(
+        "/tokenize",
+        dependencies=keyed,
+        openapi_extra=D.request_body(TokenizeRequest),
+        responses=D.responses(D.TokenizeResponse, 400, 401, 404, 413, 503),
+    )
     async def tokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
@@ -272,7 +295,12 @@ def build_app(state: ServerState) -> FastAPI:
             {"count": len(ids), "max_model_len": state.client.ready.max_model_len, "tokens": ids}
         )
 
-    @app.post("/detokenize", dependencies=keyed)
+    @app.post(
+        "/detokenize",
+        dependencies=keyed,
+        openapi_extra=D.request_body(DetokenizeRequest),
+        responses=D.responses(D.DetokenizeResponse, 400, 401, 404, 413, 503),
+    )
     async def detokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
@@ -289,12 +317,20 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.enable_debug_endpoints:
         # Off by default: one drops every cached prefix (a cheap way to slow a server down), the
         # other lists what is cached. Tests and operators switch them on deliberately.
-        @app.post("/reset_prefix_cache", dependencies=keyed)
+        @app.post(
+            "/reset_prefix_cache",
+            dependencies=keyed,
+            responses=D.responses(D.ResetPrefixCacheResponse, 401, 503),
+        )
         async def reset_prefix_cache() -> Response:
             state.require_serving()
             return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
 
-        @app.get("/debug/kv_cache", dependencies=keyed)
+        @app.get(
+            "/debug/kv_cache",
+            dependencies=keyed,
+            responses=D.responses(D.KVCacheResponse, 401, 503),
+        )
         async def debug_kv_cache() -> Response:
             state.require_serving()
             hashes = await state.client.utility("cached_block_hashes")
