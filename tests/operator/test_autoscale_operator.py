@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import DEPLOYMENTS, NAMESPACE, eventually
 
-from tests.server.conftest import TINY_FLAGS, launch
+from tests.server.conftest import TINY_FLAGS, Launcher
 
 pytestmark = pytest.mark.asyncio
 
@@ -27,8 +27,7 @@ pytestmark = pytest.mark.asyncio
 @pytest.fixture(scope="module")
 def engine(tiny_models, tmp_path_factory):
     """One real engine, one sequence at a time, so concurrent requests queue up (waiting > 0)."""
-    server = launch(
-        tmp_path_factory.mktemp("autoscale"),
+    server = Launcher(tmp_path_factory.mktemp("autoscale"))(
         "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--max-num-seqs", "1",
     )  # fmt: skip
     yield server

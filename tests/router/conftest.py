@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ATOM, TINY_FLAGS, ServerProcess, free_port, launch
+from tests.server.conftest import ATOM, TINY_FLAGS, Launcher, ServerProcess, free_port
 
 
 @dataclass
@@ -51,8 +51,8 @@ def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, 
         "replay_endpoint": f"tcp://*:{replay_port}",
         "topic": f"kv@127.0.0.1:{kv_port}@tiny",
     }
-    server = launch(
-        tmp,
+    # The test stops it (ServerProcess.stop also kills what is left of its process group).
+    server = Launcher(tmp)(
         "--model",
         str(model),
         *TINY_FLAGS,

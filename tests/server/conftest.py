@@ -81,13 +81,15 @@ class ServerProcess:
         raise RuntimeError(f"no ATOM::EngineCore child of {self.proc.pid}: {out!r}")
 
     def stop(self, timeout: float = STOP_GUARD_S) -> int:
-        """SIGTERM and wait for the exit code; the process group is killed if it hangs."""
+        """SIGTERM and wait for the exit code; the process group is killed if it hangs, and
+        whatever of the group outlived its leader (an orphaned EngineCore) is killed too."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.kill_group()
+                pass
+        self.kill_group()
         return self.proc.returncode
 
     def kill_group(self) -> None:

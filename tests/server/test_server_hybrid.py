@@ -9,15 +9,14 @@ import re
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_FLAGS, launch
+from tests.server.conftest import TINY_FLAGS
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def hybrid_server(tiny_hybrid_models, tmp_path_factory):
-    srv = launch(
-        tmp_path_factory.mktemp("serve_hybrid"),
+def hybrid_server(tiny_hybrid_models, launch_module_server):
+    srv = launch_module_server(
         "--model",
         str(tiny_hybrid_models["qwen3_5"]),
         *TINY_FLAGS,
