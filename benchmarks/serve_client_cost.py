@@ -19,6 +19,8 @@ import socket
 import time
 
 from atom_runtime import bench_serve as bs
+from atom_runtime import bench_serve_client as bsc
+from atom_runtime import bench_serve_datasets as bsd
 
 
 def _chunk(i: int) -> bytes:
@@ -110,10 +112,10 @@ def main() -> None:
             ]
         )
         args.model_id = "m"
-        samples = [bs.SampleRequest([1, 2, 3], 3, cli.tokens) for _ in range(cli.num_prompts)]
-        asyncio.run(bs._probe(args))
+        samples = [bsd.SampleRequest([1, 2, 3], 3, cli.tokens) for _ in range(cli.num_prompts)]
+        asyncio.run(bsc._probe(args))
         cpu, wall = time.process_time(), time.perf_counter()
-        out = asyncio.run(bs.benchmark(args, samples))
+        out = asyncio.run(bsc.benchmark(args, samples))
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         ok = [o for o in out["outputs"] if o.success]
         chunks = sum(len(o.itl) + 1 for o in ok)

@@ -18,7 +18,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
 from atom_runtime.kv_transfer.config import KVTransferConfig
 from atom_runtime.router import cli as router_cli
-from atom_runtime.router.app import RouterConfig
+from atom_runtime.router.config import RouterConfig
 from atom_runtime.router.discovery import ServiceTarget
 from atom_runtime.server import cli as serve_cli
 

@@ -13,7 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from atom_runtime import bench_serve as bs
+from atom_runtime import bench_serve_client as bsc
+from atom_runtime import bench_serve_datasets as bsd
+from atom_runtime import bench_serve_metrics as bsm
 from atom_runtime.cli import main as atom_main
 from tests.server.conftest import ATOM, free_port
 
@@ -83,7 +85,7 @@ def test_numbers_are_consistent_with_the_server(server, model_name, tmp_path):
     assert r["completed"] == 6 and r["failed"] == 0 and r["num_prompts"] == 6
     assert r["request_rate"] == 50.0 and r["burstiness"] == 1.0
     # Input lengths are the sampled token-id prompts, which the server reports back in usage.
-    samples = bs.sample_random(bs.load_token_source(model_name), 6, 12, 4, 0.5, 0, 3)
+    samples = bsd.sample_random(bsd.load_token_source(model_name), 6, 12, 4, 0.5, 0, 3)
     assert r["input_lens"] == [s.prompt_len for s in samples]
     assert r["total_input_tokens"] == sum(s.prompt_len for s in samples)
     # ignore_eos: every request generates its sampled max_tokens (the range ratio applies to
@@ -182,15 +184,15 @@ def test_unreachable_server_is_one_clear_line(tiny_models, tmp_path):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(bs.BenchError, match="--goodput 'ttft'"):
-        bs.parse_goodput(["ttft"])
-    with pytest.raises(bs.BenchError, match="KEY must be one of"):
-        bs.parse_goodput(["itl:5"])
-    assert bs.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
-    with pytest.raises(bs.BenchError, match="--random-range-ratio"):
-        bs.sample_random(bs.TokenSource(None, 1000, "x"), 2, 10, 5, 1.0, 0, 0)
-    with pytest.raises(bs.BenchError, match="vocabulary"):
-        bs.sample_random(bs.TokenSource(None, None, "x"), 2, 10, 5, 0.0, 0, 0)
+    with pytest.raises(bsd.BenchError, match="--goodput 'ttft'"):
+        bsm.parse_goodput(["ttft"])
+    with pytest.raises(bsd.BenchError, match="KEY must be one of"):
+        bsm.parse_goodput(["itl:5"])
+    assert bsm.parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    with pytest.raises(bsd.BenchError, match="--random-range-ratio"):
+        bsd.sample_random(bsd.TokenSource(None, 1000, "x"), 2, 10, 5, 1.0, 0, 0)
+    with pytest.raises(bsd.BenchError, match="vocabulary"):
+        bsd.sample_random(bsd.TokenSource(None, None, "x"), 2, 10, 5, 0.0, 0, 0)
 
 
 # -- pure parts ----------------------------------------------------------------------------------
@@ -198,21 +200,21 @@ def test_bad_arguments_are_named():
 
 def test_poisson_and_gamma_arrivals():
     n, rate = 4000, 8.0
-    poisson = np.diff([0.0, *bs.arrival_offsets(n, rate, 1.0, seed=1)])
-    smooth = np.diff([0.0, *bs.arrival_offsets(n, rate, 4.0, seed=1)])
+    poisson = np.diff([0.0, *bsc.arrival_offsets(n, rate, 1.0, seed=1)])
+    smooth = np.diff([0.0, *bsc.arrival_offsets(n, rate, 4.0, seed=1)])
     # Rescaled like vLLM's: the last request goes out at n / rate exactly.
     assert sum(poisson) == pytest.approx(n / rate) and sum(smooth) == pytest.approx(n / rate)
     # Exponential gaps have a coefficient of variation of 1; gamma(shape k) has 1/sqrt(k).
     assert np.std(poisson) / np.mean(poisson) == pytest.approx(1.0, abs=0.06)
     assert np.std(smooth) / np.mean(smooth) == pytest.approx(0.5, abs=0.04)
-    assert bs.arrival_offsets(5, math.inf, 1.0, 0) == [0.0] * 5
-    assert bs.arrival_offsets(4, 2.0, math.inf, 0) == pytest.approx([0.5, 1.0, 1.5, 2.0])
-    assert bs.arrival_offsets(50, 3.0, 1.0, 7) == bs.arrival_offsets(50, 3.0, 1.0, 7)
+    assert bsc.arrival_offsets(5, math.inf, 1.0, 0) == [0.0] * 5
+    assert bsc.arrival_offsets(4, 2.0, math.inf, 0) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert bsc.arrival_offsets(50, 3.0, 1.0, 7) == bsc.arrival_offsets(50, 3.0, 1.0, 7)
 
 
 def test_metric_definitions_match_vllm():
     def out(ttft, itl, tokens, start=0.0, ok=True):
-        return bs.RequestOutput(
+        return bsc.RequestOutput(
             success=ok,
             prompt_len=10,
             output_tokens=tokens,
@@ -224,7 +226,7 @@ def test_metric_definitions_match_vllm():
 
     # Request a: 5 tokens in 3 chunks (2 tokens bundled twice); b: one token; c failed.
     outs = [out(0.1, [0.2, 0.3], 5), out(0.4, [], 1, start=0.05), out(0, [], 0, ok=False)]
-    r = bs.calculate_metrics(outs, 2.0, [50.0, 99.0], ["ttft", "tpot", "itl", "e2el"], {})
+    r = bsm.calculate_metrics(outs, 2.0, [50.0, 99.0], ["ttft", "tpot", "itl", "e2el"], {})
     assert r["completed"] == 2 and r["failed"] == 1
     assert r["total_output_tokens"] == 6 and r["total_input_tokens"] == 20
     assert r["output_throughput"] == 3.0 and r["request_throughput"] == 1.0
@@ -235,23 +237,23 @@ def test_metric_definitions_match_vllm():
     assert r["mean_ttft_ms"] == pytest.approx(250.0) and r["p50_ttft_ms"] == pytest.approx(250.0)
     assert r["mean_e2el_ms"] == pytest.approx(500.0)
     assert r["max_concurrent_requests"] == 2
-    good = bs.calculate_metrics(outs, 2.0, [99.0], ["ttft"], {"ttft": 200.0, "tpot": 130.0})
+    good = bsm.calculate_metrics(outs, 2.0, [99.0], ["ttft"], {"ttft": 200.0, "tpot": 130.0})
     assert good["request_goodput"] == 0.5  # a meets both; b's TTFT is 400 ms
     # A one-token request counts TPOT 0 for goodput, as vLLM does.
-    assert bs.calculate_metrics(outs, 2.0, [99.0], ["ttft"], {"tpot": 1.0})[
+    assert bsm.calculate_metrics(outs, 2.0, [99.0], ["ttft"], {"tpot": 1.0})[
         "request_goodput"
     ] == pytest.approx(0.5)
 
 
 def test_datasets_are_seeded_and_shaped():
-    src = bs.TokenSource(None, 49152, "x")
-    a = bs.sample_random(src, 50, 100, 20, 0.25, 8, seed=5)
-    assert a == bs.sample_random(src, 50, 100, 20, 0.25, 8, seed=5)
+    src = bsd.TokenSource(None, 49152, "x")
+    a = bsd.sample_random(src, 50, 100, 20, 0.25, 8, seed=5)
+    assert a == bsd.sample_random(src, 50, 100, 20, 0.25, 8, seed=5)
     assert all(83 <= s.prompt_len <= 133 and 15 <= s.expected_output_len <= 25 for s in a)
     assert all(len(s.prompt) == s.prompt_len for s in a)
     assert len({tuple(s.prompt[:8]) for s in a}) == 1  # the shared random prefix
     assert all(100 <= t < 49152 for s in a for t in s.prompt)
-    mix = bs.sample_sharegpt_synthetic(src, 400, None, seed=0)
+    mix = bsd.sample_sharegpt_synthetic(src, 400, None, seed=0)
     plens = [s.prompt_len for s in mix]
     olens = [s.expected_output_len for s in mix]
     assert all(
@@ -259,11 +261,11 @@ def test_datasets_are_seeded_and_shaped():
     )
     assert 60 < np.median(plens) < 200 and 80 < np.median(olens) < 260  # skewed, long-tailed
     assert max(plens) > 4 * np.median(plens)
-    assert mix == bs.sample_sharegpt_synthetic(src, 400, None, seed=0)
+    assert mix == bsd.sample_sharegpt_synthetic(src, 400, None, seed=0)
 
 
 def test_sharegpt_file_is_read_tokenized_and_filtered(tiny_models, tmp_path):
-    src = bs.load_token_source(str(tiny_models["llama"]))
+    src = bsd.load_token_source(str(tiny_models["llama"]))
     assert src.tokenizer is not None and src.vocab_size == 49152
     words = "the quick brown fox jumps over the lazy dog "
     data = [
@@ -275,16 +277,16 @@ def test_sharegpt_file_is_read_tokenized_and_filtered(tiny_models, tmp_path):
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    got = bs.sample_sharegpt_file(src, str(path), 2, None, seed=0)
+    got = bsd.sample_sharegpt_file(src, str(path), 2, None, seed=0)
     tok = src.tokenizer
     assert sorted(s.prompt for s in got) == sorted([words * 3, words * 4])
     for s in got:
         assert s.prompt_len == len(tok.encode(s.prompt))
         reply = words * (2 if s.prompt == words * 3 else 5)
         assert s.expected_output_len == len(tok.encode(reply))
-    with pytest.raises(bs.BenchError, match="only 2 usable conversations, need 3"):
-        bs.sample_sharegpt_file(src, str(path), 3, None, seed=0)
-    fixed = bs.sample_sharegpt_file(src, str(path), 2, 7, seed=0)
+    with pytest.raises(bsd.BenchError, match="only 2 usable conversations, need 3"):
+        bsd.sample_sharegpt_file(src, str(path), 3, None, seed=0)
+    fixed = bsd.sample_sharegpt_file(src, str(path), 2, 7, seed=0)
     assert [s.expected_output_len for s in fixed] == [7, 7]
 
 
@@ -293,19 +295,19 @@ def test_a_server_without_usage_is_counted_from_the_text(server, model_name):
     by tokenizing the generated text (vLLM's fallback), or one per chunk without a tokenizer."""
     import asyncio
 
-    sample = bs.SampleRequest("Once upon a time", 0, 5)
-    body = bs.build_payload("openai", model_name, sample, True, 0.0)
+    sample = bsd.SampleRequest("Once upon a time", 0, 5)
+    body = bsc.build_payload("openai", model_name, sample, True, 0.0)
     del body["stream_options"]  # the server then streams no usage chunk
 
-    async def go() -> bs.RequestOutput:
+    async def go() -> bsc.RequestOutput:
         async with httpx.AsyncClient(timeout=60) as client:
-            return await bs.send_request(client, f"{server.url}/v1/completions", body, sample)
+            return await bsc.send_request(client, f"{server.url}/v1/completions", body, sample)
 
     out = asyncio.run(go())
     assert out.success and out.output_tokens == 0 and len(out.itl) == 4
-    src = bs.load_token_source(model_name)
-    assert bs.count_missing_usage([out], src) == 1
+    src = bsd.load_token_source(model_name)
+    assert bsc.count_missing_usage([out], src) == 1
     assert out.output_tokens == len(src.tokenizer.encode(out.generated_text, False))
     again = asyncio.run(go())
-    assert bs.count_missing_usage([again], bs.TokenSource(None, None, None)) == 1
+    assert bsc.count_missing_usage([again], bsd.TokenSource(None, None, None)) == 1
     assert again.output_tokens == 5  # five chunks

@@ -7,6 +7,10 @@ decode pod would still compute more than `remote_prefill_threshold` prompt token
 prompt on a prefill pod with max_tokens=1 and hand its `kv_transfer_params` to the decode pod ->
 relay the decode pod's answer byte for byte (SSE included). A pod that fails before the first
 byte is ejected and the request goes to the next one; after the first byte nothing is retried.
+
+This module holds the `Router` (discovery and probes, the queue, the choice of pod, remote
+prefill) and the FastAPI app; the relay with retry is router/relay.py, the settings
+router/config.py.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from itertools import count
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from atom_runtime.router.backends import Backend, BackendAddress, BackendPool
+from atom_runtime.router.config import RouterConfig, RouterError
 from atom_runtime.router.discovery import (
     EndpointSliceWatch,
     ServiceTarget,
@@ -32,71 +36,9 @@ from atom_runtime.router.discovery import (
     resolve_dns,
 )
 from atom_runtime.router.metrics import CONTENT_TYPE, RouterMetrics
-from atom_runtime.server.errors import error_body
+from atom_runtime.router.relay import FORWARDED_HEADERS, RETRYABLE_STATUS, BackendRelay
 
 log = logging.getLogger(__name__)
-
-POLICIES = ("kv-aware", "round-robin")
-RETRYABLE_STATUS = (502, 503, 504)  # the pod is loading, dying or gone; another may answer
-FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
-
-
-@dataclass
-class RouterConfig:
-    decode_services: list[str] = field(default_factory=list)
-    prefill_services: list[str] = field(default_factory=list)
-    backends: list[str] = field(default_factory=list)  # static decode backends
-    prefill_backends: list[str] = field(default_factory=list)
-    kv_events_port: int | None = 5557
-    kv_replay_port: int | None = 5558
-    discovery: str = "auto"  # auto | kubernetes | dns
-    discovery_interval: float = 5.0
-    policy: str = "kv-aware"
-    remote_prefill_threshold: int = 256
-    load_weight: float = 64.0  # prompt tokens one queued or running request is worth
-    queue_size: int = 256
-    queue_timeout: float = 120.0
-    probe_interval: float = 2.0
-    probe_timeout: float = 2.0
-    connect_timeout: float = 5.0
-    max_attempts: int = 3
-
-    def __post_init__(self) -> None:
-        if not (self.decode_services or self.backends):
-            raise ValueError("give at least one --decode-service or --backend")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.discovery not in ("auto", "kubernetes", "dns"):
-            raise ValueError(f"discovery: must be auto, kubernetes or dns, got {self.discovery!r}")
-        for name in ("queue_size", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("queue_timeout", "probe_interval", "probe_timeout", "connect_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.remote_prefill_threshold < 0 or self.load_weight < 0:
-            raise ValueError("remote_prefill_threshold and load_weight must be >= 0")
-
-    @property
-    def disaggregated(self) -> bool:
-        return bool(self.prefill_services or self.prefill_backends)
-
-
-class RouterError(Exception):
-    """Answered as an OpenAI error body; `retry_after` seconds go in a Retry-After header."""
-
-    def __init__(self, status: int, message: str, type: str, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.retry_after = status, message, type, retry_after
-
-    def response(self) -> Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return Response(
-            json.dumps(error_body(self.message, self.type)),
-            status_code=self.status,
-            media_type="application/json",
-            headers=headers,
-        )
 
 
 def rank_backends(
@@ -117,7 +59,7 @@ def rank_backends(
     return sorted(backends, key=cost)
 
 
-class Router:
+class Router(BackendRelay):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.pool = BackendPool()
@@ -348,124 +290,6 @@ class Router:
         self.metrics.fallbacks.labels("prefill_failed").inc()
         return None
 
-    async def _relay_first_that_answers(
-        self,
-        role: str,
-        order: list[Backend],
-        path: str,
-        payload: bytes,
-        headers: dict,
-        on_done: Callable[[], None] | None = None,
-    ) -> Response:
-        """Send to the first backend of `order` that answers; `on_done` runs when the request
-        is over, however it ends."""
-        try:
-            response = await self._send_first(role, order, path, payload, headers, on_done)
-        except BaseException:
-            if on_done is not None:
-                on_done()
-            raise
-        return response
-
-    async def _send_first(self, role, order, path, payload, headers, on_done) -> Response:
-        last = "no backend tried"
-        for attempt, backend in enumerate(order[: self.config.max_attempts]):
-            if attempt:
-                self.metrics.fallbacks.labels("retry").inc()
-            backend.in_flight += 1
-            start = time.monotonic()
-            resp: httpx.Response | None = None
-            try:
-                req = self.client.build_request(
-                    "POST", backend.url + path, content=payload, headers=headers
-                )
-                resp = await self.client.send(req, stream=True)
-                if resp.status_code in RETRYABLE_STATUS:
-                    raise _Unavailable(f"answered {resp.status_code}")
-                chunks = resp.aiter_raw()
-                first = await anext(chunks, b"")
-            except (httpx.HTTPError, _Unavailable) as e:
-                last = f"{backend.url}: {type(e).__name__}: {e}"
-                self.pool.eject(backend, last)
-                backend.in_flight -= 1
-                if resp is not None:
-                    await resp.aclose()
-                continue
-            except BaseException:  # the client left while we waited: let the pod abort too
-                backend.in_flight -= 1
-                if resp is not None:
-                    await resp.aclose()
-                raise
-            out_headers = {"content-type": resp.headers.get("content-type", "application/json")}
-            return StreamingResponse(
-                self._relay(role, backend, resp, first, chunks, start, on_done),
-                status_code=resp.status_code,
-                headers=out_headers,
-            )
-        raise RouterError(
-            503,
-            f"every {role} backend tried failed before answering (last: {last})",
-            "service_unavailable",
-            retry_after=1,
-        )
-
-    async def _relay(
-        self,
-        role: str,
-        backend: Backend,
-        resp: httpx.Response,
-        first: bytes,
-        rest: AsyncIterator[bytes],
-        start: float,
-        on_done: Callable[[], None] | None,
-    ) -> AsyncIterator[bytes]:
-        """Relay the pod's bytes; close the upstream response however this ends (a client that
-        disconnects closes it here, and the pod aborts the request)."""
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        try:
-            if first:
-                yield first
-            try:
-                async for chunk in rest:
-                    yield chunk
-            except httpx.HTTPError as e:
-                # Bytes already went out: no retry. Say so in the stream rather than hang.
-                self.pool.eject(backend, f"failed mid-response: {type(e).__name__}: {e}")
-                if sse:
-                    err = error_body(
-                        f"the {role} backend failed mid-response", "service_unavailable"
-                    )
-                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            backend.in_flight -= 1
-            if on_done is not None:
-                on_done()
-            self.metrics.latency.labels(role, backend.url).observe(time.monotonic() - start)
-            await resp.aclose()
-
-    async def passthrough(self, request: Request, method: str, path: str) -> Response:
-        """Routes with no routing decision (/v1/models, /tokenize, ...): any ready decode pod."""
-        decode = self._rotate(await self.acquire("decode"))
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        raw = await request.body()
-        for backend in decode[: self.config.max_attempts]:
-            try:
-                r = await self.client.request(
-                    method, backend.url + path, content=raw or None, headers=headers
-                )
-            except httpx.HTTPError as e:
-                self.pool.eject(backend, f"{type(e).__name__}: {e}")
-                continue
-            if r.status_code in RETRYABLE_STATUS:
-                self.pool.eject(backend, f"answered {r.status_code}")
-                continue
-            return Response(
-                r.content,
-                status_code=r.status_code,
-                media_type=r.headers.get("content-type", "application/json"),
-            )
-        raise RouterError(503, "no decode backend answered", "service_unavailable", 1)
-
     def describe(self) -> dict:
         return {
             role: [
@@ -484,10 +308,6 @@ class Router:
             ]
             for role in self.pool.backends
         }
-
-
-class _Unavailable(Exception):
-    pass
 
 
 def build_app(router: Router) -> FastAPI:

@@ -14,7 +14,8 @@ import signal
 import socket
 import sys
 
-from atom_runtime.router.app import POLICIES, Router, RouterConfig, build_app
+from atom_runtime.router.app import Router, build_app
+from atom_runtime.router.config import POLICIES, RouterConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

@@ -52,7 +52,8 @@ from atom_runtime.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from atom_runtime.server.serving import ClientGone, OpenAIServing, json_response, parse_body
+from atom_runtime.server.request_io import ClientGone, json_response, parse_body
+from atom_runtime.server.serving import OpenAIServing
 from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")

@@ -6,6 +6,9 @@ arrives before any byte of the response is sent, so a refused request is a 400, 
 stream. Then either the final outputs are collected (while watching for the client leaving) or
 SSE chunks are streamed. Whatever way a request ends, `finally` aborts what is unfinished in the
 engine, records its metrics and logs its one line.
+
+The request's state in flight (`Run`, `_Shape`) is server/runs.py; parsing the body and sending
+JSON or SSE, server/request_io.py.
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestStream
+from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError
 from atom_runtime.output_processor import RequestOutput
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
@@ -32,78 +33,24 @@ from atom_runtime.server.errors import (
     bad_request,
     engine_unavailable,
     error_body,
-    from_validation_error,
     from_value_error,
     model_not_found,
     shutting_down,
 )
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from atom_runtime.server.tools import ToolPlan, named_call_delta, plan_tools
+from atom_runtime.server.request_io import (
+    ClientGone,
+    _sse,
+    _wait_disconnect,
+    json_response,
+    parse_body,
+)
+from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape
+from atom_runtime.server.tools import named_call_delta, plan_tools
 from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
-
-
-def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
-def json_response(body: dict, status: int = 200) -> Response:
-    return Response(R.encode(body), status_code=status, media_type="application/json")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-class RequestCut(Exception):
-    """The server is shutting down and the request did not finish within the grace period."""
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """Done-callback of helper tasks nobody awaits: mark their outcome seen, so a task that
-    failed or was cancelled after its request ended logs no "exception was never retrieved"."""
-    if not task.cancelled():
-        task.exception()
-
-
-@dataclass
-class Run:
-    """One prompt of an API request, as submitted to the engine (its n choices together)."""
-
-    request_id: str
-    api_request_id: str  # the HTTP request's id (request_id is it, or it + "-<prompt index>")
-    prompt_index: int
-    stream: RequestStream
-    num_prompt_tokens: int
-    arrival: float  # time.monotonic() when the HTTP request arrived
-    arrival_wall: float  # time.time() then, to compare with the engine's timestamps
-    first_token_at: float | None = None
-    last: RequestOutput | None = None
-
-    async def next(self) -> RequestOutput:
-        out = await self.stream.get()
-        if self.first_token_at is None and any(c.token_ids for c in out.outputs):
-            self.first_token_at = time.monotonic()
-        self.last = out
-        return out
-
-    async def final(self) -> RequestOutput:
-        while self.last is None or not self.last.finished:
-            await self.next()
-        return self.last
-
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finished
-
-    @property
-    def num_output_tokens(self) -> int:
-        return 0 if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
 
 
 class OpenAIServing:
@@ -505,47 +452,11 @@ class OpenAIServing:
                 )
 
 
-@dataclass
-class _Shape:
-    """What every chunk of one response shares."""
-
-    request_id: str
-    created: int
-    model: str
-    params: SamplingParams
-    include_usage: bool
-    chat: bool
-    tools: ToolPlan | None = None
-    called: set[int] = field(default_factory=set)  # choices whose named call has begun
-    echo: list[tuple[str, list[int], int]] | None = None  # per prompt, with `echo`: _echo()
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for: how many top ones
-
-    def body(self, choices: list[dict], usage: dict | None) -> dict:
-        return R.completion_body(
-            self.request_id, self.created, self.model, choices, usage, chunk=True, chat=self.chat
-        )
-
-
 def _usage(runs: list[Run], outs: list[RequestOutput]) -> dict:
     prompt = sum(run.num_prompt_tokens for run in runs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in outs)
     return R.usage(prompt, completion, cached)
-
-
-def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(
-        chunks,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _kv_transfer(outs) -> dict | None:

@@ -1,0 +1,148 @@
+"""`atom router`'s relay: send a request to the first backend that answers, retrying the next
+one on a connection failure or a 502/503/504 before the first byte, then stream the pod's bytes
+through as they come (SSE included); after the first byte nothing is retried.
+
+`BackendRelay` is a part of `Router` (router/app.py), kept apart so the request path reads on its
+own; it uses the router's client, pool, metrics, config, `acquire` and `_rotate`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from atom_runtime.router.backends import Backend
+from atom_runtime.router.config import RouterError
+from atom_runtime.server.errors import error_body
+
+RETRYABLE_STATUS = (502, 503, 504)  # the pod is loading, dying or gone; another may answer
+FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
+
+
+class _Unavailable(Exception):
+    pass
+
+
+class BackendRelay:
+    async def _relay_first_that_answers(
+        self,
+        role: str,
+        order: list[Backend],
+        path: str,
+        payload: bytes,
+        headers: dict,
+        on_done: Callable[[], None] | None = None,
+    ) -> Response:
+        """Send to the first backend of `order` that answers; `on_done` runs when the request
+        is over, however it ends."""
+        try:
+            response = await self._send_first(role, order, path, payload, headers, on_done)
+        except BaseException:
+            if on_done is not None:
+                on_done()
+            raise
+        return response
+
+    async def _send_first(self, role, order, path, payload, headers, on_done) -> Response:
+        last = "no backend tried"
+        for attempt, backend in enumerate(order[: self.config.max_attempts]):
+            if attempt:
+                self.metrics.fallbacks.labels("retry").inc()
+            backend.in_flight += 1
+            start = time.monotonic()
+            resp: httpx.Response | None = None
+            try:
+                req = self.client.build_request(
+                    "POST", backend.url + path, content=payload, headers=headers
+                )
+                resp = await self.client.send(req, stream=True)
+                if resp.status_code in RETRYABLE_STATUS:
+                    raise _Unavailable(f"answered {resp.status_code}")
+                chunks = resp.aiter_raw()
+                first = await anext(chunks, b"")
+            except (httpx.HTTPError, _Unavailable) as e:
+                last = f"{backend.url}: {type(e).__name__}: {e}"
+                self.pool.eject(backend, last)
+                backend.in_flight -= 1
+                if resp is not None:
+                    await resp.aclose()
+                continue
+            except BaseException:  # the client left while we waited: let the pod abort too
+                backend.in_flight -= 1
+                if resp is not None:
+                    await resp.aclose()
+                raise
+            out_headers = {"content-type": resp.headers.get("content-type", "application/json")}
+            return StreamingResponse(
+                self._relay(role, backend, resp, first, chunks, start, on_done),
+                status_code=resp.status_code,
+                headers=out_headers,
+            )
+        raise RouterError(
+            503,
+            f"every {role} backend tried failed before answering (last: {last})",
+            "service_unavailable",
+            retry_after=1,
+        )
+
+    async def _relay(
+        self,
+        role: str,
+        backend: Backend,
+        resp: httpx.Response,
+        first: bytes,
+        rest: AsyncIterator[bytes],
+        start: float,
+        on_done: Callable[[], None] | None,
+    ) -> AsyncIterator[bytes]:
+        """Relay the pod's bytes; close the upstream response however this ends (a client that
+        disconnects closes it here, and the pod aborts the request)."""
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            if first:
+                yield first
+            try:
+                async for chunk in rest:
+                    yield chunk
+            except httpx.HTTPError as e:
+                # Bytes already went out: no retry. Say so in the stream rather than hang.
+                self.pool.eject(backend, f"failed mid-response: {type(e).__name__}: {e}")
+                if sse:
+                    err = error_body(
+                        f"the {role} backend failed mid-response", "service_unavailable"
+                    )
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            backend.in_flight -= 1
+            if on_done is not None:
+                on_done()
+            self.metrics.latency.labels(role, backend.url).observe(time.monotonic() - start)
+            await resp.aclose()
+
+    async def passthrough(self, request: Request, method: str, path: str) -> Response:
+        """Routes with no routing decision (/v1/models, /tokenize, ...): any ready decode pod."""
+        decode = self._rotate(await self.acquire("decode"))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        raw = await request.body()
+        for backend in decode[: self.config.max_attempts]:
+            try:
+                r = await self.client.request(
+                    method, backend.url + path, content=raw or None, headers=headers
+                )
+            except httpx.HTTPError as e:
+                self.pool.eject(backend, f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code in RETRYABLE_STATUS:
+                self.pool.eject(backend, f"answered {r.status_code}")
+                continue
+            return Response(
+                r.content,
+                status_code=r.status_code,
+                media_type=r.headers.get("content-type", "application/json"),
+            )
+        raise RouterError(503, "no decode backend answered", "service_unavailable", 1)
