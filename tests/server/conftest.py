@@ -129,26 +129,6 @@ def wait_healthy(server: ServerProcess, timeout: float = STARTUP_GUARD_S) -> Non
     raise RuntimeError(f"atom serve was not healthy within {timeout}s:\n{server.log()}")
 
 
-def launch(
-    tmp_dir: Path,
-    *args: str,
-    wait: bool = True,
-    env: dict | None = None,
-    port: int | None = None,
-) -> ServerProcess:
-    """Start one `atom serve` that the caller owns: its fixture must `stop()` and `kill_group()`
-    it at teardown (the router, operator and hybrid tests start engines this way)."""
-    server = _start(tmp_dir, args, env, port)
-    if wait:
-        try:
-            wait_healthy(server)
-        except BaseException:
-            server.stop()
-            server.kill_group()
-            raise
-    return server
-
-
 class Launcher:
     """Starts `atom serve` processes and owns them: `close()` stops every one it started."""
 
