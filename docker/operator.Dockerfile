@@ -26,6 +26,7 @@ COPY operator operator
 # the CLI cannot start.
 RUN python3 -m pip install --no-deps . \
  && python3 -m pip install "kopf>=1.37" "kubernetes>=29" "pyyaml>=6" "msgspec>=0.18" \
+    "prometheus-client>=0.20" \
  && python3 -c "import sys, atom_operator.handlers; assert 'torch' not in sys.modules" \
  && atom render --help >/dev/null \
  && rm -rf /opt/atom/src

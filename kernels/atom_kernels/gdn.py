@@ -283,6 +283,8 @@ def gated_delta_rule_chunked_(
     for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need contiguous rows")
     _, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 FIELD_MANAGER = "atom-operator"
+AUTOSCALER_MANAGER = "atom-operator-autoscaler"
 MERGE_PATCH = "application/merge-patch+json"
 
 # (apiVersion, kind) -> plural, for every kind the renderer produces.
@@ -36,6 +37,15 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+}
+# Kinds a cluster may not serve (KEDA, the Inference Extension not installed): nothing of
+# theirs to prune there.
+OPTIONAL_KINDS = {
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
 }
 
 
@@ -190,9 +200,11 @@ class KubeAPI:
         path = resource_path(obj, named=False)
         return await self.request("POST", path, obj, params={"fieldManager": FIELD_MANAGER})
 
-    async def patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+    async def patch(
+        self, path: str, patch: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER
+    ) -> dict[str, Any]:
         return await self.request(
-            "PATCH", path, patch, content_type=MERGE_PATCH, params={"fieldManager": FIELD_MANAGER}
+            "PATCH", path, patch, content_type=MERGE_PATCH, params={"fieldManager": field_manager}
         )
 
     async def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
@@ -260,7 +272,13 @@ async def prune_children(
     for (api_version, kind), plural in PLURALS.items():
         prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         collection = f"{prefix}/namespaces/{namespace}/{plural}"
-        for live in await api.list(collection, selector):
+        try:
+            found = await api.list(collection, selector)
+        except ApiError as exc:
+            if exc.status == 404 and (api_version, kind) in OPTIONAL_KINDS:
+                continue
+            raise
+        for live in found:
             name = live.get("metadata", {}).get("name", "")
             if owner_uid(live) != uid or (api_version, kind, name) in keep:
                 continue
@@ -269,11 +287,15 @@ async def prune_children(
     return deleted
 
 
-async def scale_deployment(api: KubeAPI, rendered: Mapping[str, Any], uid: str) -> Applied | None:
+async def scale_deployment(
+    api: KubeAPI, rendered: Mapping[str, Any], uid: str, *, field_manager: str = FIELD_MANAGER
+) -> Applied | None:
     """Set only `spec.replicas` of a rendered Deployment, if the live value differs.
 
     None when the Deployment does not exist: there is nothing to scale, the caller applies
-    everything instead.
+    everything instead. The built-in autoscaler writes under its own `field_manager`
+    (`AUTOSCALER_MANAGER`): the rendered Deployment of an autoscaled role has no `replicas`, so
+    the field has exactly one writer.
     """
     replicas = rendered.get("spec", {}).get("replicas")
     if replicas is None:
@@ -288,5 +310,5 @@ async def scale_deployment(api: KubeAPI, rendered: Mapping[str, Any], uid: str) 
     if live.get("spec", {}).get("replicas") == replicas:
         return Applied(kind, name, "unchanged")
     patch = {"spec": {"replicas": replicas}}
-    await api.patch(path, patch)
+    await api.patch(path, patch, field_manager=field_manager)
     return Applied(kind, name, "patched", patch)

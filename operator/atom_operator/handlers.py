@@ -15,7 +15,12 @@ What runs when:
   that generation (the next edit is handled afresh).
 - a change of `spec.decode.replicas` or `spec.prefill.replicas` alone: patch only
   `spec.replicas` of that role's Deployment (`apply.scale_deployment`); nothing for a role
-  whose HPA owns the replica count.
+  whose autoscaler owns the replica count. Both paths share `converge`: plan -> apply ->
+  report -> write status.
+- every `ATOM_OPERATOR_AUTOSCALE_INTERVAL` seconds (default 10), for an AtomDeployment with a
+  role on autoscaling provider builtin: scrape the role's Ready pods and the router's queued
+  demand, decide (`autoscale.decide`), write the Deployment's replicas as the field's only
+  writer, record the decision in status.autoscaling and as events.
 - every `ATOM_OPERATOR_STATUS_INTERVAL` seconds (default 10): fold the owned Deployments'
   status (kept current by a kopf index over Deployments labelled
   `serving.atom.dev/deployment`) into the AtomDeployment's status, written only when it
@@ -39,17 +44,21 @@ import asyncio
 import datetime
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
-from atom_operator import apply, status
-from atom_operator.render import endpoint_url, render_children
-from atom_operator.schema import GROUP, PLURAL, VERSION
-from atom_operator.spec import SpecError, apply_defaults
+from atom_operator import apply, autoscale, status
+from atom_operator.render import endpoint_url, label_value, render_children
+from atom_operator.schema import ENGINE_HTTP_PORT, GROUP, PLURAL, VERSION
+from atom_operator.spec import ROLES, SpecError, apply_defaults, validate_spec
 
 STATUS_INTERVAL = float(os.environ.get("ATOM_OPERATOR_STATUS_INTERVAL", "10"))
+AUTOSCALE_INTERVAL = float(os.environ.get("ATOM_OPERATOR_AUTOSCALE_INTERVAL", "10"))
+SCRAPE_TIMEOUT = float(os.environ.get("ATOM_OPERATOR_SCRAPE_TIMEOUT", "3"))
 REPLICA_FIELDS = {("spec", "decode", "replicas"), ("spec", "prefill", "replicas")}
 ANNOTATION_PREFIX = GROUP  # kopf's bookkeeping annotations live under serving.atom.dev/
 
@@ -250,6 +259,90 @@ def _report(body: kopf.Body, results: Iterable[apply.Applied]) -> None:
 # --- change handlers --------------------------------------------------------------------------
 
 
+Step = Callable[[apply.KubeAPI, list[dict[str, Any]], str], Awaitable[list[apply.Applied] | None]]
+
+
+async def converge(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    retry: int,
+    role_deployments: kopf.Index,
+    step: Step,
+) -> list[apply.Applied] | None:
+    """The one path every change takes: plan (validate and render every child), apply `step`
+    to the plan, report what changed as an event, write status with observedGeneration.
+
+    `step(api, children, uid)` does the writes and returns what happened, or None when it had
+    nothing to do for this change (then nothing is reported and status is left alone).
+    """
+    meta = body.get("metadata") or {}
+    try:
+        children = plan(body)
+    except SpecError as error:
+        raise _refuse_invalid(body, patch, role_deployments, error) from error
+    api = _connection(memo).api()
+    try:
+        results = await step(api, children, meta["uid"])
+    except (apply.ApiError, apply.OwnershipError) as error:
+        raise _api_failure(body, error, retry) from error
+    if results is None:
+        return None
+    _report(body, results)
+    write_status(
+        body,
+        patch,
+        _owned(role_deployments, meta["namespace"], meta["name"]),
+        applied_generation=meta.get("generation"),
+        with_generation=True,
+    )
+    return results
+
+
+def apply_everything(namespace: str) -> Step:
+    """The reconcile step: create-or-patch every child, then delete the ones not rendered."""
+
+    async def step(
+        api: apply.KubeAPI, children: list[dict[str, Any]], uid: str
+    ) -> list[apply.Applied]:
+        instance = children[0]["metadata"]["labels"][status.DEPLOYMENT_LABEL]
+        results = await apply.apply_children(api, children, uid)
+        return results + await apply.prune_children(
+            api,
+            children,
+            namespace=namespace,
+            selector=f"{status.DEPLOYMENT_LABEL}={instance}",
+            uid=uid,
+        )
+
+    return step
+
+
+def apply_replicas(role: str, spec: Mapping[str, Any]) -> Step:
+    """The scale step: only spec.replicas of the role's Deployment (everything when it is
+    missing); nothing when the role is gone or an autoscaler owns its replica count."""
+
+    async def step(
+        api: apply.KubeAPI, children: list[dict[str, Any]], uid: str
+    ) -> list[apply.Applied] | None:
+        if role not in spec:
+            return None  # the role was removed in the same edit; the change handler does that
+        if spec[role]["autoscaling"]["enabled"]:
+            return None
+        deployment = next(
+            c
+            for c in children
+            if c["kind"] == "Deployment"
+            and c["metadata"].get("labels", {}).get(status.ROLE_LABEL) == role
+        )
+        result = await apply.scale_deployment(api, deployment, uid)
+        if result is None:
+            return await apply.apply_children(api, children, uid)
+        return [result]
+
+    return step
+
+
 async def reconcile(
     body: kopf.Body,
     patch: kopf.Patch,
@@ -258,58 +351,12 @@ async def reconcile(
     role_deployments: kopf.Index,
     logger: logging.Logger | logging.LoggerAdapter,
 ) -> None:
-    """Render everything, then create-or-patch each child, then write status."""
-    meta = body.get("metadata") or {}
-    try:
-        children = plan(body)
-    except SpecError as error:
-        raise _refuse_invalid(body, patch, role_deployments, error) from error
-    api = _connection(memo).api()
-    selector = (
-        f"{status.DEPLOYMENT_LABEL}={children[0]['metadata']['labels'][status.DEPLOYMENT_LABEL]}"
+    """Render everything, then create-or-patch each child, prune, then write status."""
+    namespace = (body.get("metadata") or {})["namespace"]
+    results = await converge(
+        body, patch, memo, retry, role_deployments, apply_everything(namespace)
     )
-    try:
-        results = await apply.apply_children(api, children, meta["uid"])
-        results += await apply.prune_children(
-            api, children, namespace=meta["namespace"], selector=selector, uid=meta["uid"]
-        )
-    except (apply.ApiError, apply.OwnershipError) as error:
-        raise _api_failure(body, error, retry) from error
-    _report(body, results)
-    logger.info("applied: %s", ", ".join(str(r) for r in results))
-    write_status(
-        body,
-        patch,
-        _owned(role_deployments, meta["namespace"], meta["name"]),
-        applied_generation=meta.get("generation"),
-        with_generation=True,
-    )
-
-
-@kopf.on.create(GROUP, VERSION, PLURAL)
-async def on_create(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    await reconcile(body, patch, memo, retry, role_deployments, logger)
-
-
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-async def on_resume(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    await reconcile(body, patch, memo, retry, role_deployments, logger)
+    logger.info("applied: %s", ", ".join(str(r) for r in results or []))
 
 
 def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
@@ -318,8 +365,10 @@ def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
     return bool(paths) and all(path in REPLICA_FIELDS for path in paths)
 
 
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, when=lambda diff, **_: not only_replicas_changed(diff))
-async def on_update(
+async def on_change(
     body: kopf.Body,
     patch: kopf.Patch,
     memo: kopf.Memo,
@@ -328,6 +377,8 @@ async def on_update(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
+    """Creation, resumption after an operator restart, and any edit other than a replica
+    count: the whole reconcile."""
     await reconcile(body, patch, memo, retry, role_deployments, logger)
 
 
@@ -341,45 +392,16 @@ async def scale(
     logger: logging.Logger | logging.LoggerAdapter,
 ) -> None:
     """Patch only spec.replicas of the role's Deployment (whole reconcile if it is missing)."""
-    meta = body.get("metadata") or {}
-    try:
-        children = plan(body)
-    except SpecError as error:
-        raise _refuse_invalid(body, patch, role_deployments, error) from error
-    spec = apply_defaults(dict(body.get("spec") or {}))
-    if role not in spec:
-        return  # the role was removed in the same edit; on_update handles that
-    if spec[role]["autoscaling"]["enabled"]:
-        logger.info("spec.%s.replicas ignored: the role's HorizontalPodAutoscaler owns it", role)
-        return
-    deployment = next(
-        c
-        for c in children
-        if c["kind"] == "Deployment"
-        and c["metadata"].get("labels", {}).get(status.ROLE_LABEL) == role
-    )
-    api = _connection(memo).api()
-    try:
-        result = await apply.scale_deployment(api, deployment, meta["uid"])
-        results = (
-            [result]
-            if result is not None
-            else await apply.apply_children(api, children, meta["uid"])
-        )
-    except (apply.ApiError, apply.OwnershipError) as error:
-        raise _api_failure(body, error, retry) from error
-    _report(body, results)
-    write_status(
-        body,
-        patch,
-        _owned(role_deployments, meta["namespace"], meta["name"]),
-        applied_generation=meta.get("generation"),
-        with_generation=True,
-    )
+    spec = apply_defaults(_plain(body)["spec"])
+    results = await converge(body, patch, memo, retry, role_deployments, apply_replicas(role, spec))
+    if results is None and role in spec:
+        logger.info("spec.%s.replicas ignored: the role's autoscaler owns it", role)
 
 
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.decode.replicas")
-async def on_decode_replicas(
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.prefill.replicas", param="prefill")
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.decode.replicas", param="decode")
+async def on_replicas(
+    param: str,
     reason: str,
     body: kopf.Body,
     patch: kopf.Patch,
@@ -389,23 +411,9 @@ async def on_decode_replicas(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
+    """A change of one role's replica count; `param` names the role."""
     if reason == "update":  # creation and resumption are whole reconciles already
-        await scale("decode", body, patch, memo, retry, role_deployments, logger)
-
-
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.prefill.replicas")
-async def on_prefill_replicas(
-    reason: str,
-    body: kopf.Body,
-    patch: kopf.Patch,
-    memo: kopf.Memo,
-    retry: int,
-    role_deployments: kopf.Index,
-    logger: logging.Logger,
-    **_: Any,
-) -> None:
-    if reason == "update":
-        await scale("prefill", body, patch, memo, retry, role_deployments, logger)
+        await scale(param, body, patch, memo, retry, role_deployments, logger)
 
 
 # --- status -----------------------------------------------------------------------------------
@@ -447,3 +455,201 @@ async def fold_children_status(
         applied_generation=current.get("observedGeneration"),
         with_generation=False,
     )
+
+
+# --- the built-in autoscaler --------------------------------------------------------------------
+
+
+def builtin_roles(spec: Mapping[str, Any]) -> list[str]:
+    """Roles that autoscale with provider builtin (on a defaulted spec)."""
+    return [
+        role
+        for role in ROLES
+        if role in spec
+        and spec[role]["autoscaling"]["enabled"]
+        and spec[role]["autoscaling"]["provider"] == "builtin"
+    ]
+
+
+def _autoscaled(spec: Mapping[str, Any], **_: Any) -> bool:
+    try:
+        return bool(builtin_roles(apply_defaults(_thaw(spec))))
+    except TypeError:
+        return False
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    """Running, Ready, with an IP, and not being deleted."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    state = pod.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in state.get("conditions") or []
+    )
+    return ready and bool(state.get("podIP"))
+
+
+def metrics_url(pod: Mapping[str, Any]) -> str:
+    """http://<pod IP>:<port>/metrics, the port being the container port named `http` (the
+    engine's and the router's), so a pod says itself where its metrics are."""
+    ip = pod["status"]["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip
+    port = ENGINE_HTTP_PORT
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for entry in container.get("ports") or []:
+            if entry.get("name") == "http" and entry.get("containerPort"):
+                port = int(entry["containerPort"])
+                break
+        else:
+            continue
+        break
+    return f"http://{host}:{port}/metrics"
+
+
+async def _scrape(session: aiohttp.ClientSession, pod: Mapping[str, Any]) -> str:
+    async with session.get(metrics_url(pod)) as response:
+        if response.status != 200:
+            raise autoscale.MetricsError(f"/metrics answered {response.status}")
+        return await response.text()
+
+
+async def scrape_engine(
+    session: aiohttp.ClientSession, pod: Mapping[str, Any]
+) -> autoscale.PodMetrics:
+    """One engine pod's metrics; a failed or unusable scrape is a PodMetrics with `error`."""
+    name = pod["metadata"]["name"]
+    try:
+        return autoscale.parse_engine_metrics(name, await _scrape(session, pod))
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, autoscale.MetricsError) as exc:
+        return autoscale.PodMetrics(pod=name, error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+async def scrape_router_demand(
+    session: aiohttp.ClientSession, pods: Iterable[Mapping[str, Any]]
+) -> dict[str, float] | None:
+    """role -> requests queued at the router pods; None when no router pod answered."""
+    total: dict[str, float] | None = None
+    for pod in pods:
+        try:
+            queued = autoscale.parse_router_queue(await _scrape(session, pod))
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, autoscale.MetricsError):
+            continue
+        total = total or {}
+        for role, value in queued.items():
+            total[role] = total.get(role, 0.0) + value
+    return total
+
+
+def _decision_status(decision: autoscale.Decision, now: str, before: Mapping[str, Any]) -> dict:
+    record = {
+        "currentReplicas": decision.current,
+        "desiredReplicas": decision.desired,
+        "recommendedReplicas": decision.recommended,
+        "reason": decision.reason,
+        "limited": decision.limited,
+        "metrics": {k: str(v) for k, v in decision.metrics.items()},
+        "lastScaleTime": before.get("lastScaleTime"),
+    }
+    if decision.changed:
+        record["lastScaleTime"] = now
+    return {k: v for k, v in record.items() if v is not None}
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_INTERVAL, when=_autoscaled)
+async def autoscale_roles(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    role_deployments: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """provider builtin: scrape each ready pod of every builtin-autoscaled role (and the router's
+    queued demand), decide the role's replicas (`autoscale.decide`) and write them to its
+    Deployment, the only writer of that field; record the decision in status.autoscaling and,
+    when the replicas change or the role hits maxReplicas, as an event."""
+    plain = _plain(body)
+    try:
+        validate_spec(plain["spec"])
+    except SpecError:
+        return  # SpecValid=False is reported by the change handlers; nothing to scale on
+    spec = apply_defaults(plain["spec"])
+    meta = plain["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    owned = {d.role: d for d in _owned(role_deployments, namespace, name) if d.owner_uid == uid}
+    api = _connection(memo).api()
+    selector = f"{status.DEPLOYMENT_LABEL}={label_value(name)}"
+    try:
+        pods = await api.list(f"/api/v1/namespaces/{namespace}/pods", selector)
+    except apply.ApiError as error:
+        logger.warning("autoscaler: cannot list pods: %s", error)
+        return
+    ready = [p for p in pods if pod_is_ready(p)]
+
+    def of_role(role: str) -> list[dict[str, Any]]:
+        return [
+            p for p in ready if (p["metadata"].get("labels") or {}).get(status.ROLE_LABEL) == role
+        ]
+
+    histories: dict[str, autoscale.History] = memo.setdefault("autoscale_history", {})
+    before = dict((body.get("status") or {}).get("autoscaling") or {})
+    records: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        demand = (
+            await scrape_router_demand(session, of_role("router")) if "prefill" in spec else None
+        )
+        for role in builtin_roles(spec):
+            deployment = owned.get(role)
+            if deployment is None:
+                continue  # the change handlers create it; nothing to scale yet
+            scraped = await asyncio.gather(*(scrape_engine(session, p) for p in of_role(role)))
+            policy = autoscale.Policy.from_spec(spec[role]["autoscaling"])
+            decision, histories[role] = autoscale.decide(
+                policy,
+                now=time.monotonic(),
+                current=deployment.desired,
+                pods=scraped,
+                router_queued=None if demand is None else demand.get(role, 0.0),
+                history=histories.get(role, autoscale.History()),
+            )
+            previous = before.get(role) or {}
+            if decision.changed:
+                target = {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": {"name": deployment.name, "namespace": namespace},
+                    "spec": {"replicas": decision.desired},
+                }
+                try:
+                    await apply.scale_deployment(
+                        api, target, uid, field_manager=apply.AUTOSCALER_MANAGER
+                    )
+                except (apply.ApiError, apply.OwnershipError) as error:
+                    logger.warning("autoscaler: cannot scale %s: %s", deployment.name, error)
+                    continue
+                metrics = ", ".join(f"{k}={v:g}" for k, v in decision.metrics.items())
+                kopf.event(
+                    body,
+                    type="Normal",
+                    reason="Autoscaled",
+                    message=f"{role}: {decision.current} -> {decision.desired} replicas: "
+                    f"{decision.reason} [{metrics}]",
+                )
+            if decision.limited and previous.get("limited") != decision.limited:
+                kopf.event(
+                    body,
+                    type="Warning",
+                    reason="ScalingLimited",
+                    message=f"{role} is at maxReplicas: {decision.reason}",
+                )
+            records[role] = _decision_status(decision, _now(), previous)
+    for role in before:
+        if role not in records:
+            records[role] = None  # the role stopped autoscaling: drop its record
+    changed = {
+        role: record for role, record in records.items() if _thaw(before.get(role)) != record
+    }
+    if changed:
+        patch.status["autoscaling"] = changed

@@ -6,9 +6,18 @@ AtomDeployment when `metadata.uid` is known:
 
 - per role (decode, and prefill in disaggregated mode): a Deployment running `atom serve`, a
   headless Service (per-pod DNS for the router and KV-event subscribers), a PodDisruptionBudget,
-  and an autoscaling/v2 HorizontalPodAutoscaler when the role autoscales;
+  and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
+  KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
 - in disaggregated mode, a router Deployment running `atom router`;
+- a Gateway API Inference Extension InferencePool over the serving pods, when
+  spec.inferencePool.enabled;
+- a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
+  false);
 - the user-facing Service, in front of the decode pods or of the router.
+
+Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
+cache, /tmp and /dev/shm) and CPU and memory requests and limits; engine pods get no service
+account token.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ CHILD_KINDS = [
     ("v1", "Service", "services"),
     ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
 ]
 
 ROUTER = "router"
@@ -50,9 +62,19 @@ ENGINE_TYPE = "atom"  # llm-d.ai/engine-type: our metrics carry the atom: prefix
 # rule in docs/operator.md renames atom:<x> to atom_<x>).
 METRIC_REQUESTS_WAITING = "atom_requests_waiting"
 METRIC_KV_CACHE_USAGE = "atom_kv_cache_usage_ratio"
+METRIC_REQUESTS_RUNNING = "atom_requests_running"
+KEDA_POLLING_SECONDS = 15
 
 RUN_AS_USER = 1000  # the `atom` user of docker/runtime.Dockerfile
 CACHE_DIR = "/var/cache/atom"
+TMP_SIZE = "1Gi"
+API_KEY_ENV = "ATOM_API_KEY"
+# CPU and memory every container gets when the spec leaves them out (request = limit).
+DEFAULT_ENGINE_RESOURCES = {
+    "cpu": {"cpu": "2", "memory": "4Gi"},
+    "gpu": {"cpu": "8", "memory": "64Gi"},
+}
+DEFAULT_ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 MODEL_MOUNT = "/mnt/models"
 STARTUP_PROBE_PERIOD = 10
 
@@ -247,6 +269,10 @@ def serve_args(spec: dict[str, Any], role: str) -> list[str]:
     )
     if is_disaggregated(spec):
         args += ["--kv-transfer-config", _json_arg(kv_transfer_config(spec, role))]
+    if spec["engine"].get("apiKeySecretRef"):
+        # The kubelet expands $(ATOM_API_KEY) from the Secret-backed variable: the key never
+        # appears in the pod spec.
+        args += ["--api-key", f"$({API_KEY_ENV})"]
     return args + list(spec["engine"]["args"]) + list(role_spec["args"])
 
 
@@ -277,16 +303,40 @@ def engine_env(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
             }
         )
+    api_key = spec["engine"].get("apiKeySecretRef")
+    if api_key:
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": api_key["name"], "key": api_key["key"]}},
+            }
+        )
     env += [
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        # Anything else that caches under ~/.cache (torch hub, ...) on the writable volume.
+        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
     ]
     return _merge_env(_merge_env(env, spec["engine"]["env"]), spec[role]["env"])
 
 
+def bounded_resources(resources: dict[str, Any], default: dict[str, str]) -> dict[str, Any]:
+    """`resources` with a request and a limit for both cpu and memory: a missing limit takes
+    the request, a missing request the limit (as Kubernetes would), both missing `default`."""
+    out = copy.deepcopy(resources)
+    requests, limits = out.setdefault("requests", {}), out.setdefault("limits", {})
+    for name in ("cpu", "memory"):
+        request = requests.get(name, limits.get(name, default[name]))
+        requests[name] = request
+        limits.setdefault(name, request)
+    return out
+
+
 def engine_resources(spec: dict[str, Any], role: str) -> dict[str, Any]:
-    """The role's resources with the accelerator resource = tensorParallelSize (limit and request)."""
-    resources = copy.deepcopy(spec[role]["resources"])
+    """The role's resources, bounded (`bounded_resources`), with the accelerator resource =
+    tensorParallelSize (limit and request)."""
+    kind = "cpu" if spec["accelerator"]["vendor"] == "cpu" else "gpu"
+    resources = bounded_resources(spec[role]["resources"], DEFAULT_ENGINE_RESOURCES[kind])
     resource = vendor_resource(spec["accelerator"])
     if resource:
         count = spec[role]["tensorParallelSize"]
@@ -307,8 +357,17 @@ def _http_probe(period: int, timeout: int, failures: int) -> dict[str, Any]:
 def _container_security() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
+
+
+def _tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A small writable /tmp: Python, torch and Triton write temporary files there."""
+    return (
+        {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}},
+        {"name": "tmp", "mountPath": "/tmp"},
+    )
 
 
 def _pod_security(supplemental_groups: list[int]) -> dict[str, Any]:
@@ -351,13 +410,16 @@ def _node_affinity(spec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _engine_volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    tmp_volume, tmp_mount = _tmp_volume()
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["engine"]["shmSize"]}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": spec["engine"]["cacheSize"]}},
+        tmp_volume,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
+        tmp_mount,
     ]
     source = parse_model_uri(spec["model"].get("uri"))
     if source.scheme == "pvc":
@@ -394,6 +456,8 @@ def _engine_pod_spec(spec: dict[str, Any], role: str) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "securityContext": _pod_security(accelerator["supplementalGroups"]),
         "enableServiceLinks": False,
+        # The engine never calls the Kubernetes API: no token to steal from a compromised pod.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": volumes,
@@ -527,15 +591,23 @@ def _pods_metric(name: str, average: float) -> dict[str, Any]:
     }
 
 
+def autoscaler(spec: dict[str, Any], role: str) -> str:
+    """Who owns the role's replica count: "" (the spec), "builtin", "keda" or "hpa"."""
+    autoscaling = spec[role]["autoscaling"]
+    return autoscaling["provider"] if autoscaling["enabled"] else ""
+
+
 def render_hpa(body: dict[str, Any], role: str) -> dict[str, Any] | None:
-    """The role's HorizontalPodAutoscaler, or None when the role does not autoscale."""
+    """The role's HorizontalPodAutoscaler, or None unless the role autoscales with provider hpa."""
     spec = _spec(body)
     autoscaling = spec[role]["autoscaling"]
-    if not autoscaling["enabled"]:
+    if autoscaler(spec, role) != "hpa":
         return None
     metrics = []
     if "targetRequestsWaiting" in autoscaling:
         metrics.append(_pods_metric(METRIC_REQUESTS_WAITING, autoscaling["targetRequestsWaiting"]))
+    if "targetRequestsRunning" in autoscaling:
+        metrics.append(_pods_metric(METRIC_REQUESTS_RUNNING, autoscaling["targetRequestsRunning"]))
     if "targetKVCacheUsage" in autoscaling:
         metrics.append(_pods_metric(METRIC_KV_CACHE_USAGE, autoscaling["targetKVCacheUsage"]))
     hpa_spec: dict[str, Any] = {
@@ -555,6 +627,84 @@ def render_hpa(body: dict[str, Any], role: str) -> dict[str, Any] | None:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _metadata(body, child_name(body, role), role_labels(body, role)),
         "spec": hpa_spec,
+    }
+
+
+def _prometheus_trigger(
+    address: str, name: str, query: str, threshold: float, metric_type: str
+) -> dict[str, Any]:
+    return {
+        "type": "prometheus",
+        "name": name,
+        "metricType": metric_type,
+        "metadata": {
+            "serverAddress": address,
+            "query": query,
+            "threshold": f"{threshold:g}",
+        },
+    }
+
+
+def render_scaled_object(body: dict[str, Any], role: str) -> dict[str, Any] | None:
+    """The role's KEDA ScaledObject, or None unless the role autoscales with provider keda.
+
+    Each target becomes a Prometheus trigger on the engine's own metric, summed over the role's
+    pods (found by the `namespace` and `pod` labels of Prometheus' Kubernetes discovery) and
+    compared per pod (AverageValue); TTFT p90 is one value for the role (Value). With
+    minReplicas 0 a trigger on the router's queued-request gauge activates the role from zero.
+    """
+    spec = _spec(body)
+    autoscaling = spec[role]["autoscaling"]
+    if autoscaler(spec, role) != "keda":
+        return None
+    address = autoscaling["keda"]["serverAddress"]
+    namespace = _namespace(body) or "default"
+    pods = f'namespace="{namespace}",pod=~"{child_name(body, role)}-[a-z0-9]+-[a-z0-9]+"'
+    triggers = []
+    gauges = [
+        ("targetRequestsWaiting", "requests-waiting", "atom:requests_waiting"),
+        ("targetRequestsRunning", "requests-running", "atom:requests_running"),
+        ("targetKVCacheUsage", "kv-cache-usage", "atom:kv_cache_usage_ratio"),
+    ]
+    for field, name, metric in gauges:
+        if field in autoscaling:
+            query = f"sum({metric}{{{pods}}})"
+            triggers.append(
+                _prometheus_trigger(address, name, query, autoscaling[field], "AverageValue")
+            )
+    if "targetTTFTSeconds" in autoscaling:
+        query = (
+            "histogram_quantile(0.9, sum by (le) "
+            f"(rate(atom:time_to_first_token_seconds_bucket{{{pods}}}[2m])))"
+        )
+        triggers.append(
+            _prometheus_trigger(
+                address, "ttft-p90", query, autoscaling["targetTTFTSeconds"], "Value"
+            )
+        )
+    if autoscaling["minReplicas"] == 0:
+        query = f'sum(atom:router_queued_requests{{namespace="{namespace}",role="{role}"}})'
+        trigger = _prometheus_trigger(address, "router-queued", query, 1, "AverageValue")
+        trigger["metadata"]["activationThreshold"] = "0"
+        triggers.append(trigger)
+    scale_down = {"stabilizationWindowSeconds": autoscaling["scaleDownStabilizationSeconds"]}
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _metadata(body, child_name(body, role), role_labels(body, role)),
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": child_name(body, role),
+            },  # fmt: skip
+            "minReplicaCount": autoscaling["minReplicas"],
+            "maxReplicaCount": autoscaling["maxReplicas"],
+            "pollingInterval": KEDA_POLLING_SECONDS,
+            "cooldownPeriod": autoscaling["scaleToZeroAfterSeconds"],
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": scale_down}}},
+            "triggers": triggers,
+        },
     }
 
 
@@ -580,6 +730,7 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         return None
     router = spec["router"]
     labels = role_labels(body, ROUTER)
+    tmp_volume, tmp_mount = _tmp_volume()
     container = {
         "name": ROUTER,
         "image": router["image"],
@@ -587,7 +738,8 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         "command": ["atom"],
         "args": router_args(body),
         "ports": [{"name": "http", "containerPort": ENGINE_HTTP_PORT, "protocol": "TCP"}],
-        "resources": copy.deepcopy(router["resources"]),
+        "resources": bounded_resources(router["resources"], DEFAULT_ROUTER_RESOURCES),
+        "volumeMounts": [tmp_mount],
         "readinessProbe": _http_probe(5, 5, 3),
         "livenessProbe": _http_probe(15, 10, 4),
         "securityContext": _container_security(),
@@ -596,6 +748,7 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         "securityContext": _pod_security([]),
         "enableServiceLinks": False,
         "containers": [container],
+        "volumes": [tmp_volume],
     }
     if spec["engine"]["imagePullSecrets"]:
         pod["imagePullSecrets"] = copy.deepcopy(spec["engine"]["imagePullSecrets"])
@@ -607,6 +760,74 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
             "replicas": router["replicas"],
             "selector": {"matchLabels": role_selector(body, ROUTER)},
             "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+
+
+def render_network_policy(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Ingress to every pod of the AtomDeployment: the HTTP port from anywhere (clients come
+    through the Service, the operator scrapes /metrics); everything else (KV events, replay, KV
+    transfer) only from pods of the same AtomDeployment and from spec.networkPolicy.kvEventsFrom
+    on the KV-event ports. None when spec.networkPolicy.enabled is false."""
+    spec = _spec(body)
+    policy = spec["networkPolicy"]
+    if not policy["enabled"]:
+        return None
+    own_pods = {"podSelector": {"matchLabels": {DEPLOYMENT_LABEL: label_value(_name(body))}}}
+    rules: list[dict[str, Any]] = [
+        {"ports": [{"protocol": "TCP", "port": ENGINE_HTTP_PORT}]},
+        {"from": [own_pods]},
+    ]
+    events = spec["kvEvents"]
+    if events["enabled"] and policy["kvEventsFrom"]:
+        rules.append(
+            {
+                "from": copy.deepcopy(policy["kvEventsFrom"]),
+                "ports": [
+                    {"protocol": "TCP", "port": events["port"]},
+                    {"protocol": "TCP", "port": events["replayPort"]},
+                ],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(body, child_name(body), common_labels(body)),
+        "spec": {
+            "podSelector": {"matchLabels": {DEPLOYMENT_LABEL: label_value(_name(body))}},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def render_inference_pool(body: dict[str, Any]) -> dict[str, Any] | None:
+    """An InferencePool (inference.networking.k8s.io/v1) over every pod that serves requests
+    (the engine roles, not the router: llm-d's endpoint picker tells prefill from decode by the
+    llm-d.ai/role label), or None unless spec.inferencePool.enabled."""
+    spec = _spec(body)
+    pool = spec["inferencePool"]
+    if not pool["enabled"]:
+        return None
+    picker = pool["endpointPicker"]
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": _metadata(body, child_name(body), common_labels(body)),
+        "spec": {
+            "selector": {
+                "matchLabels": {
+                    DEPLOYMENT_LABEL: label_value(_name(body)),
+                    "llm-d.ai/inferenceServing": "true",
+                }
+            },
+            "targetPorts": [{"number": ENGINE_HTTP_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": picker["name"],
+                "port": {"number": picker["port"]},
+                "failureMode": picker["failureMode"],
+            },
         },
     }
 
@@ -626,11 +847,13 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
             render_role_service(body, role),
             render_pdb(body, role),
         ]
-        hpa = render_hpa(body, role)
-        if hpa is not None:
-            children.append(hpa)
-    router = render_router_deployment(body)
-    if router is not None:
-        children.append(router)
+        for scaler in (render_hpa(body, role), render_scaled_object(body, role)):
+            if scaler is not None:
+                children.append(scaler)
+    extras = (render_router_deployment(body), render_inference_pool(body),
+              render_network_policy(body))  # fmt: skip
+    for extra in extras:
+        if extra is not None:
+            children.append(extra)
     children.append(render_service(body))
     return children

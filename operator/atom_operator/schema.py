@@ -36,6 +36,8 @@ MODEL_URI_PATTERN = (
     r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?"
     r"|file:///.+)$"
 )
+# An image reference, optionally pinned by digest (`repo[:tag]@sha256:<64 hex>`).
+IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
 # An extended resource name such as amd.com/gpu, or empty for the vendor's own.
 RESOURCE_NAME_PATTERN = (
     r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -129,27 +131,81 @@ _RESOURCES = _obj(
     default={},
 )
 
+AUTOSCALING_PROVIDERS = ["builtin", "keda", "hpa"]
+_TARGET = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+
 _AUTOSCALING = _obj(
-    "A HorizontalPodAutoscaler for this role on the engine's Prometheus metrics. When enabled, "
-    "the role's Deployment is rendered without `replicas` so the operator never fights the HPA.",
+    "Autoscaling of this role on the engine's metrics. provider builtin (default): the operator "
+    "scrapes the pods' /metrics itself and sets the Deployment's replicas (nothing else to "
+    "install); keda: a KEDA ScaledObject with Prometheus triggers; hpa: an autoscaling/v2 "
+    "HorizontalPodAutoscaler on custom metrics (needs the Prometheus adapter). When enabled the "
+    "role's Deployment is rendered without `replicas`: the autoscaler is its only writer.",
     {
         "enabled": {"type": "boolean", "default": False},
-        "minReplicas": _int("Lower bound for the HPA.", default=1, minimum=1),
-        "maxReplicas": _int("Upper bound for the HPA; required when enabled.", minimum=1),
+        "provider": _str(
+            "Who scales the role.", default="builtin", enum=list(AUTOSCALING_PROVIDERS)
+        ),
+        "minReplicas": _int(
+            "Lower bound. 0 (builtin or keda, with a router in front, i.e. a prefill role): "
+            "scale to zero after scaleToZeroAfterSeconds idle, back up on queued demand.",
+            default=1,
+            minimum=0,
+        ),
+        "maxReplicas": _int("Upper bound; required when enabled.", minimum=1),
         "targetRequestsWaiting": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMinimum": True,
-            "description": "Average atom:requests_waiting per pod the HPA aims for.",
+            **_TARGET,
+            "description": "atom:requests_waiting per pod to aim for (prefill's signal).",
+        },
+        "targetRequestsRunning": {
+            **_TARGET,
+            "description": "atom:requests_running per pod to aim for (decode's signal).",
         },
         "targetKVCacheUsage": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMinimum": True,
+            **_TARGET,
             "maximum": 1,
-            "description": "Average atom:kv_cache_usage_ratio per pod (0-1] the HPA aims for.",
+            "description": "atom:kv_cache_usage_ratio per pod (0-1] to aim for (decode).",
         },
-        "behavior": _free_object("autoscaling/v2 HorizontalPodAutoscalerBehavior, passed through."),
+        "targetTTFTSeconds": {
+            **_TARGET,
+            "description": "p90 of atom:time_to_first_token_seconds to aim for (builtin, keda).",
+        },
+        "scaleUpStabilizationSeconds": _int(
+            "builtin: a rise must hold this long before pods are added (the smallest "
+            "recommendation of the window wins); a surge (2x the current pods) acts at once.",
+            default=0,
+            minimum=0,
+            maximum=3600,
+        ),
+        "scaleDownStabilizationSeconds": _int(
+            "Pods are removed only when every recommendation of this window agrees (builtin; "
+            "keda and hpa get it as the HPA behavior's scale-down window).",
+            default=300,
+            minimum=0,
+            maximum=3600,
+        ),
+        "maxStep": _int(
+            "builtin: most pods added or removed by one decision (a surge may double).",
+            default=4,
+            minimum=1,
+        ),
+        "scaleToZeroAfterSeconds": _int(
+            "With minReplicas 0: idle time (no running, waiting or queued request) before the "
+            "role goes to zero (builtin; keda's cooldownPeriod).",
+            default=300,
+            minimum=0,
+        ),
+        "keda": _obj(
+            "provider keda: where KEDA's Prometheus triggers query the engine's metrics.",
+            {
+                "serverAddress": _str(
+                    "Prometheus base URL, e.g. http://prometheus.monitoring:9090.",
+                    pattern=r"^https?://\S+$",
+                ),
+            },
+        ),
+        "behavior": _free_object(
+            "provider hpa: autoscaling/v2 HorizontalPodAutoscalerBehavior, passed through."
+        ),
     },
     default={},
     **{
@@ -167,10 +223,29 @@ _AUTOSCALING = _obj(
             },
             {
                 "rule": "!has(self.enabled) || !self.enabled || has(self.targetRequestsWaiting) "
-                "|| has(self.targetKVCacheUsage)",
-                "message": "set targetRequestsWaiting and/or targetKVCacheUsage when autoscaling "
-                "is enabled",
+                "|| has(self.targetRequestsRunning) || has(self.targetKVCacheUsage) "
+                "|| has(self.targetTTFTSeconds)",
+                "message": "set at least one of targetRequestsWaiting, targetRequestsRunning, "
+                "targetKVCacheUsage, targetTTFTSeconds when autoscaling is enabled",
                 "fieldPath": ".enabled",
+            },
+            {
+                "rule": "!has(self.enabled) || !self.enabled || !has(self.provider) "
+                "|| self.provider != 'keda' || (has(self.keda) && has(self.keda.serverAddress))",
+                "message": "provider keda needs keda.serverAddress (the Prometheus URL)",
+                "fieldPath": ".keda",
+            },
+            {
+                "rule": "!has(self.provider) || self.provider != 'hpa' "
+                "|| !has(self.minReplicas) || self.minReplicas >= 1",
+                "message": "provider hpa cannot scale to zero: minReplicas must be >= 1",
+                "fieldPath": ".minReplicas",
+            },
+            {
+                "rule": "!has(self.provider) || self.provider != 'hpa' "
+                "|| !has(self.targetTTFTSeconds)",
+                "message": "provider hpa has no TTFT quantile metric: use builtin or keda",
+                "fieldPath": ".targetTTFTSeconds",
             },
         ]
     },
@@ -245,8 +320,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             "The runtime container shared by every role.",
             {
                 "image": _str(
-                    "Runtime image. Default: the ATOM runtime image for the accelerator vendor.",
+                    "Runtime image, a tag or a digest (repo@sha256:...). Default: the ATOM "
+                    "runtime image for the accelerator vendor.",
                     minLength=1,
+                    pattern=IMAGE_PATTERN,
                 ),
                 "imagePullPolicy": _str(
                     "Image pull policy.",
@@ -273,6 +350,21 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "default": "8Gi",
                     "description": "Size limit of the memory-backed /dev/shm.",
                 },
+                "cacheSize": {
+                    **_QUANTITY,
+                    "default": "100Gi",
+                    "description": "Size limit of the writable cache emptyDir (Hugging Face "
+                    "downloads, Triton kernels); the root filesystem is read-only.",
+                },
+                "apiKeySecretRef": _obj(
+                    "Secret key holding the API key clients must send (atom serve --api-key, "
+                    "read from the ATOM_API_KEY variable, never written into the pod spec).",
+                    {
+                        "name": _str("Secret name.", minLength=1),
+                        "key": _str("Key in the Secret.", default="api-key", minLength=1),
+                    },
+                    required=["name"],
+                ),
                 "startupTimeoutSeconds": _int(
                     "How long a pod may take to load the model before it is restarted.",
                     default=1800,
@@ -373,6 +465,56 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 ]
             },
         ),
+        "networkPolicy": _obj(
+            "A NetworkPolicy over this deployment's pods: the HTTP port (8000) open to clients "
+            "(through the Service) and the operator's autoscaler; every other port (KV events, "
+            "KV transfer) only from pods of the same AtomDeployment (the router, the other role) "
+            "and from the peers in kvEventsFrom.",
+            {
+                "enabled": {"type": "boolean", "default": True},
+                "kvEventsFrom": {
+                    "type": "array",
+                    "default": [],
+                    "description": "Extra networking/v1 NetworkPolicyPeers allowed to the "
+                    "KV-event ports (e.g. llm-d's endpoint picker).",
+                    "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+            },
+            default={},
+        ),
+        "inferencePool": _obj(
+            "A Gateway API Inference Extension InferencePool over the serving pods (decode, and "
+            "prefill in disaggregated mode), so an inference gateway with llm-d's endpoint "
+            "picker can route instead of (or beside) the router.",
+            {
+                "enabled": {"type": "boolean", "default": False},
+                "endpointPicker": _obj(
+                    "The endpoint picker (EPP) Service the gateway consults.",
+                    {
+                        "name": _str("EPP Service name.", minLength=1),
+                        "port": _int(
+                            "EPP Service port (ext-proc).", default=9002, minimum=1, maximum=65535
+                        ),  # fmt: skip
+                        "failureMode": _str(
+                            "What the gateway does when the EPP does not answer.",
+                            default="FailClose",
+                            enum=["FailOpen", "FailClose"],
+                        ),
+                    },
+                ),
+            },
+            default={},
+            **{
+                "x-kubernetes-validations": [
+                    {
+                        "rule": "!has(self.enabled) || !self.enabled "
+                        "|| (has(self.endpointPicker) && has(self.endpointPicker.name))",
+                        "message": "an enabled inferencePool needs endpointPicker.name",
+                        "fieldPath": ".endpointPicker",
+                    }
+                ]
+            },
+        ),
         "stateCheckpoint": _obj(
             "Per-request state checkpoints for hybrid (recurrent-state) models.",
             {
@@ -402,7 +544,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
         "router": _obj(
             "The router Deployment of disaggregated mode (ignored without a prefill role).",
             {
-                "image": _str("Router image. Default: spec.engine.image.", minLength=1),
+                "image": _str(
+                    "Router image (tag or digest). Default: spec.engine.image.",
+                    minLength=1,
+                    pattern=IMAGE_PATTERN,
+                ),
                 "replicas": _int("Router pods.", default=1, minimum=1),
                 "resources": copy.deepcopy(_RESOURCES),
             },
@@ -442,6 +588,14 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "fieldPath": ".accelerator.resourceName",
             },
             {
+                "rule": "!has(self.decode) || !has(self.decode.autoscaling) "
+                "|| !has(self.decode.autoscaling.minReplicas) "
+                "|| self.decode.autoscaling.minReplicas > 0 || has(self.prefill)",
+                "message": "decode scales to zero only behind the router, which holds requests "
+                "meanwhile: add a prefill role or set minReplicas >= 1",
+                "fieldPath": ".decode.autoscaling.minReplicas",
+            },
+            {
                 "rule": "!has(self.kvTransfer) || has(self.prefill)",
                 "message": "kvTransfer needs a prefill role (disaggregated mode)",
                 "fieldPath": ".kvTransfer",
@@ -478,6 +632,12 @@ STATUS_SCHEMA: dict[str, Any] = {
                 "prefill": _ROLE_STATUS,
                 "router": _ROLE_STATUS,
             },
+        },
+        "autoscaling": {
+            "type": "object",
+            "description": "provider builtin: the last decision per role (desired, observed "
+            "metrics, reason), written by the operator's autoscaler.",
+            "x-kubernetes-preserve-unknown-fields": True,
         },
         "conditions": {
             "type": "array",

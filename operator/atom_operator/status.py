@@ -15,6 +15,9 @@ lastTransitionTime changes only when status changes):
 - `KVEventsWired`  spec.kvEvents.enabled and every engine role's container args carry
                    `--kv-events-config` with the publisher endpoint on spec.kvEvents.port and a
                    `kv@...` topic. False with reason `Disabled` when KV events are off.
+- `ScalingLimited` (only while a role autoscales with provider builtin) True when the built-in
+                   autoscaler's last decision for some role wanted more than maxReplicas
+                   (read from status.autoscaling, which the autoscaler writes).
 - `Ready`          True only when the spec is valid, the operator has applied the current
                    generation (status.observedGeneration == metadata.generation) and every
                    condition above that applies is True. Never earlier.
@@ -65,6 +68,7 @@ CONDITION_ORDER = (
     "PrefillReady",
     "RouterReady",
     "KVEventsWired",
+    "ScalingLimited",
     "Ready",
 )
 
@@ -151,13 +155,20 @@ class RoleState:
     pending: bool = False
 
 
-def role_state(role: str, deployment: RoleDeployment | None) -> RoleState:
+def role_state(
+    role: str, deployment: RoleDeployment | None, *, zero_by_design: bool = False
+) -> RoleState:
+    """One role's verdict. `zero_by_design`: the role autoscales with minReplicas 0 behind the
+    router, so zero pods is a healthy resting state (requests wait at the router), not Pending."""
     if deployment is None:
         return RoleState(False, "DeploymentMissing", f"no {role} Deployment yet", pending=True)
     d = deployment
     counts = f"{d.ready}/{d.desired} ready, {d.updated}/{d.desired} updated"
     if d.failure:
         return RoleState(False, "RolloutFailed", f"{d.name}: {d.failure}", degraded=True)
+    if d.desired == 0 and zero_by_design and d.replicas == 0:
+        message = f"{d.name} scaled to zero while idle; the router holds requests until a pod is up"
+        return RoleState(True, "ScaledToZero", message)
     if d.desired == 0:
         return RoleState(False, "ScaledToZero", f"{d.name} wants 0 pods", pending=True)
     if d.observed_generation < d.generation or d.updated < d.desired or d.replicas > d.updated:
@@ -286,7 +297,20 @@ def fold_status(
 
     disaggregated = "prefill" in spec
     roles = ["decode", "prefill", "router"] if disaggregated else ["decode"]
-    states = {role: role_state(role, owned.get(role)) for role in roles}
+
+    def zero_by_design(role: str) -> bool:
+        autoscaling = (spec.get(role) or {}).get("autoscaling") or {}
+        return bool(
+            spec_error is None
+            and disaggregated
+            and autoscaling.get("enabled")
+            and autoscaling.get("minReplicas") == 0
+        )
+
+    states = {
+        role: role_state(role, owned.get(role), zero_by_design=zero_by_design(role))
+        for role in roles
+    }
 
     conditions: list[dict[str, Any]] = []
 
@@ -327,6 +351,26 @@ def fold_status(
         else:
             message = f"engine pods publish on port {kv_events.get('port', 5557)}"
             add("KVEventsWired", True, "ArgsWired", message, applied_generation)
+
+    builtin = [
+        role
+        for role in ENGINE_ROLES
+        if role in roles
+        and ((spec.get(role) or {}).get("autoscaling") or {}).get("enabled")
+        and ((spec.get(role) or {}).get("autoscaling") or {}).get("provider") == "builtin"
+    ]
+    if builtin and spec_error is None:
+        decisions = old_status.get("autoscaling") or {}
+        limited = [
+            f"{role}: {(decisions.get(role) or {}).get('reason', '')}"
+            for role in builtin
+            if (decisions.get(role) or {}).get("limited") == "max"
+        ]
+        if limited:
+            add("ScalingLimited", True, "AtMaxReplicas", "; ".join(limited), applied_generation)
+        else:
+            message = f"{', '.join(builtin)} within [minReplicas, maxReplicas]"
+            add("ScalingLimited", False, "WithinLimits", message, applied_generation)
 
     not_ready = [ROLE_CONDITIONS[r] for r in roles if not states[r].ready]
     if spec_error is not None:

@@ -32,6 +32,7 @@ import yaml
 # The status timer's interval is read when atom_operator.handlers is imported: keep it short so
 # status follows child changes within a test's patience.
 os.environ.setdefault("ATOM_OPERATOR_STATUS_INTERVAL", "0.3")
+os.environ.setdefault("ATOM_OPERATOR_AUTOSCALE_INTERVAL", "0.3")
 
 import kopf  # noqa: E402
 from kubernetes.config import kube_config  # noqa: E402
@@ -45,10 +46,16 @@ DEPLOYMENTS = "apps/v1/deployments"
 SERVICES = "v1/services"
 PDBS = "policy/v1/poddisruptionbudgets"
 HPAS = "autoscaling/v2/horizontalpodautoscalers"
+SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
+NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
+INFERENCEPOOLS = "inference.networking.k8s.io/v1/inferencepools"
+PODS = "v1/pods"
 EVENTS = "v1/events"
 NAMESPACES = "v1/namespaces"
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
-CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, PDBS, HPAS)
+CHILD_RESOURCES = (
+    DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALEDOBJECTS, NETWORKPOLICIES, INFERENCEPOOLS,
+)  # fmt: skip
 
 # Built-in kinds the operator touches; all of them have a status subresource on a real cluster
 # except Services' status being irrelevant here, PDBs and events.
@@ -57,6 +64,10 @@ BUILTINS: dict[str, dict[str, Any]] = {
     SERVICES: {"kind": "Service", "namespaced": True, "subresources": {"status"}},
     PDBS: {"kind": "PodDisruptionBudget", "namespaced": True, "subresources": {"status"}},
     HPAS: {"kind": "HorizontalPodAutoscaler", "namespaced": True, "subresources": {"status"}},
+    SCALEDOBJECTS: {"kind": "ScaledObject", "namespaced": True, "subresources": {"status"}},
+    NETWORKPOLICIES: {"kind": "NetworkPolicy", "namespaced": True},
+    INFERENCEPOOLS: {"kind": "InferencePool", "namespaced": True, "subresources": {"status"}},
+    PODS: {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
     EVENTS: {"kind": "Event", "namespaced": True},
     # kopf waits for namespaces to be discoverable before it watches anything.
     NAMESPACES: {"kind": "Namespace", "namespaced": False},

@@ -161,7 +161,8 @@ def test_rbac_covers_exactly_what_the_operator_does(values):
     granted = {res for rule in rules for res in rule["resources"]}
     assert granted == {
         "atomdeployments", "atomdeployments/status", "atomdeployments/finalizers", "deployments",
-        "services", "poddisruptionbudgets", "horizontalpodautoscalers", "pods", "events",
+        "services", "poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects",
+        "networkpolicies", "inferencepools", "pods", "events",
     }  # fmt: skip
 
 

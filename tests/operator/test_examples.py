@@ -41,18 +41,22 @@ def _kinds(path: str) -> list[str]:
 
 
 def test_example_shapes():
+    # provider hpa renders an HPA; the disaggregated example autoscales with builtin: no object.
     assert _kinds("amd-mi300x-aggregated.yaml") == [
-        "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "Service",
+        "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+        "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("amd-mi300x-disaggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "Deployment", "Service", "PodDisruptionBudget",
-        "Deployment", "Service",
+        "Deployment", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("nvidia-h100-aggregated.yaml") == [
-        "Deployment", "Service", "PodDisruptionBudget", "Service",
+        "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",
     ]  # fmt: skip
-    assert _kinds("cpu-smollm2.yaml") == ["Deployment", "Service", "PodDisruptionBudget", "Service"]
+    assert _kinds("cpu-smollm2.yaml") == [
+        "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",
+    ]  # fmt: skip
 
 
 def test_example_endpoints():
@@ -71,3 +75,24 @@ def test_validator_catches_a_broken_object():
     deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, "1.30", strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_container_is_locked_down(path):
+    """Read-only root, CPU and memory requests and limits on every container (engine, router);
+    no service account token in engine pods."""
+    for child in render_children(_body(path)):
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        for container in pod["containers"]:
+            where = f"{child['metadata']['name']}/{container['name']}"
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, where
+            for section in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(container["resources"][section]), where
+            for mount in container.get("volumeMounts", []):
+                (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+                if "emptyDir" in volume:
+                    assert volume["emptyDir"]["sizeLimit"], where
+        if child["metadata"]["labels"]["serving.atom.dev/role"] != "router":
+            assert pod["automountServiceAccountToken"] is False

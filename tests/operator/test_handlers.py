@@ -87,7 +87,8 @@ async def test_create_posts_an_applied_event(cluster, operator_running):
             "Normal",
             "Applied",
             "Deployment/chat-decode created, Service/chat-decode created, "
-            "PodDisruptionBudget/chat-decode created, Service/chat created",
+            "PodDisruptionBudget/chat-decode created, NetworkPolicy/chat created, "
+            "Service/chat created",
         )
     ]
 

@@ -56,8 +56,16 @@ def test_run_starts_kopf_with_the_registered_handlers(monkeypatch):
         "namespaces": ["ns1"],
         "liveness_endpoint": None,
     }
-    ids = {h.id for h in registry._changing.get_all_handlers()}
-    assert {"on_create", "on_resume", "on_update"} <= ids
+    handlers = registry._changing.get_all_handlers()
+    # One function handles creation, resumption and updates (stacked kopf decorators).
+    # (a resume handler is kopf's `initial` handler with no reason of its own)
+    causes = {(h.reason, bool(h.initial)) for h in handlers if h.id == "on_change"}
+    assert causes == {("create", False), (None, True), ("update", False)}
+    fields = {h.id: h.param for h in handlers if h.id.startswith("on_replicas")}
+    assert fields == {
+        "on_replicas/spec.decode.replicas": "decode",
+        "on_replicas/spec.prefill.replicas": "prefill",
+    }
 
 
 def test_python_dash_m_atom_operator_is_atom_operator():

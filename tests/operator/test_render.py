@@ -117,15 +117,19 @@ def test_aggregated_children():
         ("Deployment", "qwen3-8b-decode"),
         ("Service", "qwen3-8b-decode"),
         ("PodDisruptionBudget", "qwen3-8b-decode"),
+        ("NetworkPolicy", "qwen3-8b"),
         ("Service", "qwen3-8b"),
     ]
 
 
-def test_disaggregated_children_with_autoscaling():
-    spec = {
-        "prefill": {"autoscaling": {"enabled": True, "maxReplicas": 3, "targetRequestsWaiting": 2}},
-        "decode": {"replicas": 2},
-    }
+@pytest.mark.parametrize(
+    "provider,scaler",
+    [("builtin", []), ("hpa", [("HorizontalPodAutoscaler", "qwen3-8b-prefill")])],
+)
+def test_disaggregated_children_with_autoscaling(provider, scaler):
+    autoscaling = {"enabled": True, "provider": provider, "maxReplicas": 3,
+                   "targetRequestsWaiting": 2}  # fmt: skip
+    spec = {"prefill": {"autoscaling": autoscaling}, "decode": {"replicas": 2}}
     assert kinds_and_names(render_children(atomd(spec))) == [
         ("Deployment", "qwen3-8b-decode"),
         ("Service", "qwen3-8b-decode"),
@@ -133,8 +137,9 @@ def test_disaggregated_children_with_autoscaling():
         ("Deployment", "qwen3-8b-prefill"),
         ("Service", "qwen3-8b-prefill"),
         ("PodDisruptionBudget", "qwen3-8b-prefill"),
-        ("HorizontalPodAutoscaler", "qwen3-8b-prefill"),
+        *scaler,
         ("Deployment", "qwen3-8b-router"),
+        ("NetworkPolicy", "qwen3-8b"),
         ("Service", "qwen3-8b"),
     ]
 
@@ -323,7 +328,7 @@ def test_user_env_overrides_by_name_and_role_env_wins_over_engine_env():
     }
     deployment = render_role_deployment(atomd(spec), "decode")
     names = [var["name"] for var in container(deployment)["env"]]
-    assert names == ["POD_IP", "HF_HOME", "TRITON_CACHE_DIR", "A"]
+    assert names == ["POD_IP", "HF_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "A"]
     assert env_of(deployment)["HF_HOME"] == "/data/hf"
     assert env_of(deployment)["A"] == "2"
 
@@ -357,7 +362,7 @@ def test_pvc_root_and_file_models():
     deployment = render_role_deployment(atomd({"model": {"uri": "file:///models/smol"}}), "decode")
     args = container(deployment)["args"]
     assert (flag(args, "--model"), flag(args, "--served-model-name")) == ("/models/smol", "smol")
-    assert [v["name"] for v in pod(deployment)["volumes"]] == ["dshm", "cache"]
+    assert [v["name"] for v in pod(deployment)["volumes"]] == ["dshm", "cache", "tmp"]
 
 
 def test_default_model_has_no_model_flag():
@@ -381,9 +386,10 @@ def test_gpu_resources_equal_tensor_parallel_size(accelerator, resource, tolerat
     spec = {"accelerator": accelerator, "decode": {"tensorParallelSize": 4,
             "resources": {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}}}}  # fmt: skip
     deployment = render_role_deployment(atomd(spec), "decode")
+    # Each of cpu and memory gets a request and a limit: the one given serves as both.
     assert container(deployment)["resources"] == {
-        "requests": {"cpu": "8", resource: 4},
-        "limits": {"memory": "64Gi", resource: 4},
+        "requests": {"cpu": "8", "memory": "64Gi", resource: 4},
+        "limits": {"memory": "64Gi", "cpu": "8", resource: 4},
     }
     assert pod(deployment)["tolerations"] == [
         {"key": toleration, "operator": "Exists", "effect": "NoSchedule"}
@@ -393,7 +399,10 @@ def test_gpu_resources_equal_tensor_parallel_size(accelerator, resource, tolerat
 def test_cpu_vendor_requests_no_device_and_tolerates_nothing():
     spec = {"accelerator": {"vendor": "cpu"}, "decode": {"resources": {"requests": {"cpu": "2"}}}}
     deployment = render_role_deployment(atomd(spec), "decode")
-    assert container(deployment)["resources"] == {"requests": {"cpu": "2"}}
+    assert container(deployment)["resources"] == {
+        "requests": {"cpu": "2", "memory": "4Gi"},  # memory: the cpu vendor's default
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
     assert "tolerations" not in pod(deployment)
     assert "supplementalGroups" not in pod(deployment)["securityContext"]
     assert container(deployment)["image"] == "ghcr.io/atom-serving/atom-runtime:0.1.0-cpu"
@@ -458,6 +467,7 @@ def test_security_context_is_non_root_and_amd_gets_the_video_group():
     }
     assert container(deployment)["securityContext"] == {
         "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
     custom = render_role_deployment(
@@ -471,14 +481,20 @@ def test_security_context_is_non_root_and_amd_gets_the_video_group():
 def test_shm_cache_volumes_and_probes():
     spec = {"engine": {"shmSize": "32Gi", "startupTimeoutSeconds": 1800}}
     deployment = render_role_deployment(atomd(spec), "decode")
-    assert pod(deployment)["volumes"][:2] == [
+    # The root filesystem is read-only: every writable place is a size-limited emptyDir.
+    assert pod(deployment)["volumes"] == [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
     ]
-    assert container(deployment)["volumeMounts"][:2] == [
+    assert container(deployment)["volumeMounts"] == [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": "/var/cache/atom"},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
+    assert container(deployment)["securityContext"]["readOnlyRootFilesystem"] is True
+    sized = render_role_deployment(atomd({"engine": {"cacheSize": "300Gi"}}), "decode")
+    assert pod(sized)["volumes"][1] == {"name": "cache", "emptyDir": {"sizeLimit": "300Gi"}}
     engine = container(deployment)
     health = {"path": "/health", "port": "http"}
     assert engine["startupProbe"] == {
@@ -526,6 +542,7 @@ def test_replicas_and_rollout_strategy():
 def test_autoscaled_role_has_no_replicas_and_an_hpa():
     autoscaling = {
         "enabled": True,
+        "provider": "hpa",
         "minReplicas": 2,
         "maxReplicas": 8,
         "targetRequestsWaiting": 4,
@@ -631,7 +648,15 @@ def test_router_deployment():
         "--decode-service", "http://qwen3-8b-decode.llm.svc.cluster.local:8000",
         "--prefill-service", "http://qwen3-8b-prefill.llm.svc.cluster.local:8000",
     ]  # fmt: skip
-    assert engine["resources"] == {"requests": {"cpu": "1"}}
+    assert engine["resources"] == {
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"cpu": "1", "memory": "1Gi"},
+    }
+    assert engine["securityContext"]["readOnlyRootFilesystem"] is True
+    assert engine["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert router["spec"]["template"]["spec"]["volumes"] == [
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+    ]
     assert "tolerations" not in pod(router)  # the router needs no GPU node
     assert render_router_deployment(atomd()) is None
 
@@ -639,3 +664,69 @@ def test_router_deployment():
 def test_router_image_override():
     router = render_router_deployment(atomd({"prefill": {}, "router": {"image": "r:1"}}))
     assert container(router)["image"] == "r:1"
+
+
+# --- a locked-down cluster --------------------------------------------------------------------
+
+
+def test_network_policy_opens_http_to_clients_and_the_rest_only_to_the_deployment():
+    policy = render.render_network_policy(atomd())
+    own = {"podSelector": {"matchLabels": {"serving.atom.dev/deployment": "qwen3-8b"}}}
+    assert policy["metadata"]["name"] == "qwen3-8b"
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": {"serving.atom.dev/deployment": "qwen3-8b"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"ports": [{"protocol": "TCP", "port": 8000}]},  # clients, via the Service
+            {"from": [own]},  # KV events, replay, KV transfer: the router and the other role
+        ],
+    }
+    epp = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-d"}}}
+    extra = render.render_network_policy(atomd({"networkPolicy": {"kvEventsFrom": [epp]}}))
+    assert extra["spec"]["ingress"][2] == {
+        "from": [epp],
+        "ports": [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}],
+    }
+    assert render.render_network_policy(atomd({"networkPolicy": {"enabled": False}})) is None
+
+
+def test_engine_pods_mount_no_service_account_token():
+    for role in ("decode", "prefill"):
+        deployment = render_role_deployment(atomd({"prefill": {}}), role)
+        assert pod(deployment)["automountServiceAccountToken"] is False
+
+
+def test_api_key_comes_from_a_secret_through_an_env_var_never_the_pod_spec():
+    spec = {"engine": {"apiKeySecretRef": {"name": "keys"}}}
+    deployment = render_role_deployment(atomd(spec), "decode")
+    args = container(deployment)["args"]
+    assert flag(args, "--api-key") == "$(ATOM_API_KEY)"  # expanded by the kubelet
+    (var,) = [v for v in container(deployment)["env"] if v["name"] == "ATOM_API_KEY"]
+    assert var == {
+        "name": "ATOM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-key"}},
+    }
+    assert "--api-key" not in container(render_role_deployment(atomd(), "decode"))["args"]
+    mine = {"engine": {"apiKeySecretRef": {"name": "keys"},
+                       "env": [{"name": "ATOM_API_KEY", "value": "plain"}]}}  # fmt: skip
+    with pytest.raises(SpecError) as caught:
+        render_children(atomd(mine))
+    assert caught.value.field == "spec.engine.env[0].name"
+    assert "set from spec.engine.apiKeySecretRef" in caught.value.message
+
+
+def test_image_digests_are_accepted_verbatim():
+    digest = "registry.local:5000/atom/runtime@sha256:" + "ab" * 32
+    tagged = "registry.local/atom/runtime:0.2@sha256:" + "0f" * 32
+    spec = {"engine": {"image": digest}, "prefill": {}, "router": {"image": tagged}}
+    children = render_children(atomd(spec))
+    images = {
+        c["metadata"]["name"]: c["spec"]["template"]["spec"]["containers"][0]["image"]
+        for c in children
+        if c["kind"] == "Deployment"
+    }
+    assert images == {"qwen3-8b-decode": digest, "qwen3-8b-prefill": digest,
+                      "qwen3-8b-router": tagged}  # fmt: skip
+    with pytest.raises(SpecError) as caught:
+        render_children(atomd({"engine": {"image": "atom@sha256:1234"}}))
+    assert caught.value.field == "spec.engine.image"

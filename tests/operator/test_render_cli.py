@@ -33,6 +33,7 @@ def test_renders_a_file_as_multi_document_yaml():
         ("Deployment", "smollm2-decode"),
         ("Service", "smollm2-decode"),
         ("PodDisruptionBudget", "smollm2-decode"),
+        ("NetworkPolicy", "smollm2"),
         ("Service", "smollm2"),
     ]
     assert {d["metadata"]["namespace"] for d in docs} == {"default"}
@@ -58,6 +59,7 @@ spec: {accelerator: {vendor: nvidia}, prefill: {}}
         ("Deployment", "team-a", "one-decode"),
         ("Service", "team-a", "one-decode"),
         ("PodDisruptionBudget", "team-a", "one-decode"),
+        ("NetworkPolicy", "team-a", "one"),
         ("Service", "team-a", "one"),
         ("Deployment", "team-b", "two-decode"),
         ("Service", "team-b", "two-decode"),
@@ -66,6 +68,7 @@ spec: {accelerator: {vendor: nvidia}, prefill: {}}
         ("Service", "team-b", "two-prefill"),
         ("PodDisruptionBudget", "team-b", "two-prefill"),
         ("Deployment", "team-b", "two-router"),
+        ("NetworkPolicy", "team-b", "two"),
         ("Service", "team-b", "two"),
     ]
 

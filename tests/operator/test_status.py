@@ -240,3 +240,23 @@ def test_status_changes_only_what_differs_and_nulls_removed_roles():
     folded = {"phase": "Ready", "roles": {"decode": {"ready": "1/1"}, "prefill": None}}
     assert status_changes(current, folded) == {"roles": {"prefill": None}}
     assert status_changes(folded | {"roles": {"decode": {"ready": "1/1"}}}, folded) == {}
+
+
+def test_a_role_scaled_to_zero_by_its_autoscaler_is_ready_not_pending():
+    resting = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                               "targetRequestsWaiting": 2}}  # fmt: skip
+    obj = body({"prefill": resting})
+    zero = deployment("prefill", desired=0, replicas=0, ready=0, updated=0)
+    status = fold(obj, [deployment(), zero, deployment("router")])
+    assert conditions(status)["PrefillReady"] == ("True", "ScaledToZero")
+    assert (status["phase"], conditions(status)["Ready"]) == (
+        "Ready",
+        ("True", "AllComponentsReady"),
+    )
+    # A pod still terminating is not at rest yet; a role without minReplicas 0 is Pending at 0.
+    leaving = deployment("prefill", desired=0, replicas=1, ready=1, updated=1)
+    status = fold(obj, [deployment(), leaving, deployment("router")])
+    assert conditions(status)["PrefillReady"] == ("False", "ScaledToZero")
+    status = fold(body({"prefill": {"replicas": 0}}), [deployment(), zero, deployment("router")])
+    assert (conditions(status)["PrefillReady"], status["phase"]) == (
+        ("False", "ScaledToZero"), "Pending")  # fmt: skip

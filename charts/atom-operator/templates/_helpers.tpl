@@ -55,6 +55,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# provider keda: one ScaledObject per autoscaled role (harmless where KEDA is not installed).
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# spec.inferencePool: a Gateway API Inference Extension InferencePool.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# provider builtin: the operator lists a role's ready pods to scrape their /metrics.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
