@@ -28,7 +28,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's logits computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._ensure_hashes(seq, max_blocks)
+        self.ensure_hashes(seq, max_blocks)
         hits = []
         for i in range(max_blocks):
             block_id = self.pool.lookup(seq.block_hashes[i], self._block_tokens(seq, i))
@@ -76,7 +76,7 @@ class BlockManager:
         # Never hash over an unhashed parent: a gap in the chain stops hashing for this sequence.
         if start > 0 and self.pool.blocks[seq.block_table[start - 1]].hash is None:
             return
-        self._ensure_hashes(seq, num_full)
+        self.ensure_hashes(seq, num_full)
         self.pool.publish_hashes(
             seq.block_table[start:num_full],
             seq.block_hashes[start:num_full],
@@ -85,7 +85,8 @@ class BlockManager:
         )
         seq.num_hashed_blocks = num_full
 
-    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+    def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        """Chain hashes of seq's first num_blocks full blocks (checkpoints are keyed by them)."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
