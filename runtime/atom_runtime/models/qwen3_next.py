@@ -64,10 +64,6 @@ def _narrow_rank(param: nn.Parameter, loaded, dim: int = 0) -> None:
     copy_weight(param.data, loaded.narrow(dim, tp_rank() * n, n))
 
 
-def _read(t) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else t.read()
-
-
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -156,47 +152,50 @@ class GatedDeltaNet(nn.Module):
         ]
 
     def _load_conv(self, param: nn.Parameter, loaded, shard_id=None) -> None:
-        """conv1d.weight [2K + V, 1, W]: this rank's rows of each of the q, k, v blocks."""
-        w = _read(loaded)
-        w = w.reshape(w.shape[0], -1)
-        key_all = self.nk_all * self.k_dim
-        r = tp_rank()
+        """conv1d.weight [2K + V, 1, W]: this rank's rows of each of the q, k, v blocks (only
+        those rows are read)."""
+        key_all, r = self.nk_all * self.k_dim, tp_rank()
         parts = [
-            w[r * self.key_size : (r + 1) * self.key_size],
-            w[key_all + r * self.key_size : key_all + (r + 1) * self.key_size],
-            w[2 * key_all + r * self.value_size : 2 * key_all + (r + 1) * self.value_size],
+            loaded.narrow(0, r * self.key_size, self.key_size),
+            loaded.narrow(0, key_all + r * self.key_size, self.key_size),
+            loaded.narrow(0, 2 * key_all + r * self.value_size, self.value_size),
         ]
-        copy_weight(param.data, torch.cat(parts))
+        copy_weight(param.data, torch.cat([p.reshape(p.shape[0], -1) for p in parts]))
+
+    def _copy_shard(self, shard: int, rows: torch.Tensor) -> None:
+        """This rank's rows of in_proj shard `shard` (0..5: q, k, v, z, b, a)."""
+        sizes = [self.key_size, self.key_size, self.value_size, self.value_size]
+        sizes += [self.num_v_heads, self.num_v_heads]
+        copy_weight(self.in_proj.weight.data.narrow(0, sum(sizes[:shard]), sizes[shard]), rows)
 
     def load_projection(self, kind: str, loaded) -> None:
-        """Split a checkpoint projection into the fused in_proj's shards."""
-        w = self.in_proj.weight
+        """Copy a checkpoint projection into the fused in_proj, reading only this rank's rows
+        (a rank owns a contiguous run of key heads and of the value heads they serve)."""
+        r, ks, vs, nv = tp_rank(), self.key_size, self.value_size, self.num_v_heads
         key_all = self.nk_all * self.k_dim
-        if kind == "in_proj_qkv":
-            t = _read(loaded)
-            shards = [t[:key_all], t[key_all : 2 * key_all], t[2 * key_all :]]
-            for i, part in enumerate(shards):
-                self.in_proj.weight_loader(w, part, i)
-        elif kind in ("in_proj_z", "in_proj_b", "in_proj_a"):
-            self.in_proj.weight_loader(
-                w, loaded, {"in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}[kind]
-            )
+        if kind == "in_proj_qkv":  # [q (all heads) | k | v]
+            self._copy_shard(0, loaded.narrow(0, r * ks, ks))
+            self._copy_shard(1, loaded.narrow(0, key_all + r * ks, ks))
+            self._copy_shard(2, loaded.narrow(0, 2 * key_all + r * vs, vs))
+        elif kind == "in_proj_z":
+            self._copy_shard(3, loaded.narrow(0, r * vs, vs))
+        elif kind in ("in_proj_b", "in_proj_a"):
+            self._copy_shard(4 if kind == "in_proj_b" else 5, loaded.narrow(0, r * nv, nv))
         elif kind == "in_proj_qkvz":
-            # Per key head: [q (Dk), k (Dk), v (r * Dv), z (r * Dv)], r = Hv / Hk.
-            t = _read(loaded)
-            ratio = self.nv_all // self.nk_all
-            t = t.reshape(self.nk_all, 2 * self.k_dim + 2 * ratio * self.v_dim, -1)
-            q, k, v, z = t.split(
-                [self.k_dim, self.k_dim, ratio * self.v_dim, ratio * self.v_dim], 1
-            )
-            for i, part in enumerate((q, k, v, z)):
-                self.in_proj.weight_loader(w, part.reshape(-1, t.shape[-1]), i)
-        elif kind == "in_proj_ba":
-            t = _read(loaded)
-            ratio = self.nv_all // self.nk_all
-            b, a = t.reshape(self.nk_all, 2 * ratio, -1).split([ratio, ratio], 1)
-            self.in_proj.weight_loader(w, b.reshape(self.nv_all, -1), 4)
-            self.in_proj.weight_loader(w, a.reshape(self.nv_all, -1), 5)
+            # Per key head: [q (Dk), k (Dk), v (g * Dv), z (g * Dv)], g = Hv / Hk.
+            g = self.nv_all // self.nk_all
+            width = 2 * self.k_dim + 2 * g * self.v_dim
+            mine = loaded.narrow(0, r * self.num_k_heads * width, self.num_k_heads * width)
+            mine = mine.reshape(self.num_k_heads, width, -1)
+            parts = mine.split([self.k_dim, self.k_dim, g * self.v_dim, g * self.v_dim], 1)
+            for shard, part in enumerate(parts):
+                self._copy_shard(shard, part.reshape(-1, mine.shape[-1]))
+        elif kind == "in_proj_ba":  # per key head: [b (g), a (g)]
+            g = self.nv_all // self.nk_all
+            mine = loaded.narrow(0, r * self.num_k_heads * 2 * g, self.num_k_heads * 2 * g)
+            b, a = mine.reshape(self.num_k_heads, 2 * g, -1).split([g, g], 1)
+            self._copy_shard(4, b.reshape(nv, -1))
+            self._copy_shard(5, a.reshape(nv, -1))
         else:
             raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
 
