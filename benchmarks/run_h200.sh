@@ -4,6 +4,7 @@
 # then the transformers peer in the same run.
 # Usage (repository root, on the GPU machine): OUT=results bash benchmarks/run_h200.sh [stage...]
 # Stages: tests enginetests bench kernels profile trace sweep asynccheck peer peerw2 peer8b final
+#   w3 (prefix reuse, `atom bench prefix`) w4 (online serving: `atom serve` + `atom bench serve`)
 #   gemv (the GEMV's compiled tests and its paths in the engine, then W2 on the 8B with its
 #   one-row path choices)
 # (default: tests bench kernels peer).
@@ -77,5 +78,22 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $Q3 --peer transformers --iters 1 --output-json "$OUT/json/w2_qwen3_0.6b_peer.json" ;;
     peer8b)
       atom bench latency --load-format dummy --model $L8 --peer transformers --output-json "$OUT/json/w2_llama_8b_peer.json" ;;
+    w3)
+      atom bench prefix --load-format dummy --model $Q3 --output-json "$OUT/json/w3_qwen3_0.6b.json"
+      atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_qwen3_0.6b_max1.json"
+      atom bench prefix --admission-only --output-json "$OUT/json/w3_admission.json" ;;
+    w4)
+      python3 -m atom_runtime serve --load-format dummy --model $Q3 --port 8011 > "$OUT/w4_serve.log" 2>&1 &
+      SERVE=$!
+      # The bench's ready check retries while the server starts (--ready-check-timeout-sec).
+      for rate in 16 64 inf; do
+        atom bench serve --port 8011 --model $Q3 --dataset-name sharegpt --num-prompts 512 \
+          --request-rate $rate --ignore-eos --disable-tqdm --result-filename "$OUT/json/w4_sharegpt_$rate.json"
+      done
+      # W1's shape at saturation: prompts in [100, 1024], outputs 512 +- 82% (the ratio is shared).
+      atom bench serve --port 8011 --model $Q3 --dataset-name random --num-prompts 256 \
+        --random-input-len 562 --random-range-ratio 0.82 --random-output-len 512 --ignore-eos \
+        --disable-tqdm --result-filename "$OUT/json/w4_random_w1.json"
+      kill -TERM $SERVE; wait $SERVE ;;
   esac
 done

@@ -1,8 +1,12 @@
-"""`atom bench throughput|latency`: the workloads of shared/BENCHMARKS.md, with an optional peer
-(Hugging Face transformers) measured in the same run.
+"""`atom bench throughput|latency|prefix|serve`: the workloads of shared/BENCHMARKS.md, with an
+optional peer (Hugging Face transformers) measured in the same run.
 
     atom bench throughput --load-format dummy --model benchmarks/configs/qwen3-0.6b   # W1
     atom bench latency --load-format dummy --model benchmarks/configs/llama-3.1-8b    # W2
+    atom bench prefix --load-format dummy --model benchmarks/configs/qwen3-0.6b       # W3
+    atom bench serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt         # W4
+
+`serve` is a client (bench_serve.py) and never imports torch; `prefix` lives in bench_prefix.py.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
         add_engine_arguments(p)
+    from atom_runtime import bench_multiturn, bench_prefix, bench_serve
+
+    pre = sub.add_parser("prefix", help="W3: TTFT over a cached shared prefix vs caching off")
+    bench_prefix.add_arguments(pre)
+    add_engine_arguments(pre)
+    serve = sub.add_parser("serve", help="W4: drive an OpenAI-compatible server (vllm bench serve)")
+    bench_serve.add_arguments(serve)
+    bench_multiturn.add_parser(sub)  # W5
 
 
 def w1_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -55,6 +67,57 @@ def _clip_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "serve":
+        from atom_runtime import bench_serve
+
+        return bench_serve.run(args)
+    # The offline workloads run the engine in this process: on a machine without a GPU they run
+    # on CPU (slowly; figures not comparable with BENCHMARKS.md), and any failure is one line.
+    try:
+        problem = _device_problem(args)
+        if problem:
+            print(f"atom bench {args.workload}: error: {problem}", file=sys.stderr)
+            return 1
+        if args.workload == "prefix":
+            from atom_runtime import bench_prefix
+
+            return bench_prefix.run(args)
+        if args.workload == "multiturn":
+            from atom_runtime import bench_multiturn
+
+            return bench_multiturn.run(args)
+        return _run_offline(args)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError, OSError) as e:
+        print(f"atom bench {args.workload}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _device_problem(args: argparse.Namespace) -> str | None:
+    """Why this machine cannot run the asked-for device, or None; prints a note when the run
+    falls back to CPU."""
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if args.device.startswith("cuda") and not has_gpu:
+        return (
+            f"--device {args.device}: no CUDA or ROCm GPU is visible here (torch "
+            f"{torch.__version__}); use --device cpu or --device auto"
+        )
+    if getattr(args, "peer", "none") == "transformers":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return "--peer transformers: the transformers package is not installed"
+    if not has_gpu and args.device in ("auto", "cpu") and not getattr(args, "admission_only", 0):
+        print(
+            f"atom bench {args.workload}: no GPU here, running on CPU; the figures are not "
+            "comparable with the GPU ones in docs/benchmarks.md (use small sizes)",
+            file=sys.stderr,
+        )
+    return None
+
+
+def _run_offline(args: argparse.Namespace) -> int:
     import torch
 
     from atom_runtime.llm import LLM

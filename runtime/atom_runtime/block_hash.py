@@ -27,9 +27,18 @@ def hash_block_tokens(parent: int | None, tokens: Sequence[int] | array) -> int:
 def hash_token_blocks(
     tokens: Sequence[int] | array, block_size: int, parent: int | None = None
 ) -> list[int]:
-    """Hashes of every full block of `tokens`, chained from `parent`."""
+    """Hashes of every full block of `tokens`, chained from `parent`.
+
+    The same digests as `hash_block_tokens` block by block, but the tokens are converted to int64
+    bytes once and each block is one C call on a slice: admitting a request over an 8k-token
+    prefix hashes 500 blocks, and doing it block by block in Python cost most of the admission."""
+    num_blocks = len(tokens) // block_size
+    data = np.asarray(tokens[: num_blocks * block_size], dtype="<i8").tobytes()
+    step = block_size * 8
+    digest = xxhash.xxh64_intdigest
     hashes = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tokens[start : start + block_size])
+    for start in range(0, num_blocks * step, step):
+        block = data[start : start + step]
+        parent = digest(block if parent is None else parent.to_bytes(8, "little") + block)
         hashes.append(parent)
     return hashes

@@ -7,7 +7,9 @@ follow-up turn reuses both), and frees the table. It never touches tensors.
 
 from __future__ import annotations
 
-from atom_runtime.block_hash import hash_block_tokens
+import numpy as np
+
+from atom_runtime.block_hash import hash_token_blocks
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.sequence import Sequence
 
@@ -17,6 +19,13 @@ class BlockManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The last prompt hashed from scratch: a copy of its hashed tokens and their chain. A
+        # new prompt that starts with the same tokens (a shared system prompt, W3's prefix)
+        # reuses those digests instead of rehashing: a digest is a function of the tokens from
+        # the start of the prompt, so equal leading tokens give equal digests (contract 1).
+        # Lookups still compare each hit block's tokens (contract 2).
+        self._recent_tokens = np.zeros(0, dtype=np.int32)
+        self._recent_hashes: list[int] = []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -28,14 +37,14 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's logits computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if max_blocks == 0:
+            return []
+        # A sequence waiting at the head of the queue is looked up again every step until it
+        # fits: its hashes are computed once and kept on it.
         self.ensure_hashes(seq, max_blocks)
-        hits = []
-        for i in range(max_blocks):
-            block_id = self.pool.lookup(seq.block_hashes[i], self._block_tokens(seq, i))
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self.pool.lookup_prefix(
+            seq.block_hashes[:max_blocks], seq.token_ids, self.block_size
+        )
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hit: list[int] = ()) -> bool:
         """Grow seq's block table to hold its computed tokens plus num_new_tokens, claiming the
@@ -46,12 +55,11 @@ class BlockManager:
         computed = len(prefix_hit) * self.block_size if prefix_hit else seq.num_computed_tokens
         need = self.blocks_needed(computed + num_new_tokens) - have
         # A hit on a block nobody holds takes it off the free list: count it against the budget.
-        idle_hits = sum(1 for b in prefix_hit if self.pool.blocks[b].ref_count == 0)
+        idle_hits = self.pool.num_idle(prefix_hit) if prefix_hit else 0
         if max(need, 0) + idle_hits > self.pool.num_free_blocks:
             return False
-        for block_id in prefix_hit:
-            self.pool.claim(block_id)
         if prefix_hit:
+            self.pool.claim_all(prefix_hit)
             seq.block_table.extend(prefix_hit)
             seq.num_hashed_blocks = len(prefix_hit)
             seq.num_computed_tokens = len(prefix_hit) * self.block_size
@@ -86,12 +94,30 @@ class BlockManager:
         seq.num_hashed_blocks = num_full
 
     def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
-        """Chain hashes of seq's first num_blocks full blocks (checkpoints are keyed by them)."""
+        """Extend seq's cached chain of block hashes to num_blocks (each block hashed once)."""
         hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, self._block_tokens(seq, i)))
+        have = len(hashes)
+        if have >= num_blocks:
+            return
+        bs = self.block_size
+        fresh = have == 0
+        if fresh and self._recent_hashes:
+            have = self._shared_blocks(seq, num_blocks)
+            hashes.extend(self._recent_hashes[:have])
+        if have < num_blocks:
+            tokens = seq.token_ids[have * bs : num_blocks * bs]
+            hashes.extend(hash_token_blocks(tokens, bs, hashes[-1] if have else None))
+        if fresh:
+            self._recent_tokens = np.array(seq.token_ids[: num_blocks * bs], dtype=np.int32)
+            self._recent_hashes = list(hashes)
+
+    def _shared_blocks(self, seq: Sequence, num_blocks: int) -> int:
+        """How many leading full blocks seq's tokens share with the last prompt hashed."""
+        bs = self.block_size
+        n = min(num_blocks, len(self._recent_hashes)) * bs
+        mine = np.frombuffer(seq.token_ids, dtype=np.int32, count=n)
+        differ = np.flatnonzero(mine != self._recent_tokens[:n])
+        return (int(differ[0]) if differ.size else n) // bs
 
     def _block_tokens(self, seq: Sequence, i: int):
         return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

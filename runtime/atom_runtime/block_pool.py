@@ -100,6 +100,20 @@ class BlockPool:
             self._free_cached.pop(block_id)
         block.ref_count += 1
 
+    def claim_all(self, block_ids: list[int]) -> None:
+        """`claim` each block (a prefix hit's run), in one loop."""
+        blocks, free_cached = self.blocks, self._free_cached
+        for block_id in block_ids:
+            block = blocks[block_id]
+            if block.ref_count == 0:
+                del free_cached[block_id]
+            block.ref_count += 1
+
+    def num_idle(self, block_ids: list[int]) -> int:
+        """How many of these blocks nobody holds (claiming them takes them off the free list)."""
+        blocks = self.blocks
+        return sum(blocks[b].ref_count == 0 for b in block_ids)
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, in the order given (freed first = evicted first)."""
         for block_id in block_ids:
@@ -140,6 +154,21 @@ class BlockPool:
         if block.token_ids != token_ids:
             return None
         return block_id
+
+    def lookup_prefix(self, hashes: list[int], tokens: array, block_size: int) -> list[int]:
+        """The blocks serving the leading run of `hashes` (block i covers
+        tokens[i*block_size:(i+1)*block_size]) whose tokens also match; stops at the first miss.
+        One loop in the pool instead of a `lookup` call per block: an 8k-token prefix is 500."""
+        cached, blocks = self.cached, self.blocks
+        hits: list[int] = []
+        start = 0
+        for block_hash in hashes:
+            block_id = cached.get(block_hash)
+            if block_id is None or blocks[block_id].token_ids != tokens[start : start + block_size]:
+                break
+            hits.append(block_id)
+            start += block_size
+        return hits
 
     def publish_hashes(
         self, block_ids: list[int], hashes: list[int], tokens: list[array], parent: int | None

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, fields
 
 
@@ -30,7 +29,7 @@ class EngineConfig:
     # N. None: on for one GPU, off on CPU (nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
     kv_events_config: str | None = None  # JSON, vLLM's field names
-    kv_transfer_config: str | None = None  # JSON, passed through for disaggregated serving
+    kv_transfer_config: str | None = None  # JSON, vLLM's KVTransferConfig fields
     data_parallel_rank: int = 0
     # Per-request state checkpoints for hybrid (recurrent-state) models, contract 6
     # (docs/architecture.md): >0 a rung every N tokens (snapped to the hash block), 0 off, -1
@@ -72,7 +71,9 @@ class EngineConfig:
                 f"load_format: must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
             )
         if self.kv_transfer_config is not None:
-            _refuse_kv_transfer(self.kv_transfer_config)
+            from atom_runtime.kv_transfer.config import KVTransferConfig
+
+            KVTransferConfig.from_cli(self.kv_transfer_config)  # raises naming the field
         if self.state_checkpoint_interval_tokens < -1:
             raise ValueError(
                 "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
@@ -90,23 +91,6 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-
-def _refuse_kv_transfer(text: str) -> None:
-    """Disaggregated prefill/decode needs a KV connector, and this runtime has none yet. Running
-    both roles as plain engines would look healthy while every decode recomputes its prompt (the
-    silent failure users of other stacks report), so a KV transfer config is a startup error."""
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"kv_transfer_config: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError("kv_transfer_config: must be a JSON object")
-    connector = cfg.get("kv_connector", "<none>")
-    raise ValueError(
-        f"kv_transfer_config: KV connector {connector!r} is not available in this runtime yet, "
-        "so disaggregated prefill/decode cannot run; serve aggregated (no prefill role)"
-    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +134,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"
     )
-    g.add_argument("--kv-transfer-config", default=None, help="JSON KVTransferConfig")
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="JSON with vLLM's KVTransferConfig fields: kv_connector (AtomPortableConnector), "
+        "kv_role (kv_producer|kv_consumer|kv_both), kv_ip, kv_port, kv_connector_extra_config",
+    )
     g.add_argument("--data-parallel-rank", type=int, default=0)
     g.add_argument(
         "--state-checkpoint-interval-tokens",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atom_runtime.block_manager import BlockManager
@@ -91,6 +92,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids  # the engine's list: stop tokens unless ignore_eos
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
+        # Called with each sequence a step finishes, before its blocks are freed and its output
+        # is built (a KV-transfer producer holds the prompt's blocks and sets kv_transfer_params).
+        self.on_finish: Callable[[Sequence], None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -293,6 +297,8 @@ class Scheduler:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 check_stop(seq, token, self.eos_token_ids, self.max_model_len)
+                if seq.is_finished and self.on_finish is not None:
+                    self.on_finish(seq)
                 out = engine_output(seq, [token])
                 want = seq.sampling_params.logprobs
                 if want is not None:

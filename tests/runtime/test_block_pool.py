@@ -136,6 +136,74 @@ def test_hit_requires_matching_tokens_not_just_hash():
     assert manager.find_prefix_hit(_seq("b", range(1, 6))) == []
 
 
+def test_chain_hashing_in_one_pass_matches_block_by_block():
+    """hash_token_blocks (one int64 conversion, a C call per block) gives contract 1's digests,
+    chained from a parent, for list and array input, ignoring a trailing partial block."""
+    tokens = list(range(7, 7 + 16 * 5 + 3))
+    parent = hash_block_tokens(None, [1, 2, 3, 4])
+    expected, prev = [], parent
+    for i in range(5):
+        prev = hash_block_tokens(prev, tokens[i * 16 : (i + 1) * 16])
+        expected.append(prev)
+    assert hash_token_blocks(tokens, 16, parent) == expected
+    assert hash_token_blocks(array("i", tokens), 16, parent) == expected
+    assert hash_token_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4) == [
+        8356527653647720045,
+        610383040053763902,
+    ]
+
+
+def test_a_token_mismatch_mid_chain_ends_the_hit_there():
+    """Contract 2 over a long prefix: the hit is the leading run whose hashes AND tokens match;
+    a corrupted block in the middle cuts it, even though later hashes are still indexed."""
+    pool = BlockPool(64, 4)
+    manager = BlockManager(pool)
+    a = _seq("a", range(1, 42))  # ten full blocks and one token
+    assert manager.allocate(a, 41)
+    _compute(manager, a)
+    table = list(a.block_table)
+    manager.free(a)
+    assert manager.find_prefix_hit(_seq("b", range(1, 42))) == table[:10]
+    pool.blocks[table[6]].token_ids = array("i", [0, 0, 0, 0])
+    assert manager.find_prefix_hit(_seq("c", range(1, 42))) == table[:6]
+
+
+def test_hashes_are_computed_once_per_sequence_and_extended_incrementally():
+    pool = BlockPool(64, 4)
+    manager = BlockManager(pool)
+    seq = _seq("a", range(1, 42))
+    manager.find_prefix_hit(seq)
+    first = list(seq.block_hashes)
+    assert first == hash_token_blocks(list(range(1, 41)), 4)
+    for t in range(42, 50):  # generated tokens extend the chain without rehashing the prompt
+        seq.append_token(t)
+    assert manager.allocate(seq, seq.num_tokens)
+    _compute(manager, seq)
+    assert seq.block_hashes[:10] == first
+    assert seq.block_hashes == hash_token_blocks(list(range(1, 50)), 4)
+
+
+def test_hits_on_idle_blocks_count_against_free_blocks_and_leave_the_free_list():
+    pool = BlockPool(6, 4)
+    manager = BlockManager(pool)
+    a = _seq("a", range(1, 14))  # three full blocks and one token: four blocks
+    assert manager.allocate(a, 13)
+    _compute(manager, a)
+    table = list(a.block_table)
+    manager.free(a)
+    b = _seq("b", range(1, 14))
+    hit = manager.find_prefix_hit(b)
+    assert hit == table[:3] and pool.num_idle(hit) == 3
+    # b needs its three hit blocks (idle, so taken from the free list) plus one new block.
+    assert manager.allocate(b, 1, hit)
+    assert [pool.blocks[x].ref_count for x in hit] == [1, 1, 1]
+    assert pool.num_free_blocks == 2 and pool.num_idle(hit) == 0
+    c = _seq("c", range(1, 14))
+    assert manager.allocate(c, 1, manager.find_prefix_hit(c))  # shared: no new idle hits
+    assert [pool.blocks[x].ref_count for x in hit] == [2, 2, 2]
+    assert pool.num_free_blocks == 1
+
+
 def test_chain_gap_skips_hashing():
     pool = BlockPool(4, 4)
     manager = BlockManager(pool)
@@ -201,3 +269,22 @@ def test_reset_prefix_cache_refused_while_blocks_in_use():
     pool.free(ids)
     assert pool.reset_prefix_cache() is True
     assert pool.drain_events()[-1].__class__.__name__ == "AllBlocksCleared"
+
+
+def test_hashes_reused_from_the_last_prompt_equal_hashing_from_scratch():
+    """A prompt sharing leading tokens with the last one hashed takes those digests over; every
+    chain equals contract 1's hashes of its own tokens, wherever the prompts diverge."""
+    manager = BlockManager(BlockPool(64, 4))
+    base = list(range(100, 141))  # ten full blocks and one token
+    cases = [
+        base,  # identical
+        base[:22] + [7] + base[23:],  # diverges inside block 5
+        [9] + base[1:],  # diverges in the first block
+        base[:13],  # shorter: three blocks
+        base + list(range(500, 520)),  # longer than the last one hashed
+        base[:24] + list(range(900, 917)),  # diverges exactly at a block boundary
+    ]
+    for i, tokens in enumerate(cases):
+        seq = _seq(f"s{i}", tokens)
+        manager.find_prefix_hit(seq)
+        assert seq.block_hashes == hash_token_blocks(tokens[: len(tokens) - 1], 4), i

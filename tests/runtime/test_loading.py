@@ -189,10 +189,10 @@ def test_repo_id_offline_is_a_clear_error(monkeypatch, tmp_path):
         resolve_model_path("Qwen/Qwen3-8B")
 
 
-def test_kv_transfer_config_fails_loudly_without_a_connector():
+def test_kv_transfer_config_names_an_unknown_connector():
     from atom_runtime.config import EngineConfig
 
-    with pytest.raises(ValueError, match="^kv_transfer_config: KV connector 'X' is not available"):
+    with pytest.raises(ValueError, match="^kv_transfer_config.kv_connector: unknown connector 'X'"):
         EngineConfig(kv_transfer_config='{"kv_connector": "X", "kv_role": "kv_producer"}')
     with pytest.raises(ValueError, match="^kv_transfer_config: not valid JSON"):
         EngineConfig(kv_transfer_config="{")

@@ -38,6 +38,7 @@ from atom_runtime.engine.protocol import (
 )
 from atom_runtime.executor import make_executor
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
+from atom_runtime.kv_transfer import make_transfer_agent
 from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
@@ -108,6 +109,11 @@ class EngineCore:
             checkpoints=self.checkpoints,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
+        # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
+        self.kv_transfer = make_transfer_agent(config, self.scheduler.block_manager, self.executor)
+        if self.kv_transfer is not None:
+            # A producer holds a finished prompt's blocks before the scheduler frees them.
+            self.scheduler.on_finish = self.kv_transfer.on_finished
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = (
@@ -162,7 +168,9 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request. Bad input raises ValueError naming the field; nothing
         is queued then."""
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or (
+            self.kv_transfer is not None and self.kv_transfer.is_parked(request.request_id)
+        ):
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         prompt = request.prompt_token_ids
         if not prompt:
@@ -195,24 +203,39 @@ class EngineCore:
                 self.pool.num_blocks,
                 self.checkpoints.spec.units_per_image,
             )
-        self.scheduler.add(seq)
+        parked = self.kv_transfer is not None and self.kv_transfer.park(seq)
+        if not parked:  # a parked request enters the scheduler once its KV pull is over
+            self.scheduler.add(seq)
 
     def abort_requests(self, request_ids) -> list[EngineOutput]:
-        aborted = self.scheduler.abort(set(request_ids))
+        ids = set(request_ids)
+        aborted = self.scheduler.abort(ids)
+        if self.kv_transfer is not None:
+            aborted += self.kv_transfer.abort(ids)
         self.executor.release(seq.request_id for seq in aborted)
         return [engine_output(seq, []) for seq in aborted]
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts while it holds a live sequence (not once all were aborted).
-        return self.scheduler.has_unfinished() or (
-            self._in_flight is not None
-            and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
+        return (
+            self.scheduler.has_unfinished()
+            or (
+                self._in_flight is not None
+                and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
+            )
+            or (self.kv_transfer is not None and self.kv_transfer.has_work())
         )
 
     # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
         outputs = []
+        if self.kv_transfer is not None:
+            for seq in self.kv_transfer.poll():
+                self.scheduler.add(seq)
+            if not self.scheduler.has_unfinished() and self._in_flight is None:
+                # Only transfers are pending: sleep until the transport has news, briefly.
+                self.kv_transfer.wait(0.005)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         if not batch and batch.state_copy is not None:
@@ -262,6 +285,7 @@ class EngineCore:
             state_slots_total=self.state_pool.num_slots if self.state_pool else 0,
             state_slots_in_use=self.state_pool.num_in_use if self.state_pool else 0,
             state_slot_bytes=self.executor.state_bytes_per_slot if self.state_pool else 0,
+            kv_transfer=self.kv_transfer.snapshot() if self.kv_transfer is not None else None,
             state_checkpoints=self.checkpoints.counters if self.checkpoints else None,
         )
 
@@ -279,6 +303,8 @@ class EngineCore:
         return ok
 
     def shutdown(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.publisher.shutdown()
         self.executor.shutdown()
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from atom_runtime.kv_transfer.stats import KVTransferStats
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 
@@ -59,8 +60,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # The request's kv_transfer_params, returned with its final output. With no KV connector the
-    # engine hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
+    # The request's kv_transfer_params, returned with its final output: a KV-transfer producer's
+    # say where the prompt's blocks wait for a pull (kv_transfer/agent.py); otherwise the engine
+    # hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
     kv_transfer_params: dict | None = None
     # prompt_logprobs, with the first output: per prompt token from the second on.
     prompt_logprobs: list[float] | None = None
@@ -86,6 +88,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     state_slots_total: int = 0
     state_slots_in_use: int = 0
     state_slot_bytes: int = 0
+    kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
     # Hybrid models with state checkpoints on: their counters (None otherwise).
     state_checkpoints: StateCheckpointCounters | None = None
 

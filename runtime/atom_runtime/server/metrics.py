@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from atom_runtime.engine.protocol import EngineStats
+from atom_runtime.kv_transfer.stats import KVTransferStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -99,6 +100,38 @@ class EngineStatsCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        if s.kv_transfer is not None:
+            yield from _kv_transfer_metrics(s.kv_transfer)
+
+
+def _kv_transfer_metrics(t: KVTransferStats):
+    yield GaugeMetricFamily(
+        "atom:kv_transfer_held_blocks",
+        "Producer: KV blocks held for a consumer's pull.",
+        value=t.held_blocks,
+    )
+    yield GaugeMetricFamily(
+        "atom:kv_transfer_pulls_in_flight",
+        "Consumer: KV pulls under way (their requests wait).",
+        value=t.pulls_in_flight,
+    )
+    counters = (
+        ("atom:kv_transfer_holds_released", "Producer: holds the consumer released.",
+         t.holds_released),
+        ("atom:kv_transfer_hold_timeouts", "Producer: holds freed unpulled after the hold "
+         "timeout.", t.hold_timeouts),
+        ("atom:kv_transfer_blocks_sent", "Producer: KV blocks sent.", t.blocks_sent),
+        ("atom:kv_transfer_bytes_sent", "Producer: KV bytes sent.", t.bytes_sent),
+        ("atom:kv_transfer_pulls", "Consumer: KV pulls completed.", t.pulls_ok),
+        ("atom:kv_transfer_blocks_received", "Consumer: KV blocks pulled.", t.blocks_received),
+        ("atom:kv_transfer_bytes_received", "Consumer: KV bytes pulled.", t.bytes_received),
+        ("atom:kv_transfer_blocks_local_hit", "Consumer: blocks of a transferred prompt it "
+         "already cached (not pulled).", t.blocks_local_hit),
+        ("atom:kv_transfer_fallbacks", "Consumer: requests prefilled locally because their KV "
+         "pull failed or timed out.", t.fallbacks),
+    )  # fmt: skip
+    for name, doc, value in counters:
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServerMetrics:

@@ -1,0 +1,25 @@
+"""KV transfer between engines for prefill/decode disaggregation (docs/disaggregation.md).
+
+config.py (--kv-transfer-config), base.py (the connector seam, the KV cache as bytes), tcp.py (the
+portable transport), agent.py (holds and pulls in the engine), stats.py (counters).
+"""
+
+from __future__ import annotations
+
+
+def make_transfer_agent(config, block_manager, runner):
+    """The engine's TransferAgent for `config.kv_transfer_config`, or None without one."""
+    from atom_runtime.kv_transfer.config import KVTransferConfig
+
+    parsed = KVTransferConfig.from_cli(config.kv_transfer_config)
+    if parsed is None:
+        return None
+    if config.tensor_parallel_size != 1:
+        raise ValueError(
+            "kv_transfer_config: the portable connector moves one engine's whole KV cache and "
+            "needs tensor_parallel_size 1 (each tensor-parallel rank holds a shard)"
+        )
+    from atom_runtime.kv_transfer.agent import TransferAgent
+    from atom_runtime.kv_transfer.base import KVCacheAccess
+
+    return TransferAgent(parsed, block_manager, KVCacheAccess(runner.model.attention_layers()))

@@ -1,0 +1,139 @@
+"""Real `atom serve` engines with KV events, and real `atom router` processes, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import ATOM, TINY_FLAGS, ServerProcess, free_port, launch
+
+
+@dataclass
+class Engine:
+    server: ServerProcess
+    kv_port: int
+    replay_port: int
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def backend_arg(self) -> str:
+        return f"{self.url},kv-events={self.kv_port},kv-replay={self.replay_port}"
+
+    def metric(self, name: str) -> float:
+        return metric(self.url, name)
+
+
+def metric(url: str, name: str) -> float:
+    """One unlabelled (or first labelled) sample of `name` from url/metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, wait=True):
+    kv_port, replay_port = free_port(), free_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{kv_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": f"kv@127.0.0.1:{kv_port}@tiny",
+    }
+    server = launch(
+        tmp,
+        "--model",
+        str(model),
+        *TINY_FLAGS,
+        "--max-model-len",
+        "512",
+        "--kv-events-config",
+        json.dumps(events),
+        *extra,
+        port=port,
+        wait=wait,
+    )
+    return Engine(server, kv_port, replay_port)
+
+
+@dataclass
+class RouterProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def backends(self) -> dict:
+        return httpx.get(f"{self.url}/router/backends", timeout=10).json()
+
+    def metric(self, name: str) -> float:
+        return metric(self.url, name)
+
+    def wait_backends(self, role: str, healthy: int, timeout: float = 60) -> None:
+        """Until exactly `healthy` backends of `role` are in rotation."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"atom router exited:\n{self.log()}")
+            state = self.backends()[role]
+            if sum(b["healthy"] for b in state) == healthy:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{role} backends never reached {healthy} healthy: {state}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def launch_router(tmp: Path, *args: str, timeout: float = 60) -> RouterProcess:
+    port = free_port()
+    log_path = tmp / f"router-{port}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [str(ATOM), "router", "--port", str(port), "--probe-interval", "0.3", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+        )
+    router = RouterProcess(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"atom router exited with {proc.returncode}:\n{router.log()}")
+        try:
+            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
+                return router
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    router.stop()
+    raise RuntimeError(f"atom router was not up within {timeout}s:\n{router.log()}")
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_models) -> str:
+    return str(tiny_models["llama"])
