@@ -285,3 +285,31 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(tiny_hybrid_
     assert engine.scheduler.num_preemptions > 0
     assert c.stored > 0 and c.restored > 0 and c.prefix_hit_tokens > 0
     assert c.evicted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_restore_matches_recompute_on_gpu_in_bf16(tiny_hybrid_models, enforce_eager):
+    """The Triton copy launch (outside the decode graphs, async scheduling on by default): a
+    resumed request's tokens and end-of-prompt slot state equal a recompute's, bitwise."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    prompt = _tokens(1, 47)
+    common = dict(
+        dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, enforce_eager=enforce_eager
+    )
+    resumed = LLM(folder, **common)
+    slots = _record_slots(resumed)
+    _run(resumed, prompt[:40], 4)
+    out = _run(resumed, prompt, 1)
+    assert out.num_cached_tokens == 32
+    got = _slot_state(resumed, slots[out.request_id])
+    recompute = LLM(folder, max_num_batched_tokens=32, state_checkpoint_interval_tokens=0, **common)
+    rslots = _record_slots(recompute)
+    ref = _run(recompute, prompt, 1)
+    assert ref.outputs[0].token_ids == out.outputs[0].token_ids
+    for a, b in zip(got, _slot_state(recompute, rslots[ref.request_id]), strict=True):
+        assert torch.equal(a, b)
+    again = _run(resumed, prompt, 8)
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == _run(recompute, prompt, 8).outputs[0].token_ids
+    _assert_idle(resumed)
