@@ -1,7 +1,12 @@
-"""Shared test configuration: GPU-only tests skip with a reason when no GPU is present."""
+"""Shared test configuration: GPU-only tests skip with a reason when no GPU is present, and no
+process a test (or a fixture) starts may outlive it."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import psutil
 import pytest
 
 
@@ -38,3 +43,96 @@ def tiny_hybrid_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hybrid_models")
     return {kind: make_tiny_model(root / kind, kind) for kind in HYBRID_CONFIGS}
+
+
+# -- no leaked processes -----------------------------------------------------------------------
+
+# Helpers Python and torch start once and keep for the whole session, by design.
+SESSION_HELPERS = (
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+    "torch/_inductor/compile_worker",
+)
+# A process its owner has just stopped may need a moment to be reaped; one still alive after
+# this is a leak. (Not a correctness window: a leak stays forever.)
+EXIT_GRACE_S = 10.0
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children, from /proc/<pid>/task/*/children (cheap) or psutil's scan."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        return [
+            int(child)
+            for task in tasks.iterdir()
+            for child in (task / "children").read_text().split()
+        ]
+    except OSError:  # not Linux, or a kernel without CONFIG_PROC_CHILDREN
+        try:
+            return [p.pid for p in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+
+
+def live_descendants() -> dict[tuple[int, float], psutil.Process]:
+    """This process's descendants that are running, keyed by (pid, start time) so a reused pid
+    is a new process; zombies and SESSION_HELPERS left out."""
+    out = {}
+    stack = [os.getpid()]
+    while stack:
+        for pid in _child_pids(stack.pop()):
+            stack.append(pid)
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmdline = " ".join(proc.cmdline())
+                key = (pid, proc.create_time())
+            except psutil.Error:
+                continue
+            if not any(helper in cmdline for helper in SESSION_HELPERS):
+                out[key] = proc
+    return out
+
+
+def _fail_if_new_processes(before: dict, where: str) -> None:
+    new = [p for key, p in live_descendants().items() if key not in before]
+    if not new:
+        return
+    _, alive = psutil.wait_procs(new, timeout=EXIT_GRACE_S)
+    if not alive:
+        return
+    described = []
+    for proc in alive:
+        try:
+            described.append(f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+            proc.kill()  # so it does not keep eating the machine for the rest of the run
+        except psutil.Error:
+            pass
+    if described:
+        pytest.fail(
+            f"{len(described)} process(es) started by {where} outlived it (killed now); stop "
+            "every process in a fixture teardown:\n  " + "\n  ".join(described),
+            pytrace=False,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test(request):
+    before = live_descendants()
+    yield
+    _fail_if_new_processes(before, f"test {request.node.nodeid}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_outlives_its_module(request):
+    before = live_descendants()
+    yield
+    _fail_if_new_processes(before, f"a fixture of {request.node.nodeid}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_process_outlives_the_session():
+    before = live_descendants()
+    yield
+    _fail_if_new_processes(before, "a session fixture")

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from atom_operator.render import render_children
+from atom_operator.render import render_children, render_router_deployment
+from atom_operator.status import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
 from atom_runtime.kv_transfer.config import KVTransferConfig
 from atom_runtime.router import cli as router_cli
+from atom_runtime.router.app import RouterConfig
 from atom_runtime.router.discovery import ServiceTarget
 from atom_runtime.server import cli as serve_cli
 
@@ -52,6 +54,8 @@ def test_rendered_engine_args_parse_as_atom_serve(example):
             transfer = KVTransferConfig.from_cli(config.kv_transfer_config)
             want = "kv_producer" if name.endswith("-prefill") else "kv_consumer"
             assert transfer.kv_role == want, name
+            # make_transfer_agent refuses KV transfer with TP > 1: the pod would crash-loop.
+            assert config.tensor_parallel_size == 1, name
         assert config.block_size >= 8, name
         if config.kv_events_config:
             kv = KVEventsConfig.from_cli(config.kv_events_config, environ={})
@@ -100,3 +104,56 @@ def test_rendered_router_args_parse_as_atom_router(example):
             assert target.service and target.namespace, url
         assert [ServiceTarget.parse(u).service.rsplit("-", 1)[1] for u in config.decode_services
                 + config.prefill_services] == ["decode", "prefill"]  # fmt: skip
+
+
+def _parse_router(args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="atom router", exit_on_error=False)
+    router_cli.add_arguments(parser)
+    return parser.parse_args(args)
+
+
+@pytest.mark.parametrize(
+    ("events", "port", "replay"),
+    [({"port": 6100, "replayPort": 6101}, 6100, 6101), ({}, 5557, 5558),
+     ({"enabled": False, "port": 6100, "replayPort": 6101}, None, None)],
+    ids=["custom-ports", "default-ports", "disabled"],
+)  # fmt: skip
+def test_rendered_router_subscribes_where_the_engines_publish(events, port, replay):
+    """The router's KV-event ports, as `atom router` parses them, are the ports the engine pods
+    bind (spec.kvEvents); with KV events off the router subscribes to none."""
+    body = {
+        "apiVersion": "serving.atom.dev/v1alpha1",
+        "kind": "AtomDeployment",
+        "metadata": {"name": "pd", "namespace": "llm", "uid": "uid-1"},
+        "spec": {"accelerator": {"vendor": "cpu"}, "prefill": {}, "kvEvents": events},
+    }
+    router = render_router_deployment(body)
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "router"
+    config = router_cli.config_from_args(_parse_router(args[1:]))
+    assert (config.kv_events_port, config.kv_replay_port) == (port, replay)
+    for child in render_children(body):
+        if child["kind"] == "Deployment" and child["metadata"]["name"] == "pd-decode":
+            serve = child["spec"]["template"]["spec"]["containers"][0]["args"]
+            parser = argparse.ArgumentParser(prog="atom serve", exit_on_error=False)
+            serve_cli.add_arguments(parser)
+            engine = EngineConfig.from_args(parser.parse_args(serve[1:]))
+            if port is None:
+                assert not engine.kv_events_config
+            else:
+                kv = KVEventsConfig.from_cli(engine.kv_events_config, environ={})
+                assert kv.endpoint == f"tcp://*:{port}"
+                assert kv.replay_endpoint == f"tcp://*:{replay}"
+
+
+def test_status_knows_the_routers_defaults():
+    """KVEventsWired reads a router without the flags as using its defaults: they must be the
+    router's real defaults."""
+    parsed = _parse_router([])
+    defaults = RouterConfig(backends=["http://x"])
+    assert ROUTER_KV_PORT_FLAGS == {
+        "--kv-events-port": defaults.kv_events_port,
+        "--kv-events-replay-port": defaults.kv_replay_port,
+    }
+    assert (parsed.kv_events_port, parsed.kv_events_replay_port) == (5557, 5558)
+    assert router_kv_events_problem(["router"], port=5557, replay_port=5558) == ""

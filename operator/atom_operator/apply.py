@@ -40,6 +40,9 @@ PLURALS: dict[tuple[str, str], str] = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
 }
 # Kinds a cluster may not serve (KEDA, the Inference Extension not installed): nothing of
 # theirs to prune there.

@@ -8,7 +8,8 @@ AtomDeployment when `metadata.uid` is known:
   headless Service (per-pod DNS for the router and KV-event subscribers), a PodDisruptionBudget,
   and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
   KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
-- in disaggregated mode, a router Deployment running `atom router`;
+- in disaggregated mode, a router Deployment running `atom router`, with its own ServiceAccount,
+  Role and RoleBinding (list/watch on the namespace's EndpointSlices, for its discovery);
 - a Gateway API Inference Extension InferencePool over the serving pods, when
   spec.inferencePool.enabled;
 - a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
@@ -17,7 +18,7 @@ AtomDeployment when `metadata.uid` is known:
 
 Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
 cache, /tmp and /dev/shm) and CPU and memory requests and limits; engine pods get no service
-account token.
+account token (only the router's pod mounts one, for its EndpointSlice watch).
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ CHILD_KINDS = [
     ("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     ("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
+    ("v1", "ServiceAccount", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+]
+
+# What the router's EndpointSlice watch needs (runtime/atom_runtime/router/discovery.py): the
+# operator grants exactly this to the router's ServiceAccount, in the AtomDeployment's namespace,
+# and must hold it itself (Kubernetes refuses to create a Role granting more than its creator has).
+ROUTER_RULES = [
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
 ]
 
 ROUTER = "router"
@@ -709,18 +724,64 @@ def render_scaled_object(body: dict[str, Any], role: str) -> dict[str, Any] | No
 
 
 def router_args(body: dict[str, Any]) -> list[str]:
-    """`atom router` arguments: where the decode and prefill pods are (headless Services)."""
+    """`atom router` arguments: where the decode and prefill pods are (headless Services) and
+    the ports of the decode pods' KV-event PUB and replay sockets (spec.kvEvents), 0 for both
+    when KV events are disabled so the router subscribes to none."""
+    spec = _spec(body)
 
     def url(role: str) -> str:
         return f"http://{service_host(body, child_name(body, role))}:{ENGINE_HTTP_PORT}"
 
+    events = spec["kvEvents"]
+    enabled = events["enabled"]
     return [
         "router",
         "--host", "0.0.0.0",
         "--port", str(ENGINE_HTTP_PORT),
         "--decode-service", url("decode"),
         "--prefill-service", url("prefill"),
+        "--kv-events-port", str(events["port"] if enabled else 0),
+        "--kv-events-replay-port", str(events["replayPort"] if enabled else 0),
     ]  # fmt: skip
+
+
+def router_service_account_name(body: dict[str, Any]) -> str:
+    """The router's ServiceAccount, Role and RoleBinding share the router Deployment's name."""
+    return child_name(body, ROUTER)
+
+
+def render_router_rbac(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router's ServiceAccount, a Role allowing ROUTER_RULES in the AtomDeployment's
+    namespace and the RoleBinding between them; [] in aggregated mode (no router)."""
+    spec = _spec(body)
+    if not is_disaggregated(spec):
+        return []
+    name = router_service_account_name(body)
+    labels = role_labels(body, ROUTER)
+    account: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(body, name, labels),
+        # Only the router pod mounts the token (its pod spec asks for it explicitly).
+        "automountServiceAccountToken": False,
+    }
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(body, name, labels),
+        "rules": copy.deepcopy(ROUTER_RULES),
+    }
+    subject: dict[str, Any] = {"kind": "ServiceAccount", "name": name}
+    if _namespace(body):
+        subject["namespace"] = _namespace(body)
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(body, name, labels),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [subject],
+    }
+    return [account, role, binding]
 
 
 def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -747,6 +808,9 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
     pod: dict[str, Any] = {
         "securityContext": _pod_security([]),
         "enableServiceLinks": False,
+        # The router watches EndpointSlices (render_router_rbac): the one pod with a token.
+        "serviceAccountName": router_service_account_name(body),
+        "automountServiceAccountToken": True,
         "containers": [container],
         "volumes": [tmp_volume],
     }
@@ -850,6 +914,7 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
         for scaler in (render_hpa(body, role), render_scaled_object(body, role)):
             if scaler is not None:
                 children.append(scaler)
+    children += render_router_rbac(body)
     extras = (render_router_deployment(body), render_inference_pool(body),
               render_network_policy(body))  # fmt: skip
     for extra in extras:

@@ -14,7 +14,10 @@ lastTransitionTime changes only when status changes):
 - `RouterReady`    the same for the router (only in disaggregated mode).
 - `KVEventsWired`  spec.kvEvents.enabled and every engine role's container args carry
                    `--kv-events-config` with the publisher endpoint on spec.kvEvents.port and a
-                   `kv@...` topic. False with reason `Disabled` when KV events are off.
+                   `kv@...` topic, and (disaggregated mode) the router Deployment's args
+                   subscribe on spec.kvEvents.port and replayPort (`--kv-events-port`,
+                   `--kv-events-replay-port`, or the router's defaults when absent). False
+                   with reason `Disabled` when KV events are off, `ArgsMissing` otherwise.
 - `ScalingLimited` (only while a role autoscales with provider builtin) True when the built-in
                    autoscaler's last decision for some role wanted more than maxReplicas
                    (read from status.autoscaling, which the autoscaler writes).
@@ -61,7 +64,11 @@ ROLE_LABEL = "serving.atom.dev/role"
 ROLE_CONDITIONS = {"decode": "DecodeReady", "prefill": "PrefillReady", "router": "RouterReady"}
 ENGINE_ROLES = ("decode", "prefill")
 ENGINE_CONTAINER = "engine"
+ROUTER_CONTAINER = "router"
 KV_EVENTS_FLAG = "--kv-events-config"
+# `atom router`'s KV-event flags and their defaults (RouterConfig in
+# runtime/atom_runtime/router/app.py; tests/test_render_to_serve.py checks they agree).
+ROUTER_KV_PORT_FLAGS = {"--kv-events-port": 5557, "--kv-events-replay-port": 5558}
 CONDITION_ORDER = (
     "SpecValid",
     "DecodeReady",
@@ -124,7 +131,10 @@ def summarize_deployment(obj: Mapping[str, Any]) -> RoleDeployment | None:
         ):
             failure = f"{reason or kind}: {condition.get('message', '')}".rstrip(": ")
     containers = (spec.get("template") or {}).get("spec", {}).get("containers") or [{}]
-    engine = next((c for c in containers if c.get("name") == ENGINE_CONTAINER), containers[0])
+    engine = next(
+        (c for c in containers if c.get("name") in (ENGINE_CONTAINER, ROUTER_CONTAINER)),
+        containers[0],
+    )
     args = [str(a) for a in (engine.get("command") or []) + (engine.get("args") or [])]
     return RoleDeployment(
         name=meta.get("name", ""),
@@ -213,6 +223,33 @@ def kv_events_problem(args: Iterable[str], env: Iterable[str], *, port: int, mod
         if variable not in env:
             return f"topic {topic!r} refers to $({variable}), which the container does not set"
     return ""
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag V` or `flag=V` in `args` (argparse keeps the last), or None."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def router_kv_events_problem(args: Iterable[str], *, port: int, replay_port: int) -> str:
+    """Why a router container with these args does not subscribe to the decode pods' KV events
+    on `port` and replay on `replay_port` ("" when it does)."""
+    args = list(args)
+    problems = []
+    for (flag, default), want in zip(
+        ROUTER_KV_PORT_FLAGS.items(), (port, replay_port), strict=True
+    ):
+        value = _flag_value(args, flag)
+        got = default if value is None else value
+        if str(got) != str(want):
+            shown = f"{flag} {value}" if value is not None else f"no {flag} (default {default})"
+            problems.append(f"{shown}, spec.kvEvents wants {want}")
+    return "; ".join(problems)
 
 
 def _condition(
@@ -346,10 +383,27 @@ def fold_status(
             )
             if problem:
                 kv_problems.append(f"{role} ({deployment.name}): {problem}")
+        if "router" in roles:
+            router = owned.get("router")
+            if router is None:
+                kv_problems.append("router: no Deployment yet")
+            else:
+                problem = router_kv_events_problem(
+                    router.args,
+                    port=int(kv_events.get("port", 5557)),
+                    replay_port=int(kv_events.get("replayPort", 5558)),
+                )
+                if problem:
+                    kv_problems.append(f"router ({router.name}): {problem}")
         if kv_problems:
             add("KVEventsWired", False, "ArgsMissing", "; ".join(kv_problems), applied_generation)
         else:
             message = f"engine pods publish on port {kv_events.get('port', 5557)}"
+            if "router" in roles:
+                message += (
+                    f"; the router subscribes on {kv_events.get('port', 5557)} "
+                    f"(replay {kv_events.get('replayPort', 5558)})"
+                )
             add("KVEventsWired", True, "ArgsWired", message, applied_generation)
 
     builtin = [

@@ -135,7 +135,9 @@ class Tokenizer:
     # -- encoding ------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a long prompt
+        # tokenized in a worker thread leaves the API server's event loop free.
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids.insert(0, self.bos_token_id)
@@ -165,8 +167,9 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         text = self.apply_chat_template(messages, **kwargs)
-        # The template writes any BOS itself; encode its special tokens literally.
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # The template writes any BOS itself; encode its special tokens literally. (encode_batch:
+        # the GIL is released while it works, see encode.)
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _token_text(value) -> str | None:

@@ -49,12 +49,16 @@ HPAS = "autoscaling/v2/horizontalpodautoscalers"
 SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"
 NETWORKPOLICIES = "networking.k8s.io/v1/networkpolicies"
 INFERENCEPOOLS = "inference.networking.k8s.io/v1/inferencepools"
+SERVICEACCOUNTS = "v1/serviceaccounts"
+ROLES = "rbac.authorization.k8s.io/v1/roles"
+ROLEBINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 PODS = "v1/pods"
 EVENTS = "v1/events"
 NAMESPACES = "v1/namespaces"
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 CHILD_RESOURCES = (
     DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALEDOBJECTS, NETWORKPOLICIES, INFERENCEPOOLS,
+    SERVICEACCOUNTS, ROLES, ROLEBINDINGS,
 )  # fmt: skip
 
 # Built-in kinds the operator touches; all of them have a status subresource on a real cluster
@@ -67,6 +71,9 @@ BUILTINS: dict[str, dict[str, Any]] = {
     SCALEDOBJECTS: {"kind": "ScaledObject", "namespaced": True, "subresources": {"status"}},
     NETWORKPOLICIES: {"kind": "NetworkPolicy", "namespaced": True},
     INFERENCEPOOLS: {"kind": "InferencePool", "namespaced": True, "subresources": {"status"}},
+    SERVICEACCOUNTS: {"kind": "ServiceAccount", "namespaced": True},
+    ROLES: {"kind": "Role", "namespaced": True},
+    ROLEBINDINGS: {"kind": "RoleBinding", "namespaced": True},
     PODS: {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
     EVENTS: {"kind": "Event", "namespaced": True},
     # kopf waits for namespaces to be discoverable before it watches anything.

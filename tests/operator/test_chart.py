@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from atom_operator.render import CHILD_KINDS
+from atom_operator.render import CHILD_KINDS, ROUTER_RULES
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders and lints the chart")
 
@@ -157,12 +157,19 @@ def test_rbac_covers_exactly_what_the_operator_does(values):
     assert _verbs(rules, group, "atomdeployments/finalizers") == {"update"}
     assert _verbs(rules, "", "pods") == {"get", "list", "watch"}
     assert _verbs(rules, "", "events") == {"create", "patch"}
+    # The router's Role grants ROUTER_RULES; Kubernetes lets the operator create it only if the
+    # operator holds each of those permissions itself.
+    for rule in ROUTER_RULES:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert _verbs(rules, group, resource) >= set(rule["verbs"]), resource
     # nothing else: no secrets, no wildcards, no peering objects (the operator runs --standalone)
     granted = {res for rule in rules for res in rule["resources"]}
     assert granted == {
         "atomdeployments", "atomdeployments/status", "atomdeployments/finalizers", "deployments",
         "services", "poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects",
         "networkpolicies", "inferencepools", "pods", "events",
+        "serviceaccounts", "roles", "rolebindings", "endpointslices",
     }  # fmt: skip
 
 

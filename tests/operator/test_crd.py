@@ -307,8 +307,9 @@ BROKEN_SPECS = [
     ({"engine": {"blockSize": 32}, "stateCheckpoint": {"intervalTokens": 48}},
      "spec.stateCheckpoint.intervalTokens"),
     ({"stateCheckpoint": {"intervalTokens": -2}}, "spec.stateCheckpoint.intervalTokens"),
-    ({"accelerator": {"vendor": "cpu"}, "prefill": {"tensorParallelSize": 4}},
-     "spec.prefill.tensorParallelSize"),
+    # (cpu with prefill TP > 1 breaks two rules at once: the disaggregated-TP one below)
+    ({"accelerator": {"vendor": "cpu"}, "decode": {"tensorParallelSize": 4}},
+     "spec.decode.tensorParallelSize"),
     ({"accelerator": {"vendor": "cpu", "resourceName": "example.com/npu"}},
      "spec.accelerator.resourceName"),
     ({"accelerator": {"resourceName": "gpu"}}, "spec.accelerator.resourceName"),
@@ -360,6 +361,8 @@ BROKEN_SPECS = [
     ({"engine": {"apiKeySecretRef": {"key": "k"}}}, "spec.engine.apiKeySecretRef.name"),
     ({"decode": {"autoscaling": {"scaleDownStabilizationSeconds": 4000}}},
      "spec.decode.autoscaling.scaleDownStabilizationSeconds"),
+    ({"prefill": {"tensorParallelSize": 2}}, "spec.prefill.tensorParallelSize"),
+    ({"prefill": {}, "decode": {"tensorParallelSize": 4}}, "spec.decode.tensorParallelSize"),
 ]  # fmt: skip
 
 
@@ -402,6 +405,9 @@ GOOD_SPECS = [
     {"model": {"uri": "pvc://model-store/qwen/Qwen3-8B"}},
     {"model": {"uri": "file:///models/smollm2"}},
     {"decode": {"resources": {"limits": {"cpu": 4, "memory": "8Gi"}}}},
+    # Tensor parallelism is refused only with KV transfer (a prefill role): aggregated is fine.
+    {"decode": {"tensorParallelSize": 8}},
+    {"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}},
 ]  # fmt: skip
 
 

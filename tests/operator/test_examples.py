@@ -49,6 +49,7 @@ def test_example_shapes():
     assert _kinds("amd-mi300x-disaggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "Deployment", "Service", "PodDisruptionBudget",
+        "ServiceAccount", "Role", "RoleBinding",
         "Deployment", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("nvidia-h100-aggregated.yaml") == [

@@ -5,7 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ATOMD, DEPLOYMENTS, HPAS, PDBS, SERVICES, eventually
+from conftest import (
+    ATOMD,
+    DEPLOYMENTS,
+    HPAS,
+    PDBS,
+    ROLEBINDINGS,
+    ROLES,
+    SERVICEACCOUNTS,
+    SERVICES,
+    eventually,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -255,8 +265,18 @@ async def test_removing_prefill_deletes_the_disaggregated_children(cluster, oper
             PDBS: ["chat-decode", "chat-prefill"],
             HPAS: [],
         }
+        # The router's own ServiceAccount, Role and RoleBinding, owned like every child.
+        rbac = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
+        assert [cluster.names(r) for r in rbac] == [["chat-router"]] * 3
+        uid = cluster.atomd("chat")["metadata"]["uid"]
+        for resource in rbac:
+            obj = cluster.get(resource, "chat-router")
+            assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+        router = cluster.get(DEPLOYMENTS, "chat-router")
+        assert router["spec"]["template"]["spec"]["serviceAccountName"] == "chat-router"
         await cluster.patch_atomd("chat", {"spec": {"prefill": None}})
         await eventually(lambda: children(cluster) == AGGREGATED_CHILDREN)
+        await eventually(lambda: [cluster.names(r) for r in rbac] == [[], [], []])
         await eventually(lambda: cluster.atomd("chat")["status"]["observedGeneration"] == 2)
         status = cluster.atomd("chat")["status"]
     assert set(status["roles"]) == {"decode"}

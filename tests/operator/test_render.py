@@ -138,6 +138,9 @@ def test_disaggregated_children_with_autoscaling(provider, scaler):
         ("Service", "qwen3-8b-prefill"),
         ("PodDisruptionBudget", "qwen3-8b-prefill"),
         *scaler,
+        ("ServiceAccount", "qwen3-8b-router"),
+        ("Role", "qwen3-8b-router"),
+        ("RoleBinding", "qwen3-8b-router"),
         ("Deployment", "qwen3-8b-router"),
         ("NetworkPolicy", "qwen3-8b"),
         ("Service", "qwen3-8b"),
@@ -647,6 +650,8 @@ def test_router_deployment():
         "--port", "8000",
         "--decode-service", "http://qwen3-8b-decode.llm.svc.cluster.local:8000",
         "--prefill-service", "http://qwen3-8b-prefill.llm.svc.cluster.local:8000",
+        "--kv-events-port", "5557",
+        "--kv-events-replay-port", "5558",
     ]  # fmt: skip
     assert engine["resources"] == {
         "requests": {"cpu": "1", "memory": "1Gi"},
@@ -659,6 +664,84 @@ def test_router_deployment():
     ]
     assert "tolerations" not in pod(router)  # the router needs no GPU node
     assert render_router_deployment(atomd()) is None
+
+
+@pytest.mark.parametrize(
+    ("events", "port", "replay"),
+    [({"port": 6000, "replayPort": 6001}, "6000", "6001"),
+     ({"enabled": False, "port": 6000, "replayPort": 6001}, "0", "0")],
+    ids=["custom-ports", "disabled"],
+)  # fmt: skip
+def test_router_subscribes_on_the_spec_kv_event_ports(events, port, replay):
+    router = render_router_deployment(atomd({"prefill": {}, "kvEvents": events}))
+    args = container(router)["args"]
+    assert (flag(args, "--kv-events-port"), flag(args, "--kv-events-replay-port")) == (
+        port, replay
+    )  # fmt: skip
+
+
+def test_router_has_its_own_service_account_allowed_to_watch_endpointslices():
+    children = render_children(atomd({"prefill": {}}))
+    by_kind = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    account = by_kind[("ServiceAccount", "qwen3-8b-router")]
+    role = by_kind[("Role", "qwen3-8b-router")]
+    binding = by_kind[("RoleBinding", "qwen3-8b-router")]
+    for obj in (account, role, binding):
+        assert obj["metadata"]["namespace"] == "llm"
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == UID
+        assert obj["metadata"]["labels"]["serving.atom.dev/deployment"] == "qwen3-8b"
+    assert account["automountServiceAccountToken"] is False  # only the router pod opts in
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["get", "list", "watch"]},
+    ]  # fmt: skip
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "qwen3-8b-router"
+    }  # fmt: skip
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "qwen3-8b-router", "namespace": "llm"}
+    ]
+    router = by_kind[("Deployment", "qwen3-8b-router")]
+    assert pod(router)["serviceAccountName"] == "qwen3-8b-router"
+    assert pod(router)["automountServiceAccountToken"] is True
+    for role_name in ("decode", "prefill"):
+        engine = by_kind[("Deployment", f"qwen3-8b-{role_name}")]
+        assert pod(engine)["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod(engine)
+    # Aggregated: no router, no RBAC objects.
+    aggregated = {c["kind"] for c in render_children(atomd())}
+    assert aggregated.isdisjoint({"ServiceAccount", "Role", "RoleBinding"})
+
+
+def test_network_policy_admits_the_router_to_the_engine_ports():
+    """The router's pod labels match the policy's own-pods rule, which opens every port (HTTP,
+    KV events, replay), so a policy-enforcing CNI lets the router subscribe and forward."""
+    events = {"port": 6000, "replayPort": 6001}
+    children = render_children(atomd({"prefill": {}, "kvEvents": events}))
+    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
+    router = next(c for c in children if c["metadata"]["name"] == "qwen3-8b-router"
+                  and c["kind"] == "Deployment")  # fmt: skip
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    engine_labels = render_role_deployment(atomd({"prefill": {}}), "decode")["spec"]["template"][
+        "metadata"
+    ]["labels"]
+
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+    assert selects(policy["spec"]["podSelector"], engine_labels)
+    decode = next(c for c in children if c["metadata"]["name"] == "qwen3-8b-decode"
+                  and c["kind"] == "Deployment")  # fmt: skip
+    engine_ports = {p["containerPort"] for p in container(decode)["ports"]}
+    assert engine_ports == {8000, 6000, 6001}
+    for port in engine_ports:
+        admitted = [
+            rule for rule in policy["spec"]["ingress"]
+            if any("podSelector" in peer and selects(peer["podSelector"], router_labels)
+                   for peer in rule.get("from", []))
+            and (not rule.get("ports") or any(p["port"] == port for p in rule["ports"]))
+        ]  # fmt: skip
+        assert admitted, port
 
 
 def test_router_image_override():

@@ -6,11 +6,13 @@ import json
 
 import pytest
 
+from atom_operator.render import render_children
 from atom_operator.status import (
     RoleDeployment,
     fold_status,
     kv_events_problem,
     role_state,
+    router_kv_events_problem,
     status_changes,
     summarize_deployment,
 )
@@ -19,6 +21,7 @@ NOW, EARLIER = "2026-01-02T00:00:00Z", "2026-01-01T00:00:00Z"
 UID = "uid-1"
 TOPIC = "kv@$(POD_IP):5557@m"
 KV_ARGS = ("serve", "--kv-events-config", json.dumps({"endpoint": "tcp://*:5557", "topic": TOPIC}))
+ROUTER_ARGS = ("atom", "router", "--kv-events-port", "5557", "--kv-events-replay-port", "5558")
 
 
 def body(spec=None, generation=1, status=None):
@@ -35,7 +38,7 @@ def deployment(role="decode", **fields):
     values = dict(
         name=f"chat-{role}", role=role, owner_uid=UID, generation=1, desired=1, replicas=1,
         ready=1, updated=1, observed_generation=1, rollout_complete=True,
-        args=KV_ARGS if role != "router" else (), env=("POD_IP",),
+        args=KV_ARGS if role != "router" else ROUTER_ARGS, env=("POD_IP",),
     )  # fmt: skip
     values.update(fields)
     return RoleDeployment(**values)
@@ -113,7 +116,8 @@ def test_disaggregated_needs_prefill_and_router_before_ready():
         "DecodeReady": ("True", "AllPodsReady"),
         "PrefillReady": ("True", "AllPodsReady"),
         "RouterReady": ("False", "DeploymentMissing"),
-        "KVEventsWired": ("True", "ArgsWired"),
+        # The router subscribes to the KV events: without it nothing consumes them.
+        "KVEventsWired": ("False", "ArgsMissing"),
         "Ready": ("False", "ComponentsNotReady"),
     }
     assert status["phase"] == "Pending"
@@ -260,3 +264,98 @@ def test_a_role_scaled_to_zero_by_its_autoscaler_is_ready_not_pending():
     status = fold(body({"prefill": {"replicas": 0}}), [deployment(), zero, deployment("router")])
     assert (conditions(status)["PrefillReady"], status["phase"]) == (
         ("False", "ScaledToZero"), "Pending")  # fmt: skip
+
+
+def _condition(status, kind):
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+@pytest.mark.parametrize(
+    ("ready", "complete", "reason", "phase"),
+    [(0, True, "PodsNotReady", "Degraded"), (0, False, "PodsStarting", "Progressing"),
+     (1, True, "AllPodsReady", "Ready")],
+)  # fmt: skip
+def test_router_ready_follows_the_router_deployments_ready_replicas(ready, complete, reason, phase):
+    obj = body({"prefill": {"replicas": 1}})
+    router = deployment("router", ready=ready, rollout_complete=complete)
+    status = fold(obj, [deployment(), deployment("prefill"), router])
+    assert conditions(status)["RouterReady"] == (str(ready == 1), reason)
+    assert status["roles"]["router"]["readyReplicas"] == ready
+    assert status["phase"] == phase
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (ROUTER_ARGS, ""),
+        (("router",), ""),  # the router's defaults are 5557/5558
+        (("router", "--kv-events-port=5557", "--kv-events-replay-port=5558"), ""),
+        (("router", "--kv-events-port", "6000"),
+         "--kv-events-port 6000, spec.kvEvents wants 5557"),
+        (("router", "--kv-events-port", "0", "--kv-events-replay-port", "0"),
+         "--kv-events-port 0, spec.kvEvents wants 5557; "
+         "--kv-events-replay-port 0, spec.kvEvents wants 5558"),
+    ],
+)  # fmt: skip
+def test_router_kv_events_problem(args, problem):
+    assert router_kv_events_problem(args, port=5557, replay_port=5558) == problem
+
+
+def test_router_with_other_ports_is_not_wired():
+    obj = body({"prefill": {"replicas": 1}, "kvEvents": {"port": 6000, "replayPort": 6001}})
+    engine = ("serve", "--kv-events-config",
+              json.dumps({"endpoint": "tcp://*:6000", "topic": "kv@$(POD_IP):6000@m"}))  # fmt: skip
+    roles = [deployment(args=engine), deployment("prefill", args=engine)]
+    status = fold(obj, [*roles, deployment("router")])  # the router still on 5557/5558
+    assert conditions(status)["KVEventsWired"] == ("False", "ArgsMissing")
+    assert _condition(status, "KVEventsWired")["message"] == (
+        "router (chat-router): --kv-events-port 5557, spec.kvEvents wants 6000; "
+        "--kv-events-replay-port 5558, spec.kvEvents wants 6001"
+    )
+    assert status["phase"] == "Degraded"
+    wired = ("router", "--kv-events-port", "6000", "--kv-events-replay-port", "6001")
+    status = fold(obj, [*roles, deployment("router", args=wired)])
+    assert conditions(status)["KVEventsWired"] == ("True", "ArgsWired")
+    assert status["phase"] == "Ready"
+
+
+def _live(child, ready):
+    """A rendered Deployment as the API server would report it with `ready` pods ready."""
+    live = json.loads(json.dumps(child))
+    live["metadata"]["generation"] = 1
+    replicas = live["spec"].get("replicas", 1)
+    live["status"] = {
+        "observedGeneration": 1, "replicas": replicas, "updatedReplicas": replicas,
+        "readyReplicas": ready if ready is not None else replicas,
+        "conditions": [{"type": "Progressing", "status": "True",
+                        "reason": "NewReplicaSetAvailable"}],
+    }  # fmt: skip
+    return live
+
+
+@pytest.mark.parametrize(
+    "events",
+    [{"port": 6000, "replayPort": 6001}, {}, {"enabled": False}],
+    ids=["custom-ports", "default-ports", "disabled"],
+)
+def test_rendered_children_fold_to_wired_and_ready(events):
+    """What the operator renders, reported back by the cluster, is what the status calls wired:
+    the engine and router Deployments carry matching KV-event ports."""
+    obj = body({"prefill": {"replicas": 1}, "kvEvents": events})
+    children = render_children(obj)
+    deployments = [summarize_deployment(_live(c, None)) for c in children
+                   if c["kind"] == "Deployment"]  # fmt: skip
+    assert {d.role for d in deployments} == {"decode", "prefill", "router"}
+    status = fold(obj, deployments)
+    if events.get("enabled") is False:
+        assert conditions(status)["KVEventsWired"] == ("False", "Disabled")
+    else:
+        assert conditions(status)["KVEventsWired"] == ("True", "ArgsWired")
+    assert conditions(status)["RouterReady"] == ("True", "AllPodsReady")
+    assert status["phase"] == "Ready"
+    router = next(c for c in children if c["metadata"]["name"] == "chat-router"
+                  and c["kind"] == "Deployment")  # fmt: skip
+    status = fold(obj, [d for d in deployments if d.role != "router"]
+                  + [summarize_deployment(_live(router, 0))])  # fmt: skip
+    assert conditions(status)["RouterReady"] == ("False", "PodsNotReady")
+    assert status["phase"] == "Degraded"

@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _until_equal(sub, pod, want, batches, timeout=10.0):
+def _until_equal(sub, pod, want, batches, timeout=120.0):  # a deadlock guard
     deadline = time.monotonic() + timeout
     while True:
         batches.extend(sub.poll(20))

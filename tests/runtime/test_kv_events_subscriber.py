@@ -355,7 +355,7 @@ def test_unreachable_replay_times_out_and_is_counted(ipc):
     finally:
         sub.close()
     assert sub.replay_failures == 1
-    assert 0.15 < elapsed < 3
+    assert elapsed > 0.15  # it waited for the timeout (no upper bound: a loaded machine is slow)
 
 
 def test_background_mode_applies_events_until_stopped(ipc):
@@ -369,7 +369,7 @@ def test_background_mode_applies_events_until_stopped(ipc):
         with pytest.raises(RuntimeError, match="background thread"):
             sub.poll(0)
         pub.publish([BlockStored([H1, H2], None, [1, 2, 3, 4, 5, 6, 7, 8], 4)])
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a deadlock guard
         while index.match_prefix("bg", [1, 2, 3, 4, 5, 6, 7, 8], 4) != 2:
             if time.monotonic() > deadline:
                 raise TimeoutError("the background subscriber never applied the batch")
@@ -453,7 +453,7 @@ def test_listen_json_prints_live_batches(ipc):
         while proc.poll() is None and time.monotonic() < deadline:
             pub.publish([BlockStored([H2], H1, [5, 6, 7, 8], 4, 3, "GPU", "lora-x")])
             time.sleep(0.02)
-        out, err = proc.communicate(timeout=5)
+        out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -261,6 +261,24 @@ def test_a_vllm_style_config_is_accepted():
     assert cfg.is_producer and cfg.is_consumer and cfg.kv_port == 14579
 
 
+@pytest.mark.parametrize(
+    ("tp", "hybrid", "message"),
+    [(2, False, "needs tensor_parallel_size 1"), (1, True, "per-request recurrent state")],
+)
+def test_engines_a_transfer_cannot_serve_are_refused_at_start(tp, hybrid, message):
+    """TP shards and hybrid models' recurrent state do not travel: refused before anything binds."""
+    from types import SimpleNamespace
+
+    from atom_runtime.kv_transfer import make_transfer_agent
+
+    config = SimpleNamespace(
+        kv_transfer_config='{"kv_connector": "AtomPortableConnector", "kv_role": "kv_both"}',
+        tensor_parallel_size=tp,
+    )
+    with pytest.raises(ValueError, match=message):
+        make_transfer_agent(config, block_manager=None, runner=None, hybrid=hybrid)
+
+
 @pytest.mark.gpu
 def test_a_pull_between_gpu_caches_is_exact(agents):
     """Device -> pinned host on the side stream -> TCP -> pinned host -> device, in bf16."""

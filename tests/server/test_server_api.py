@@ -408,7 +408,7 @@ def test_64_concurrent_streams(server, model_name, record_property):
             base_url=f"{server.url}/v1",
             api_key="unused",
             max_retries=0,
-            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100), timeout=120),
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=100), timeout=600),
         ) as client:
             start = time.perf_counter()
             results = await asyncio.gather(*(one(client, i) for i in range(64)))

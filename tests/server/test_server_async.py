@@ -11,18 +11,17 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_FLAGS, launch
-from tests.server.test_server_lifecycle import LONG, idle, metrics, wait_for
+from tests.server.conftest import TINY_FLAGS, wait_for
+from tests.server.test_server_lifecycle import GUARD_S, LONG, idle, metrics
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3,", "Paris is"]
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_models, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-async")
+def servers(tiny_models, launch_module_server):
     model = ("--model", str(tiny_models["llama"]), *TINY_FLAGS)
-    on = launch(tmp, *model, "--async-scheduling")
-    off = launch(tmp, *model, "--no-async-scheduling")
+    on = launch_module_server(*model, "--async-scheduling")
+    off = launch_module_server(*model, "--no-async-scheduling")
     yield on, off
     for srv in (on, off):
         assert srv.stop() == 0, srv.log()
@@ -31,12 +30,12 @@ def servers(tiny_models, tmp_path_factory):
 def _complete(server, prompt: str, stream: bool = False, **extra) -> str:
     body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, **extra}
     if not stream:
-        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=GUARD_S)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
     text = []
     with httpx.stream(
-        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=GUARD_S
     ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -57,7 +56,9 @@ def test_same_text_concurrent_streamed_and_full(servers):
 def test_disconnect_with_a_step_in_flight(servers):
     on, _ = servers
     before = metrics(on)
-    with httpx.stream("POST", f"{on.url}/v1/completions", json={**LONG, "stream": True}) as r:
+    with httpx.stream(
+        "POST", f"{on.url}/v1/completions", json={**LONG, "stream": True}, timeout=GUARD_S
+    ) as r:
         lines = r.iter_lines()
         seen = 0
         while seen < 3:

@@ -97,6 +97,19 @@ ROWS = [
     ("chat invalid JSON", "/v1/chat/completions", b"{messages: []}", 400, BAD_REQUEST, None),
     ("tokenize without input", "/tokenize", {}, 400, BAD_REQUEST, "prompt"),
     ("detokenize id outside vocab", "/detokenize", {"tokens": [3, -1]}, 400, BAD_REQUEST, "tokens[1]"),
+    # Non-finite floats (JSON has none, but lenient parsers read these spellings).
+    ("temperature Infinity", "/v1/completions", b'{"prompt": "Hi", "temperature": Infinity}', 400, BAD_REQUEST, "temperature"),
+    ("top_p NaN", "/v1/completions", b'{"prompt": "Hi", "top_p": NaN}', 400, BAD_REQUEST, "top_p"),
+    ("presence_penalty -Infinity", "/v1/completions", b'{"prompt": "Hi", "presence_penalty": -Infinity}', 400, BAD_REQUEST, "presence_penalty"),
+    ("temperature 1e999 (overflows to inf)", "/v1/completions", b'{"prompt": "Hi", "temperature": 1e999}', 400, BAD_REQUEST, "temperature"),
+    ("chat frequency_penalty NaN", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "frequency_penalty": NaN}', 400, BAD_REQUEST, "frequency_penalty"),
+    ("chat logit_bias value Infinity", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"5": Infinity}}', 400, BAD_REQUEST, "logit_bias.5"),
+    # One request may start at most --max-sequences-per-request (256) sequences.
+    ("n x prompts over the cap", "/v1/completions", _with(COMPLETION, prompt=["a"] * 3, n=100), 400, BAD_REQUEST, "n"),
+    ("prompts over the cap", "/v1/completions", _with(COMPLETION, prompt=[[5]] * 257), 400, BAD_REQUEST, "prompt"),
+    # A JSON schema may not make the server read files or fetch URLs.
+    ("guided_json $ref to a file", "/v1/completions", _with(COMPLETION, guided_json={"$ref": "file:///etc/passwd"}), 400, BAD_REQUEST, "guided_json"),
+    ("response_format $ref to a URL", "/v1/chat/completions", _with(CHAT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://169.254.169.254/latest/meta-data"}}}), 400, BAD_REQUEST, "response_format"),
 ]  # fmt: skip
 
 
@@ -155,7 +168,7 @@ def test_other_requests_are_unaffected(server):
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },  # fmt: skip
-            timeout=60,
+            timeout=600,  # a deadlock guard
         ) as r:
             result["status"] = r.status_code
             chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -166,7 +179,7 @@ def test_other_requests_are_unaffected(server):
     for _, path, body, status, _, _ in ROWS:
         if isinstance(body, dict):
             assert httpx.post(f"{server.url}{path}", json=body).status_code == status
-    t.join(60)
+    t.join(600)
     assert result["status"] == 200
     assert result["chunks"][-1] == "data: [DONE]"
     assert '"completion_tokens":48' in result["chunks"][-2]
@@ -218,7 +231,7 @@ def test_random_bodies_never_get_a_500_nor_hurt_the_server(server):
             f"{server.url}{path}",
             content=json.dumps(body),
             headers={"content-type": "application/json"},
-            timeout=60,
+            timeout=600,
         )
         assert r.status_code < 500, (body, r.text)
         if r.status_code >= 400:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import launch
-
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
@@ -26,8 +24,8 @@ def serve_snippets() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def default_server(tmp_path_factory):
-    srv = launch(tmp_path_factory.mktemp("docs"), timeout=120)
+def default_server(launch_module_server):
+    srv = launch_module_server()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -38,7 +36,7 @@ def test_serve_section_starts_with_atom_serve():
 
 def test_doc_curl_snippet_answers(default_server):
     curl = serve_snippets()["curl"].replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")
-    r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     body = json.loads(r.stdout)
     assert body["object"] == "chat.completion"
@@ -50,7 +48,7 @@ def test_doc_curl_snippet_answers(default_server):
 
 def test_doc_openai_snippet_answers(default_server):
     code = serve_snippets()["python"].replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert re.search(r"\n\[\d+ tokens\]\n$", r.stdout), r.stdout
     assert len(r.stdout.strip()) > 20

@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from atom_runtime.kv_events import AllBlocksCleared, BlockRemoved, KVEventSubscriber
-from tests.server.conftest import free_port, launch
+from tests.server.conftest import free_port
 
 
 @pytest.fixture(scope="module")
-def events_server(tiny_models, tmp_path_factory):
+def events_server(tiny_models, launch_module_server):
     port, replay = free_port(), free_port()
     config = {
         "enable_kv_cache_events": True,
@@ -25,8 +25,7 @@ def events_server(tiny_models, tmp_path_factory):
         "replay_endpoint": f"tcp://*:{replay}",
         "topic": "kv@pod-a@tiny",
     }
-    srv = launch(
-        tmp_path_factory.mktemp("serve-kv"),
+    srv = launch_module_server(
         "--model",
         str(tiny_models["llama"]),
         "--dtype",
@@ -37,16 +36,17 @@ def events_server(tiny_models, tmp_path_factory):
         "128",
         "--kv-events-config",
         json.dumps(config),
+        "--enable-debug-endpoints",
     )
     yield srv, port, replay
     assert srv.stop() == 0, srv.log()
 
 
 def _cached(url: str) -> set[int]:
-    return set(httpx.get(f"{url}/debug/kv_cache", timeout=10).json()["block_hashes"])
+    return set(httpx.get(f"{url}/debug/kv_cache", timeout=600).json()["block_hashes"])
 
 
-def _until(sub, want, seen, timeout=10.0):
+def _until(sub, want, seen, timeout=120.0):  # a deadlock guard
     deadline = time.monotonic() + timeout
     while sub.index.hashes("pod-a") != want:
         seen.extend(sub.poll(50))
@@ -73,13 +73,13 @@ def test_subscriber_index_matches_the_server(events_server, tiny_models):
                     "temperature": 0,
                     "ignore_eos": True,
                 },
-                timeout=60,
+                timeout=600,
             )
             assert r.status_code == 200, r.text
             _until(sub, _cached(srv.url), seen)
         events = [e for _, b in seen for e in b.events]
         assert any(isinstance(e, BlockRemoved) for e in events)
-        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=600).text
         published = [
             line
             for line in metrics.splitlines()
@@ -87,7 +87,7 @@ def test_subscriber_index_matches_the_server(events_server, tiny_models):
         ]
         assert published and float(published[0].split()[-1]) >= 1
 
-        r = httpx.post(f"{srv.url}/reset_prefix_cache", timeout=10)
+        r = httpx.post(f"{srv.url}/reset_prefix_cache", timeout=600)
         assert r.status_code == 200 and r.json() == {"reset": True}
         _until(sub, set(), seen)
         assert isinstance(seen[-1][1].events[-1], AllBlocksCleared)

@@ -12,7 +12,7 @@ import pytest
 
 from atom_runtime.server.errors import APIError
 from atom_runtime.server.tools import ToolPlan, parse_hermes, plan_tools
-from tests.server.conftest import TINY_FLAGS, launch
+from tests.server.conftest import TINY_FLAGS
 
 WEATHER = {
     "type": "function",
@@ -143,8 +143,9 @@ def test_named_function_is_called_with_valid_arguments(client, model_name):
     assert not any(d.content for d in deltas)
     pieces = [tc for d in deltas for tc in (d.tool_calls or [])]
     # The arguments stream as they are written: the first piece names the call, the rest extend
-    # its arguments.
-    assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
+    # its arguments. (How many pieces depends on how many tokens each read of the engine's
+    # output found waiting, so on the machine's speed; the pieces' shape does not.)
+    assert pieces and all(p.index == 0 for p in pieces)
     assert pieces[0].id.startswith("chatcmpl-tool-") and pieces[0].function.name == "get_weather"
     assert all(p.id is None and p.function.name is None for p in pieces[1:])
     assert "".join(p.function.arguments for p in pieces) == call.function.arguments
@@ -183,24 +184,22 @@ def test_tool_conversation_round_trip_and_refusals(client, model_name, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
-def test_auto_tool_choice_streams_the_same_content(tiny_models, tmp_path):
-    srv = launch(tmp_path, "--model", str(tiny_models["llama"]), *TINY_FLAGS,
-                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
-    try:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
-        kw = dict(model=str(tiny_models["llama"]), messages=MESSAGES, tools=[WEATHER],
-                  max_tokens=24, temperature=0)  # fmt: skip
-        out = client.chat.completions.create(**kw)
-        streamed = client.chat.completions.create(**kw, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-        # A random model writes no <tool_call>: its text comes back as content, whole.
-        assert out.choices[0].message.tool_calls is None
-        assert text == out.choices[0].message.content and text
-    finally:
-        srv.stop()
+def test_auto_tool_choice_streams_the_same_content(tiny_models, launch_server):
+    srv = launch_server("--model", str(tiny_models["llama"]), *TINY_FLAGS,
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=600)
+    kw = dict(model=str(tiny_models["llama"]), messages=MESSAGES, tools=[WEATHER],
+              max_tokens=24, temperature=0)  # fmt: skip
+    out = client.chat.completions.create(**kw)
+    streamed = client.chat.completions.create(**kw, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    # A random model writes no <tool_call>: its text comes back as content, whole.
+    assert out.choices[0].message.tool_calls is None
+    assert text == out.choices[0].message.content and text
+    assert srv.stop() == 0
 
 
-def test_auto_tool_choice_flags_are_checked(tmp_path):
-    srv = launch(tmp_path, "--enable-auto-tool-choice", wait=False)
-    assert srv.proc.wait(30) == 2
+def test_auto_tool_choice_flags_are_checked(launch_server):
+    srv = launch_server("--enable-auto-tool-choice", wait=False)
+    assert srv.proc.wait(300) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in srv.log()

@@ -73,4 +73,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Disaggregated mode: each router gets a ServiceAccount, Role and RoleBinding (its EndpointSlice
+# watch). Kubernetes lets the operator create a Role, or bind one, only if the operator itself
+# holds every permission in it (no escalation): hence the endpointslices rule below, which the
+# operator does not use otherwise. Keep it in step with ROUTER_RULES in render.py.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
 {{- end }}

@@ -35,6 +35,33 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 # Batches sent between two looks at the replay socket while the queue is backed up.
 _SEND_BURST = 64
+# A replay request is [identity, b"", start_seq (8 bytes)]. libzmq disconnects a peer that sends a
+# bigger frame before it is ever buffered whole, and frames past the third are read and dropped,
+# so no client can make the engine hold more than a few hundred bytes for one request.
+REPLAY_MAX_FRAME_BYTES = 256
+_REPLAY_MAX_FRAMES = 3
+# Malformed replay requests are counted one by one but logged at most once per this many seconds.
+REPLAY_WARNING_INTERVAL_S = 10.0
+
+
+class _RateLimitedWarning:
+    """A WARNING at most once per `interval` seconds; the next one says how many were held back."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: float | None = None
+        self._held = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.interval:
+            self._held += 1
+            return
+        if self._held:
+            message += " (%d more like it since the last warning)"
+            args = (*args, self._held)
+        self._last, self._held = now, 0
+        logger.warning(message, *args)
 
 
 class KVEventPublisherError(RuntimeError):
@@ -111,6 +138,7 @@ class ZmqEventPublisher:
         # Written by the sender thread only.
         self._published = 0
         self._replay_errors = 0
+        self._warn_replay = _RateLimitedWarning(REPLAY_WARNING_INTERVAL_S)
         self._failure: BaseException | None = None
         self._ring: collections.deque[tuple[int, bytes]] = collections.deque(
             maxlen=config.buffer_steps
@@ -217,6 +245,7 @@ class ZmqEventPublisher:
                 # Unroutable or over-full answers raise instead of vanishing silently.
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 replay.setsockopt(zmq.SNDHWM, 2 * (self._ring.maxlen or 0) + 16)
+                replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME_BYTES)
                 replay.bind(self._replay_endpoint)  # the ROUTER is the server: always bound
                 self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as exc:
@@ -283,10 +312,18 @@ class ZmqEventPublisher:
         self._published += 1
 
     def _answer_replay(self, replay: zmq.Socket) -> None:
-        frames = replay.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        frames, extra = [replay.recv()], 0
+        while replay.getsockopt(zmq.RCVMORE):
+            frame = replay.recv()
+            if len(frames) < _REPLAY_MAX_FRAMES:
+                frames.append(frame)
+            else:
+                extra += 1
+        if extra or len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             self._replay_errors += 1
-            logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
+            self._warn_replay(
+                "ignoring malformed KV event replay request (%d frames)", len(frames) + extra
+            )
             return
         identity, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
         try:
@@ -299,7 +336,7 @@ class ZmqEventPublisher:
         except zmq.ZMQError as exc:
             # A client that vanished or stopped reading: its answer is abandoned, the engine is not.
             self._replay_errors += 1
-            logger.warning("abandoned KV event replay answer: %r", exc)
+            self._warn_replay("abandoned KV event replay answer: %r", exc)
 
     def _drain_wake_pipe(self) -> None:
         try:

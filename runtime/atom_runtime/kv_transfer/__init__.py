@@ -7,8 +7,9 @@ portable transport), agent.py (holds and pulls in the engine), stats.py (counter
 from __future__ import annotations
 
 
-def make_transfer_agent(config, block_manager, runner):
-    """The engine's TransferAgent for `config.kv_transfer_config`, or None without one."""
+def make_transfer_agent(config, block_manager, runner, hybrid: bool = False):
+    """The engine's TransferAgent for `config.kv_transfer_config`, or None without one.
+    `hybrid`: the model keeps per-request recurrent state, which a transfer does not carry yet."""
     from atom_runtime.kv_transfer.config import KVTransferConfig
 
     parsed = KVTransferConfig.from_cli(config.kv_transfer_config)
@@ -18,6 +19,12 @@ def make_transfer_agent(config, block_manager, runner):
         raise ValueError(
             "kv_transfer_config: the portable connector moves one engine's whole KV cache and "
             "needs tensor_parallel_size 1 (each tensor-parallel rank holds a shard)"
+        )
+    if hybrid:
+        raise ValueError(
+            "kv_transfer_config: this model keeps per-request recurrent state (a hybrid model) "
+            "and a KV transfer carries attention blocks only; serve it aggregated (without "
+            "--kv-transfer-config) until the state image travels too"
         )
     from atom_runtime.kv_transfer.agent import TransferAgent
     from atom_runtime.kv_transfer.base import KVCacheAccess

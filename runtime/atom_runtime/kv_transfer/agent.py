@@ -17,7 +17,8 @@ freed and the request is prefilled locally (counted). The scheduler needs no cha
 
 Contract 2 holds on both sides: the consumer never takes the prompt's last block remotely.
 Hybrid models (recurrent state) would also need the state image at the prompt end; the seam for it
-is here (a transfer carries blocks only today, and hybrid models are refused at startup).
+is here (a transfer carries blocks only today, and hybrid models are refused at startup by
+`make_transfer_agent`).
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ Lifecycle, in order:
    `/health` answers 503 while the engine core loads in the background.
 2. The engine core says Ready; the tokenizer loads; the GC policy is applied; `/health` is 200.
 3. SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get `--shutdown-grace-period`
-   seconds to finish, then are cancelled (their `finally` aborts them in the engine); the engine
-   core is stopped, the GC unfrozen, and the process exits 0.
+   seconds to finish; those still running then are cut cleanly (a 503 with an error body, or a
+   final SSE error event and `[DONE]`; aborted in the engine; one log line says how many), the
+   engine core is stopped, the GC unfrozen, and the process exits 0.
 4. If the engine core dies: in-flight requests fail with 503, `/health` turns 503, and the server
-   exits 1 after ENGINE_DEATH_EXIT_DELAY_S (long enough for a probe to see the 503).
+   exits 1 after $ATOM_ENGINE_DEATH_EXIT_DELAY_S (default 1 s: long enough for a probe to see
+   the 503; a test raises it to look at the 503 at leisure).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import socket
 import time
@@ -33,6 +36,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
 from atom_runtime.output_processor import OutputProcessor
 from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.server import openapi as D
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
     APIError,
@@ -42,13 +46,21 @@ from atom_runtime.server.errors import (
     invalid_api_key,
 )
 from atom_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
-from atom_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from atom_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from atom_runtime.server.serving import ClientGone, OpenAIServing, json_response, parse_body
 from atom_runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
 
-ENGINE_DEATH_EXIT_DELAY_S = 1.0
+ENGINE_DEATH_EXIT_DELAY_ENV = "ATOM_ENGINE_DEATH_EXIT_DELAY_S"
+# After the grace period's cut, how long the cut responses get to be written out before uvicorn
+# cancels what is left (a last resort: the cut ends every request the server knows of).
+CUT_DRAIN_S = 10.0
 
 
 @dataclass
@@ -62,6 +74,9 @@ class ServerConfig:
     shutdown_grace_period: float = 10.0
     engine_stall_timeout: float = 300.0
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto"
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_sequences_per_request: int = 256
+    enable_debug_endpoints: bool = False  # /debug/kv_cache and POST /reset_prefix_cache
 
 
 class ServerState:
@@ -119,6 +134,7 @@ class ServerState:
             self.metrics,
             self.config.log_requests,
             self.config.tool_call_parser,
+            self.config.max_sequences_per_request,
         )
         apply_gc_policy()
         c = self.config
@@ -133,9 +149,27 @@ class ServerState:
         )
         log.info("OpenAI-compatible API ready at http://%s:%d/v1", c.host, c.port)
 
+    def cut_in_flight(self) -> None:
+        """The shutdown grace period is over: end the requests still running, cleanly."""
+        if self.serving is None:
+            return
+        grace = self.config.shutdown_grace_period
+        cut = self.serving.cut_in_flight(
+            f"the server is shutting down and the request did not finish within the "
+            f"{grace:g} s shutdown grace period"
+        )
+        if cut:
+            log.warning(
+                "shutdown grace period (%g s) over: %d request(s) still running were cut off "
+                "(503 / SSE error event)",
+                grace,
+                cut,
+            )
+
     def on_engine_death(self) -> None:
         self.exit_code = 1
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, self.exit, 1)
+        delay = float(os.environ.get(ENGINE_DEATH_EXIT_DELAY_ENV, "1"))
+        asyncio.get_running_loop().call_later(delay, self.exit, 1)
 
 
 def _default_model_name() -> str:
@@ -155,9 +189,12 @@ def build_app(state: ServerState) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
             await state.client.shutdown()
+            if state.serving is not None:
+                state.serving.close()
             release_gc_policy()
 
-    app = FastAPI(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
+    app = D.make_app(title="ATOM", version=atom_runtime.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
 
     async def require_api_key(request: Request) -> None:
         key = state.config.api_key
@@ -169,29 +206,46 @@ def build_app(state: ServerState) -> FastAPI:
         ):
             raise invalid_api_key()
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    # With --api-key: every route that serves the model or reads what it was sent needs the key
+    # (/v1/*, tokenize, detokenize, debug and reset). /health, /metrics and /version stay open for
+    # probes and scrapers (as in vLLM); they carry no prompt or output. See docs/serving.md.
+    keyed = [Depends(require_api_key)]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
-    @v1.get("/models")
+    @v1.get("/models", responses=D.responses(D.ModelList, 401, 503))
     async def models() -> Response:
         serving = state.require_serving()
         ready = state.client.ready
+        # `root` is the served name, never the server's filesystem path (which says nothing
+        # useful to a client and tells an attacker about the pod's layout).
         return json_response(
             R.model_list(
-                serving.model_names, int(state.started), ready.model_path, ready.max_model_len
+                serving.model_names,
+                int(state.started),
+                serving.model_names[0],
+                ready.max_model_len,
             )  # fmt: skip
         )
 
-    @v1.post("/completions")
+    @v1.post(
+        "/completions",
+        openapi_extra=D.request_body(CompletionRequest),
+        responses=D.responses(D.CompletionResponse, 400, 401, 404, 413, 503, stream=True),
+    )
     async def completions(request: Request) -> Response:
         return await state.require_serving().completions(request)
 
-    @v1.post("/chat/completions")
+    @v1.post(
+        "/chat/completions",
+        openapi_extra=D.request_body(ChatCompletionRequest),
+        responses=D.responses(D.ChatCompletionResponse, 400, 401, 404, 413, 503, stream=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await state.require_serving().chat(request)
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses=D.responses(D.HealthResponse, 503))
     async def health() -> Response:
         if state.healthy:
             return json_response({"status": "ok"})
@@ -203,15 +257,24 @@ def build_app(state: ServerState) -> FastAPI:
             reason = "the server is shutting down"
         return json_response(engine_unavailable(reason).body(), 503)
 
-    @app.get("/version")
+    @app.get("/version", responses=D.responses(D.VersionResponse))
     async def version() -> Response:
         return json_response({"version": atom_runtime.__version__})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        responses={200: {"description": "Prometheus text format",
+                         "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )  # fmt: skip
     async def metrics() -> Response:
         return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post(
+        "/tokenize",
+        dependencies=keyed,
+        openapi_extra=D.request_body(TokenizeRequest),
+        responses=D.responses(D.TokenizeResponse, 400, 401, 404, 413, 503),
+    )
     async def tokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
@@ -219,10 +282,10 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             try:
-                ids = serving.tokenizer.encode_chat(
+                ids = await serving.encode_chat(
                     [m.template_dict() for m in req.messages],
                     add_generation_prompt=req.add_generation_prompt,
                 )
@@ -232,7 +295,12 @@ def build_app(state: ServerState) -> FastAPI:
             {"count": len(ids), "max_model_len": state.client.ready.max_model_len, "tokens": ids}
         )
 
-    @app.post("/detokenize")
+    @app.post(
+        "/detokenize",
+        dependencies=keyed,
+        openapi_extra=D.request_body(DetokenizeRequest),
+        responses=D.responses(D.DetokenizeResponse, 400, 401, 404, 413, 503),
+    )
     async def detokenize(request: Request) -> Response:
         serving = state.require_serving()
         req: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
@@ -244,20 +312,31 @@ def build_app(state: ServerState) -> FastAPI:
                     f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})",
                     f"tokens[{i}]",
                 )
-        return json_response({"prompt": serving.tokenizer.decode(req.tokens)})
+        return json_response({"prompt": await serving.decode(req.tokens)})
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        state.require_serving()
-        return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
-
-    @app.get("/debug/kv_cache")
-    async def debug_kv_cache() -> Response:
-        state.require_serving()
-        hashes = await state.client.utility("cached_block_hashes")
-        return json_response(
-            {"block_hashes": list(hashes), "num_blocks": state.client.ready.num_blocks}
+    if state.config.enable_debug_endpoints:
+        # Off by default: one drops every cached prefix (a cheap way to slow a server down), the
+        # other lists what is cached. Tests and operators switch them on deliberately.
+        @app.post(
+            "/reset_prefix_cache",
+            dependencies=keyed,
+            responses=D.responses(D.ResetPrefixCacheResponse, 401, 503),
         )
+        async def reset_prefix_cache() -> Response:
+            state.require_serving()
+            return json_response({"reset": bool(await state.client.utility("reset_prefix_cache"))})
+
+        @app.get(
+            "/debug/kv_cache",
+            dependencies=keyed,
+            responses=D.responses(D.KVCacheResponse, 401, 503),
+        )
+        async def debug_kv_cache() -> Response:
+            state.require_serving()
+            hashes = await state.client.utility("cached_block_hashes")
+            return json_response(
+                {"block_hashes": list(hashes), "num_blocks": state.client.ready.num_blocks}
+            )
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
@@ -282,6 +361,47 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before it is parsed
+    (at once when Content-Length says so, else as soon as the streamed body passes the limit),
+    so one request cannot make the server buffer and tokenize megabytes it will refuse anyway."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _error(self) -> APIError:
+        return APIError(
+            413,
+            f"request body: larger than the server's limit of {self.limit} bytes "
+            "(--max-request-body-bytes)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                response = json_response(self._error().body(), 413)
+                response.headers["connection"] = "close"  # the unread body is not drained
+                return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise self._error()  # the app's APIError handler answers the 413
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Run `atom serve` until SIGTERM/SIGINT or engine death; returns the exit code."""
     set_process_title("APIServer")
@@ -295,15 +415,16 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         return 2
     state = ServerState(config, engine_config)
     app = build_app(state)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             log_level=config.log_level,
             log_config=None,
             access_log=False,
-            timeout_graceful_shutdown=config.shutdown_grace_period,
+            timeout_graceful_shutdown=config.shutdown_grace_period + CUT_DRAIN_S,
             lifespan="on",
-        )
+        ),
+        state,
     )
     state.server = server
     # uvicorn re-raises the signal that stopped it once it is done; catch it here so a SIGTERM
@@ -312,6 +433,25 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
         signal.signal(sig, _note_signal)
     await server.serve(sockets=[sock])
     return state.exit_code
+
+
+class _Server(uvicorn.Server):
+    """uvicorn whose graceful shutdown ends with a clean cut: when the grace period is over, the
+    requests still running are answered (503, or an SSE error event and [DONE]) instead of
+    being cancelled mid-write by uvicorn, which would leave clients a truncated stream and the
+    log a CancelledError traceback."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.state.config.shutdown_grace_period
+        timer = asyncio.get_running_loop().call_later(grace, self.state.cut_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def _note_signal(signum: int, frame: object) -> None:

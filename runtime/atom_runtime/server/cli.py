@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require `Authorization: Bearer <key>` on /v1 routes (default: ${API_KEY_ENV})",
+        help="require `Authorization: Bearer <key>` on /v1/*, /tokenize, /detokenize and the debug "
+        f"routes; /health, /metrics and /version stay open (default: ${API_KEY_ENV})",
     )
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     g.add_argument(
@@ -46,6 +47,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the engine core may go without a sign of life (it sends one at least "
         "every second, busy or idle) before it is taken for hung, killed, and the server "
         "exits 1 for its supervisor to restart it; 0 turns the check off (default 300)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body accepted; a bigger one is answered 413 before it is parsed "
+        "(default 8 MiB: a prompt of about two million tokens)",
+    )
+    g.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="most sequences one request may start (n x the prompts of a batched completion); "
+        "more is answered 400 (default 256)",
+    )
+    g.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve GET /debug/kv_cache (the cached block hashes) and POST /reset_prefix_cache "
+        "(drops every cached prefix); off by default, and under --api-key like /v1",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -75,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_grace_period < 0:
         print("atom serve: error: --shutdown-grace-period must be >= 0", file=sys.stderr)
         return 2
+    for flag in ("max_request_body_bytes", "max_sequences_per_request"):
+        if getattr(args, flag) < 1:
+            name = "--" + flag.replace("_", "-")
+            print(f"atom serve: error: {name} must be >= 1", file=sys.stderr)
+            return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print(
             "atom serve: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr
@@ -102,5 +128,8 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace_period=args.shutdown_grace_period,
         engine_stall_timeout=args.engine_stall_timeout,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_sequences_per_request=args.max_sequences_per_request,
+        enable_debug_endpoints=args.enable_debug_endpoints,
     )
     return asyncio.run(serve(config, engine_config))

@@ -66,6 +66,11 @@ def engine_unavailable(message: str = "the engine is not available") -> APIError
     return APIError(503, message, "service_unavailable_error", None, "engine_unavailable")
 
 
+def shutting_down(message: str) -> APIError:
+    """A request the server stopped because it is shutting down (a retry goes to another pod)."""
+    return APIError(503, message, "service_unavailable_error", None, "server_shutting_down")
+
+
 def field_path(loc: tuple) -> str | None:
     """pydantic's loc ('messages', 0, 'role') -> 'messages[0].role'; () -> None."""
     path = ""

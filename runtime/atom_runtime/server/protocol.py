@@ -22,7 +22,8 @@ from atom_runtime.structured_outputs import StructuredOutputs
 
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send `user`, SDK metadata, ...); known ones are strict.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Floats must be finite: `Infinity`, `NaN` and 1e999 are refused with the field's name.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -30,7 +31,9 @@ class StreamOptions(_Body):
 
 
 class JsonSchemaFormat(_Body):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(
+        strict=True, extra="ignore", populate_by_name=True, allow_inf_nan=False
+    )
     name: str | None = None
     description: str | None = None
     schema_: dict = Field(alias="schema")

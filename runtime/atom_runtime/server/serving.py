@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
@@ -33,6 +35,7 @@ from atom_runtime.server.errors import (
     from_validation_error,
     from_value_error,
     model_not_found,
+    shutting_down,
 )
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -57,11 +60,23 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
 
 
+class RequestCut(Exception):
+    """The server is shutting down and the request did not finish within the grace period."""
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Done-callback of helper tasks nobody awaits: mark their outcome seen, so a task that
+    failed or was cancelled after its request ended logs no "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
+
+
 @dataclass
 class Run:
     """One prompt of an API request, as submitted to the engine (its n choices together)."""
 
     request_id: str
+    api_request_id: str  # the HTTP request's id (request_id is it, or it + "-<prompt index>")
     prompt_index: int
     stream: RequestStream
     num_prompt_tokens: int
@@ -100,14 +115,65 @@ class OpenAIServing:
         metrics: ServerMetrics,
         log_requests: bool = True,
         tool_parser: str | None = None,
+        max_sequences: int = 256,
     ) -> None:
         self.client = client
+        self.max_sequences = max_sequences
+        # Tokenizing and chat templates run here, off the event loop, so a long prompt never
+        # stalls /health or other requests; two workers bound how many prompts are tokenized
+        # (and so how much tokenizer memory is in use) at once.
+        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="atom-tokenize")
         self.tool_parser = tool_parser
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
         self.log_requests = log_requests
         self._token_text_cache: dict[int, str] = {}
+        # Submitted HTTP requests not yet finished, by id: what a shutdown cut reaches.
+        self._in_flight: dict[str, list[Run]] = {}
+        self._cut_reason: str | None = None
+
+    def cut_in_flight(self, reason: str) -> int:
+        """End every request still running (and any submitted from now on): non-streaming ones
+        answer 503, streams end with an SSE error event and [DONE]. Returns how many were cut."""
+        self._cut_reason = reason
+        cut = 0
+        for runs in self._in_flight.values():
+            unfinished = [run for run in runs if not run.finished]
+            for run in unfinished:
+                run.stream.fail(RequestCut(reason))
+            cut += bool(unfinished)
+        return cut
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return await self._off_loop(self.tokenizer.encode_chat, messages, **kwargs)
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self._off_loop(self.tokenizer.decode, ids)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_sequences(self, n: int, num_prompts: int) -> None:
+        """One request may fan out to at most max_sequences sequences (n x prompts)."""
+        if n * num_prompts <= self.max_sequences:
+            return
+        param = "n" if n > 1 else "prompt"
+        raise bad_request(
+            f"{param}: n x prompts = {n} x {num_prompts} = {n * num_prompts} sequences is more "
+            f"than the {self.max_sequences} one request may ask for "
+            "(--max-sequences-per-request)",
+            param,
+        )
 
     def check_model(self, name: str | None) -> str:
         if name is None:
@@ -130,10 +196,9 @@ class OpenAIServing:
         req: CompletionRequest = parse_body(CompletionRequest, await request.body())
         model = self.check_model(req.model)
         params = req.sampling_params()
-        prompts = [
-            (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, p)
-            for p in req.prompts()
-        ]
+        batch = req.prompts()
+        self.check_sequences(params.n, len(batch))
+        prompts = [(p, await self.encode(p)) if isinstance(p, str) else (None, p) for p in batch]
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = await self._submit(
             rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
@@ -163,11 +228,12 @@ class OpenAIServing:
         model = self.check_model(req.model)
         tools = plan_tools(req.tools, req.tool_choice, self.tool_parser)
         params = req.sampling_params(tools)
+        self.check_sequences(params.n, 1)
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
             template_kwargs["tools"] = req.tools
         try:
-            prompt_ids = self.tokenizer.encode_chat(
+            prompt_ids = await self.encode_chat(
                 req.conversation(),
                 add_generation_prompt=req.add_generation_prompt,
                 **template_kwargs,
@@ -219,7 +285,7 @@ class OpenAIServing:
                 stream = await self.client.add_request(
                     sub_id, text, ids, params, kv_transfer_params
                 )
-                runs.append(Run(sub_id, i, stream, len(ids), *arrival))
+                runs.append(Run(sub_id, rid, i, stream, len(ids), *arrival))
         except ValueError as e:
             self._finish(runs, aborted=True)
             raise from_value_error(e, renames) from None
@@ -229,25 +295,39 @@ class OpenAIServing:
         except BaseException:
             self._finish(runs, aborted=True)
             raise
+        self._in_flight[rid] = runs
+        if self._cut_reason is not None:  # submitted while the server is being cut off
+            for run in runs:
+                run.stream.fail(RequestCut(self._cut_reason))
         return runs
 
     async def _collect(self, request: Request, runs: list[Run]) -> list[RequestOutput]:
-        """Every run's final output; gives up (and aborts) if the client disconnects."""
-        work = asyncio.ensure_future(asyncio.gather(*(run.final() for run in runs)))
+        """Every run's final output; gives up (and aborts) if the client disconnects, and answers
+        503 if the engine dies or the shutdown grace period ends first."""
+        finals = [asyncio.ensure_future(run.final()) for run in runs]
         gone = asyncio.ensure_future(_wait_disconnect(request))
         aborted = True
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                raise ClientGone()
-            try:
-                outs = work.result()
-            except EngineDeadError:
-                raise engine_unavailable("the engine core died") from None
+            pending = set(finals)
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending | {gone}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if gone in done:
+                    raise ClientGone()
+                pending.discard(gone)
+                for task in done:
+                    try:
+                        task.result()
+                    except EngineDeadError:
+                        raise engine_unavailable("the engine core died") from None
+                    except RequestCut as e:
+                        raise shutting_down(str(e)) from None
             aborted = False
-            return outs
+            return [task.result() for task in finals]
         finally:
-            for task in (work, gone):
+            for task in (*finals, gone):
+                task.add_done_callback(_retrieve)
                 task.cancel()
             self._finish(runs, aborted)
 
@@ -264,10 +344,12 @@ class OpenAIServing:
             try:
                 while not run.finished:
                     queue.put_nowait((run, await run.next()))
-            except EngineDeadError as e:
+            except (EngineDeadError, RequestCut) as e:
                 queue.put_nowait((run, e))
 
         tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+        for task in tasks:
+            task.add_done_callback(_retrieve)
         try:
             while not all(run.finished for run in runs):
                 run, item = await queue.get()
@@ -321,6 +403,8 @@ class OpenAIServing:
             yield R.sse_event(
                 error_body("the engine core died", "service_unavailable_error", None, "503")
             )
+        except RequestCut as e:
+            yield R.sse_event(shutting_down(str(e)).body())
         finally:
             self._finish(runs, aborted)
         yield R.SSE_DONE
@@ -390,6 +474,8 @@ class OpenAIServing:
 
     def _finish(self, runs: list[Run], aborted: bool) -> None:
         """Abort what is unfinished, then record metrics and log one line per run."""
+        if runs:
+            self._in_flight.pop(runs[0].api_request_id, None)
         for run in runs:
             if not run.finished:
                 self.client.abort(run.request_id)
