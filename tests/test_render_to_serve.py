@@ -62,6 +62,31 @@ def test_rendered_engine_args_parse_as_atom_serve(example):
             assert kv.enable_kv_cache_events and kv.topic.startswith("kv@$(POD_IP):"), name
 
 
+@pytest.mark.parametrize(
+    ("fields", "interval", "demand"),
+    [(None, -1, True), ({"intervalTokens": 0, "demand": True}, 0, True),
+     ({"intervalTokens": 64, "demand": False}, 64, False)],
+)  # fmt: skip
+def test_state_checkpoint_fields_render_to_the_runtime_settings(fields, interval, demand, tmp_path):
+    """spec.stateCheckpoint does what it says: the rendered flags give the runtime exactly those
+    settings, and the operator's defaults are the runtime's (-1, demand on)."""
+    doc = next(yaml.safe_load_all(EXAMPLES[0].read_text()))
+    doc.setdefault("metadata", {})["uid"] = "uid-1"
+    doc["spec"].pop("stateCheckpoint", None)
+    if fields is not None:
+        doc["spec"]["stateCheckpoint"] = fields
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    (_, args), *_ = _engine_containers(path)
+    parser = argparse.ArgumentParser(prog="atom serve", exit_on_error=False)
+    serve_cli.add_arguments(parser)
+    config = EngineConfig.from_args(parser.parse_args(args))
+    assert config.state_checkpoint_interval_tokens == interval
+    assert config.state_checkpoint_demand is demand
+    if fields is None:
+        assert interval == EngineConfig().state_checkpoint_interval_tokens
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_rendered_router_args_parse_as_atom_router(example):
     disaggregated = any("prefill:" in line for line in example.read_text().splitlines())

@@ -227,7 +227,7 @@ class CheckpointMemory:
 
 def checkpoint_counters(engine):
     """The engine's live `StateCheckpointCounters`, or None when it has none (a model without
-    recurrent state, or an engine the checkpoint work is not wired into yet). Looked for on the
+    recurrent state, or a hybrid model run with checkpoints off). Looked for on the
     engine itself and in its stats message, so it does not depend on the field's name."""
     from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 
@@ -315,8 +315,8 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
         "prefix_queried_tokens": after.prefix_queries - before.prefix_queries,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "kv_pool_blocks": after.num_blocks,
-        # What the engine runs with: it may switch prefix caching off (a hybrid model while its
-        # checkpoints are not wired in), whatever the configuration asked for.
+        # What the engine runs with: it switches prefix caching off for a hybrid model run with
+        # state checkpoints off (interval 0), whatever the configuration asked for.
         "prefix_caching_effective": engine.scheduler.block_manager.enable_prefix_caching,
     }
     if counters is not None:

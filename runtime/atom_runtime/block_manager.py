@@ -41,7 +41,7 @@ class BlockManager:
             return []
         # A sequence waiting at the head of the queue is looked up again every step until it
         # fits: its hashes are computed once and kept on it.
-        self._ensure_hashes(seq, max_blocks)
+        self.ensure_hashes(seq, max_blocks)
         return self.pool.lookup_prefix(
             seq.block_hashes[:max_blocks], seq.token_ids, self.block_size
         )
@@ -84,7 +84,7 @@ class BlockManager:
         # Never hash over an unhashed parent: a gap in the chain stops hashing for this sequence.
         if start > 0 and self.pool.blocks[seq.block_table[start - 1]].hash is None:
             return
-        self._ensure_hashes(seq, num_full)
+        self.ensure_hashes(seq, num_full)
         self.pool.publish_hashes(
             seq.block_table[start:num_full],
             seq.block_hashes[start:num_full],
@@ -93,7 +93,7 @@ class BlockManager:
         )
         seq.num_hashed_blocks = num_full
 
-    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+    def ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         """Extend seq's cached chain of block hashes to num_blocks (each block hashed once)."""
         hashes = seq.block_hashes
         have = len(hashes)

@@ -35,8 +35,11 @@ class EngineConfig:
     # (docs/architecture.md): >0 a rung every N tokens (snapped to the hash block), 0 off, -1
     # prompt-end anchors and demand rungs only. Llama-family models hold no recurrent state, so
     # for them these only validate.
-    state_checkpoint_interval_tokens: int = 0
-    state_checkpoint_demand: bool = True
+    # -1 by default: a hybrid model served with no flag reuses shared system prompts (demand
+    # rungs) and earlier turns (prompt-end anchors). Demand None: ATOM_STATE_CHECKPOINT_DEMAND
+    # decides (default on); the flag wins.
+    state_checkpoint_interval_tokens: int = -1
+    state_checkpoint_demand: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
@@ -142,11 +145,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-checkpoint-interval-tokens",
         type=int,
         default=d.state_checkpoint_interval_tokens,
-        help="hybrid models: checkpoint per-request state every N tokens (0 off, -1 anchors only)",
+        help="hybrid models: checkpoint per-request state every N tokens (0 off, -1 (default) "
+        "prompt-end anchors and demand checkpoints only)",
     )
     g.add_argument(
         "--state-checkpoint-demand",
         action=argparse.BooleanOptionalAction,
         default=d.state_checkpoint_demand,
-        help="hybrid models: place demand checkpoint rungs",
+        help="hybrid models: place demand checkpoint rungs (default: ATOM_STATE_CHECKPOINT_DEMAND, "
+        "else on)",
     )

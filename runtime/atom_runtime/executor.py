@@ -81,6 +81,9 @@ class Executor(Protocol):
         """Run one step: the sequences that sample this step and their samples (on the device,
         on their way back), or ([], None) when none samples."""
 
+    def copy_state(self, unit_rows) -> None:
+        """Run state-checkpoint copies alone (no forward pass follows; hybrid models)."""
+
     def release(self, request_ids) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""
 
@@ -217,6 +220,10 @@ class TPExecutor:
         return self.runner.state_bytes_per_slot
 
     @property
+    def checkpoint_spec(self):
+        return self.runner.checkpoint_spec
+
+    @property
     def device(self) -> torch.device:
         return self.runner.device
 
@@ -245,6 +252,12 @@ class TPExecutor:
         if logits is None:
             return [], None
         return samplers, self.runner.sample(logits, samplers)
+
+    def copy_state(self, unit_rows) -> None:
+        """Every rank copies its own shard of the checkpoint images."""
+        call_id = self._send_call("copy_state", [[list(r) for r in unit_rows.tolist()]])
+        self._guarded(self.runner.copy_state, unit_rows)
+        self._collect(call_id)
 
     def release(self, request_ids) -> None:
         self.runner.release(request_ids)

@@ -38,6 +38,13 @@ from atom_runtime.models.loader import build_model
 from atom_runtime.scheduler import ScheduledBatch
 from atom_runtime.sequence import PENDING_TOKEN, Sequence
 from atom_runtime.small_m import select_small_m_kernels
+from atom_runtime.state.checkpoint_spec import (
+    PagedStateCheckpointSpec,
+    StatePoolPlan,
+    StateTensorShape,
+)
+from atom_runtime.state.copy_plan import StateCopyPlan
+from atom_runtime.state.maintenance import uint8_rows
 from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 
 log = logging.getLogger(__name__)
@@ -71,8 +78,11 @@ class ModelRunner:
         # Every rank must hold the same block ids: the cache is as large as the smallest allows.
         self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
         self._allocate_kv_cache()
+        self.checkpoint_spec: PagedStateCheckpointSpec | None = None
+        self._copy_plan: StateCopyPlan | None = None
         if self.state is not None:
             self._allocate_state_slots()
+            self._plan_checkpoint_copies()
         self.small_m_kernels = select_small_m_kernels(
             self.model, self.device, self.num_blocks, self.block_size
         )
@@ -153,6 +163,42 @@ class ModelRunner:
             len(self.state.layers),
             self.num_state_slots * self.state.bytes_per_slot / 2**30,
         )
+
+    def _plan_checkpoint_copies(self) -> None:
+        """The checkpoint spec of this rank's shard (PAGE unit: one block's K/V rows in every
+        attention layer; image: a slot's row in every state tensor, in slot-pool order) and the
+        byte views the per-batch copy launch works on."""
+        attn = self.model.attention_layers()
+        shapes = []
+        for i, layer in enumerate(self.state.layers):
+            for name, shape, dtype in zip(
+                ("conv", "recurrent"), layer.state_shapes(), self.state.dtypes(), strict=True
+            ):
+                shapes.append(StateTensorShape(f"layer{i}.{name}", tuple(shape), dtype))
+        plan = StatePoolPlan(
+            self.block_size, len(attn), self.num_kv_heads, self.head_dim, self.dtype, tuple(shapes)
+        )
+        spec = PagedStateCheckpointSpec.from_plan(plan)
+        if spec.image_bytes != self.state.bytes_per_slot:
+            raise RuntimeError(
+                f"state checkpoint image ({spec.image_bytes} bytes) differs from the slot "
+                f"({self.state.bytes_per_slot} bytes)"
+            )
+        pool_segments = [uint8_rows(t) for layer in attn for t in (layer.k_cache, layer.v_cache)]
+        slot_segments = [
+            uint8_rows(t)
+            for layer in self.state.layers
+            for t in (layer.conv_state, layer.ssm_state)
+        ]
+        self.checkpoint_spec = spec
+        self._copy_plan = StateCopyPlan(pool_segments, slot_segments, spec)
+
+    def copy_state(self, unit_rows: np.ndarray) -> None:
+        """Run a batch's checkpoint copies (a `UnitCopyTable`'s rows): one `ops.state_copy_`
+        launch on the current stream, so it completes before the forward that follows it."""
+        if self._copy_plan is None:
+            raise RuntimeError("state copies for a model without state checkpoints")
+        self._copy_plan.run(torch.from_numpy(np.asarray(unit_rows, dtype=np.int64)))
 
     def _profile_gpu_blocks(self) -> int:
         budget = self._profile_gpu_budget()
@@ -271,7 +317,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """fp32 logits of the sample rows ([S, vocab]), or None when no row samples. Under tensor
-        parallelism every rank calls this with the same inputs (the layers' collectives pair up)."""
+        parallelism every rank calls this with the same inputs (the layers' collectives pair up).
+        The batch's checkpoint copies run first, eagerly (outside any CUDA graph)."""
+        if inputs.state_copy is not None:
+            self.copy_state(inputs.state_copy)
         if inputs.decode_only and self.graphs:
             logits = self.graphs.replay(inputs, self._fill_pending)
             if logits is not None:
@@ -320,6 +369,12 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The batch as host arrays, and the sequences that sample this step (in row order)."""
+        inputs, samplers = self._prepare_inputs(batch)
+        if batch.state_copy is not None:
+            inputs.state_copy = np.asarray(batch.state_copy, dtype=np.int64)
+        return inputs, samplers
+
+    def _prepare_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         self._prompt_jobs, self._sampler_pos = [], None
         if all(n == 1 for n in batch.num_new_tokens) and not any(
             seq.wants_prompt_lp and seq.num_computed_tokens < seq.num_prompt_tokens - 1
@@ -434,9 +489,10 @@ class ModelRunner:
     @staticmethod
     def _add_state_rows(inputs: StepInputs, seqs: list[Sequence]) -> None:
         """Each sequence's committed slot, and whether its state carries over: only once a
-        chunk of this residency has run (num_computed_tokens > 0; prefix hits are off for
-        hybrid models, and preemption resets the count, so a readmitted or slot-reusing
-        sequence starts from zero state)."""
+        chunk of this residency has run or a checkpoint restore put the state of its first
+        num_computed_tokens into the slot (prefix hits resume only from checkpoints, and
+        preemption resets the count, so a readmitted or slot-reusing sequence starts from zero
+        state)."""
         if any(not seq.state_slots for seq in seqs):
             raise RuntimeError("a hybrid model's sequence was scheduled without a state slot")
         inputs.state_slots = np.array([seq.state_slots[0] for seq in seqs], dtype=np.int32)

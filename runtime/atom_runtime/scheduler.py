@@ -14,6 +14,14 @@ each token fills its sequence's pending slot, stop conditions are checked (`chec
 step's computed blocks are published and finished sequences are freed. With async scheduling
 that happens one step late: the next step was scheduled, with a pending token in each sampled
 sequence's place, before this one's samples came back.
+
+Hybrid models with state checkpoints (`EngineCheckpoints`, docs/state-checkpoints.md): a waiting
+sequence resumes from the deepest READY checkpoint at or below its KV prefix hit (pinned at
+once; only that many hit blocks are claimed) and its slot gets a queued restore; prefill chunks
+are cut to land on the placement policy's boundaries, each boundary reached is staged as a
+store; and every batch carries the unit table of the copies it must run before its forward
+(`ScheduledBatch.state_copy`). `update_from_output` settles the batch (publication, unpinning,
+slots held by copies coming back).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.engine.protocol import EngineOutput
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 
 
@@ -36,6 +45,10 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    # State checkpoints: this batch's id in the maintenance queue, and the unit table (int64
+    # [R, 3], `UnitCopyTable.rows`) of the copies to run before its forward (None: none).
+    batch_id: int | None = None
+    state_copy: object | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -66,9 +79,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         state_pool: StateSlotPool | None = None,
+        checkpoints: EngineCheckpoints | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.state_pool = state_pool
+        if checkpoints is not None and state_pool is None:
+            raise ValueError("checkpoints: state checkpoints need a state slot pool")
+        self.checkpoints = checkpoints
+        self.batch_id = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -102,6 +120,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        ck = self.checkpoints
+        bs = self.block_manager.block_size
+        boundaries: list[tuple[Sequence, tuple[int, str | None]]] = []
 
         # 1. Running sequences: decodes and unfinished prompt chunks, oldest first.
         i = 0
@@ -112,8 +133,8 @@ class Scheduler:
                 # still in flight (penalties, a grammar's mask): nothing to run this step.
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, num_new):
+            num_new, boundary = self._plan(seq, budget)
+            while not self._allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
@@ -124,6 +145,8 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
+                if boundary is not None:
+                    boundaries.append((seq, boundary))
 
         # 2. Waiting sequences, while budget, sequence slots and blocks last. No preemption here:
         # admitting new work never evicts running work.
@@ -133,13 +156,33 @@ class Scheduler:
                 if self.state_pool is not None and not self.state_pool.can_allocate():
                     break  # every slot is held by a running sequence: wait for one to leave
                 hit = self.block_manager.find_prefix_hit(seq)
-                num_cached = len(hit) * self.block_manager.block_size
+                found = None
+                if ck is not None:
+                    # Resume only where the recurrent state was saved: the deepest READY
+                    # checkpoint at or below the KV hit, pinned before allocating (which may
+                    # reclaim checkpoints).
+                    found = ck.store.lookup(seq.block_hashes, len(hit))
+                    if found is not None:
+                        ck.store.acquire(found.ref)
+                    resume = hit[: found.num_tokens // bs] if found is not None else []
+                else:
+                    resume = hit
+                num_cached = len(resume) * bs
                 num_new = min(seq.num_tokens - num_cached, budget)
-                if not self.block_manager.allocate(seq, num_new, hit):
+                if not self._allocate(seq, num_new, resume):
+                    if found is not None:
+                        ck.store.release(found.ref)
                     break
                 self.waiting.popleft()
                 if self.state_pool is not None:
                     self.state_pool.allocate(seq)
+                boundary = None
+                if ck is not None:
+                    ck.placement.note_admission(seq.request_id, len(hit) * bs, num_cached)
+                    if found is not None:
+                        ck.maint.queue_restore(seq.request_id, seq.state_slots[0], found)
+                    # The allocation covered the uncut chunk; a cut only shortens it.
+                    num_new, boundary = self._plan(seq, budget)
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.time()
                     seq.num_cached_tokens = num_cached
@@ -150,7 +193,77 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
+                if boundary is not None:
+                    boundaries.append((seq, boundary))
+        if ck is not None:
+            self._take_maintenance(batch, boundaries)
         return batch
+
+    # -- state checkpoints ---------------------------------------------------------------------
+
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, tuple[int, str | None] | None]:
+        """Tokens to run for seq this step and the checkpoint boundary (position, reason) the
+        step brings it to, if any: prefill chunks are cut to land on the placement's
+        boundaries; a decode may reach a ladder rung."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        ck = self.checkpoints
+        if ck is None:
+            return min(remaining, budget), None
+        computed = seq.num_computed_tokens
+        if computed >= seq.num_prompt_tokens and remaining == 1:
+            pos = ck.placement.decode_boundary(seq.request_id, computed + 1)
+            return 1, (None if pos is None else (pos, "rung"))
+        plan = ck.placement.plan_prefill_chunk(
+            seq.request_id, computed, seq.num_tokens, budget, prompt_len=seq.num_prompt_tokens
+        )
+        return plan.num_tokens, (None if plan.boundary is None else (plan.boundary, plan.reason))
+
+    def _allocate(self, seq: Sequence, num_new: int, hit: list[int] = ()) -> bool:
+        """Allocate KV for seq; short of blocks, checkpoints give theirs back first (live KV
+        comes first), then one more try."""
+        bm = self.block_manager
+        if bm.allocate(seq, num_new, hit):
+            return True
+        if self.checkpoints is None:
+            return False
+        computed = len(hit) * bm.block_size if hit else seq.num_computed_tokens
+        short = bm.blocks_needed(computed + num_new) - len(seq.block_table)
+        if self.checkpoints.store.reclaim(max(short, 1)) == 0:
+            return False
+        return bm.allocate(seq, num_new, hit)
+
+    def _take_maintenance(
+        self, batch: ScheduledBatch, boundaries: list[tuple[Sequence, tuple[int, str | None]]]
+    ) -> None:
+        """Stage the boundaries this batch reaches (their copies ride the next real batch) and
+        drain the copies this batch carries into its unit table."""
+        ck = self.checkpoints
+        bm = self.block_manager
+        self.batch_id += 1
+        b = self.batch_id
+        for seq, (pos, reason) in boundaries:
+            if pos > seq.num_tokens - seq.num_pending:
+                continue  # ends on a token still being sampled: its hash is unknown yet
+            bm.ensure_hashes(seq, pos // bm.block_size)
+            staged = ck.store.stage(
+                seq.block_hashes[pos // bm.block_size - 1], pos, demand=reason == "demand"
+            )
+            if staged is not None:
+                ck.maint.queue_store(seq.request_id, seq.state_slots[0], staged, after_batch=b)
+        flush = not batch and ck.maint.needs_flush
+        ops = ck.maint.take_for_batch(b, len(batch.seqs), flush=flush)
+        batch.batch_id = b
+        if ops:
+            batch.state_copy = ops.unit_table(ck.spec, bm.pool.num_blocks, ck.num_slots).rows
+
+    def batch_done(self, batch: ScheduledBatch) -> None:
+        """batch has run (its outputs were read back): publish the checkpoints its copies
+        filled, unpin its restores' sources, take back slots that only its copies held."""
+        if self.checkpoints is None or batch.batch_id is None:
+            return
+        outcome = self.checkpoints.maint.batch_done(batch.batch_id)
+        if outcome.released_slots:
+            self.state_pool.give_back(outcome.released_slots)
 
     def commit(self, batch: ScheduledBatch, samplers: list[Sequence]) -> None:
         """The batch is on its way to the device: its tokens count as computed from here on (the
@@ -195,7 +308,9 @@ class Scheduler:
                         out.new_top_logprobs = [output.top_logprobs[row][:want]]
                 outputs.append(out)
                 self.generation_tokens += 1
-        return outputs, self._finish_step(live)
+        finished = self._finish_step(live)
+        self.batch_done(batch)
+        return outputs, finished
 
     def _finish_step(self, seqs: list[Sequence]) -> list[Sequence]:
         """For a step's sequences that were still live when it completed: publish newly computed
@@ -228,10 +343,24 @@ class Scheduler:
         return aborted
 
     def _release(self, seq: Sequence) -> None:
-        """Give back everything a sequence holds: blocks and state slots."""
+        """Give back everything a sequence holds: blocks, state slots, checkpoint pins (a
+        restore still queued for it is cancelled) and its pending boundary. A slot a queued
+        checkpoint copy still reads stays held until that copy has run (`batch_done`)."""
         self.block_manager.free(seq)
-        if self.state_pool is not None:
+        if self.state_pool is None:
+            return
+        ck = self.checkpoints
+        if ck is None:
             self.state_pool.free(seq)
+            return
+        slot = seq.state_slots[0] if seq.state_slots else None
+        released = ck.maint.free_request(seq.request_id, slot)
+        ck.placement.forget(seq.request_id)
+        hold = {slot} if slot is not None and slot not in released else set()
+        self.state_pool.free(seq, hold)
+        others = [s for s in released if s != slot]
+        if others:
+            self.state_pool.give_back(others)
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute from scratch: its slot goes back too (the state is rebuilt from token 0).

@@ -177,6 +177,11 @@ class Worker:
 
         return dataclasses.asdict(apply_gc_policy())
 
+    def copy_state(self, unit_rows: list[list[int]]) -> None:
+        import numpy as np
+
+        self.runner.copy_state(np.array(unit_rows, dtype=np.int64).reshape(-1, 3))
+
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
 
@@ -186,4 +191,6 @@ class Worker:
         return True
 
 
-WORKER_METHODS = frozenset({"capture_cudagraphs", "apply_gc_policy", "parameter_bytes", "shutdown"})
+WORKER_METHODS = frozenset(
+    {"capture_cudagraphs", "apply_gc_policy", "parameter_bytes", "copy_state", "shutdown"}
+)

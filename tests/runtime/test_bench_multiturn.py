@@ -111,7 +111,8 @@ def test_multiturn_is_a_bench_subcommand_with_a_sweep_list():
     assert args.intervals == [-1, 0]
     assert args.user_len_range == (3, 9)
     # The sweep list replaced the engine's single-value flag; the engine config keeps its default.
-    assert bench_multiturn.EngineConfig.from_args(args).state_checkpoint_interval_tokens == 0
+    default = bench_multiturn.EngineConfig().state_checkpoint_interval_tokens
+    assert bench_multiturn.EngineConfig.from_args(args).state_checkpoint_interval_tokens == default
 
 
 def test_dense_model_realizes_the_ideal_hit_exactly(tiny_models):

@@ -176,7 +176,8 @@ def test_hashes_are_computed_once_per_sequence_and_extended_incrementally():
     first = list(seq.block_hashes)
     assert first == hash_token_blocks(list(range(1, 41)), 4)
     for t in range(42, 50):  # generated tokens extend the chain without rehashing the prompt
-        seq.append_token(t)
+        seq.append_pending(1 << 30)
+        seq.resolve_pending(t)
     assert manager.allocate(seq, seq.num_tokens)
     _compute(manager, seq)
     assert seq.block_hashes[:10] == first

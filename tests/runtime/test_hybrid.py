@@ -310,10 +310,16 @@ def test_max_num_seqs_is_capped_to_the_slots_that_fit(tiny_hybrid_models, monkey
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
 
 
-def test_prefix_caching_is_off_for_hybrid_models(tiny_hybrid_models, caplog):
+def test_prefix_caching_is_off_for_hybrid_models_without_checkpoints(tiny_hybrid_models, caplog):
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(tiny_hybrid_models["qwen3_5"]), dtype="float32", num_gpu_blocks_override=32)
+        llm = LLM(
+            str(tiny_hybrid_models["qwen3_5"]),
+            dtype="float32",
+            num_gpu_blocks_override=32,
+            state_checkpoint_interval_tokens=0,
+        )
     assert "prefix reuse for hybrid models needs state checkpoints" in caplog.text
+    assert llm.engine.checkpoints is None
     prompt = _prompts(5, [40])[0]
     _greedy(llm, [prompt])
     again = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]

@@ -229,7 +229,8 @@ class Sim:
         # Sample, publish KV, retire finished sequences.
         for seq, _, _ in batch:
             if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(self.rng.randrange(1000))
+                seq.append_pending(1 << 30)
+                seq.resolve_pending(self.rng.randrange(1000))
             self.manager.publish_computed_blocks(seq)
             if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                 self.running.remove(seq)

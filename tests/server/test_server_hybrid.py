@@ -1,6 +1,7 @@
 """`atom serve` on a tiny hybrid model (Qwen3.5-shaped, random weights): completions stream and
-finish, the start-up log says how many state slots there are and that prefix reuse is off, and
-/metrics reports the slot pool."""
+finish, the start-up log says how many state slots there are and that state checkpoints are on
+by default, a repeated prompt is served from a checkpoint (`cached_tokens` > 0, the same greedy
+text), and /metrics reports the slot pool and the checkpoint counters."""
 
 from __future__ import annotations
 
@@ -41,11 +42,6 @@ def test_hybrid_model_serves_completions_and_reports_its_slots(hybrid_server):
     body = {"model": model, "prompt": "Hello there, how are", "max_tokens": 6, "temperature": 0}
     first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
     assert first["usage"]["completion_tokens"] == 6
-    # Greedy and no prefix reuse: the same prompt again gives the same text, nothing cached.
-    again = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-    assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    details = again["usage"].get("prompt_tokens_details") or {}
-    assert details.get("cached_tokens", 0) == 0
     with httpx.stream(
         "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
     ) as r:
@@ -57,4 +53,25 @@ def test_hybrid_model_serves_completions_and_reports_its_slots(hybrid_server):
     assert re.search(r'atom:state_slot_config_info\{.*bytes_per_slot="\d+"', text)
     log = hybrid_server.log()
     assert "hybrid state: 4 slots" in log
-    assert "prefix reuse for hybrid models needs state checkpoints" in log
+    assert "state checkpoints: interval anchors only, demand rungs on" in log
+
+
+def test_a_repeated_prompt_resumes_from_a_state_checkpoint(hybrid_server):
+    """Out of the box (interval -1): the first request stores its prompt-end anchor, the same
+    prompt again resumes there and generates the same greedy text."""
+    url = hybrid_server.url
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    prompt = "You are a careful assistant who answers in one short sentence. " * 4
+    body = {"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens"] > 32
+    outs = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json() for _ in range(2)]
+    cached = [(o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for o in outs]
+    assert max(cached) > 0, cached
+    assert all(o["choices"][0]["text"] == first["choices"][0]["text"] for o in outs)
+    text = httpx.get(f"{url}/metrics").text
+    assert _gauge(text, "atom:state_checkpoints_stored_total") >= 1
+    assert _gauge(text, "atom:state_checkpoints_restored_total") >= 1
+    assert _gauge(text, "atom:state_checkpoint_prefix_hit_tokens_total") >= max(cached)
+    assert 0 < _gauge(text, "atom:state_checkpoint_units_ratio") <= 0.1
+    assert _gauge(text, "atom:state_slots_in_use") == 0

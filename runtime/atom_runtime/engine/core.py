@@ -44,6 +44,7 @@ from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, engine_output
 from atom_runtime.sequence import Sequence
+from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 from atom_runtime.structured_outputs import Guides
 
@@ -79,14 +80,24 @@ class EngineCore:
         hybrid = self.model_config.is_hybrid
         self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
         prefix_caching = config.enable_prefix_caching
+        self.checkpoints: EngineCheckpoints | None = None
         if hybrid and prefix_caching:
-            # A KV prefix hit without the recurrent state at that point cannot be resumed from.
-            log.info(
-                "prefix caching is off for %s: prefix reuse for hybrid models needs state "
-                "checkpoints",
-                self.model_config.model_type,
-            )
-            prefix_caching = False
+            if config.state_checkpoint_interval_tokens == 0:
+                # A KV prefix hit without the recurrent state at that point cannot be resumed.
+                log.info(
+                    "prefix caching is off for %s: prefix reuse for hybrid models needs state "
+                    "checkpoints (--state-checkpoint-interval-tokens is 0)",
+                    self.model_config.model_type,
+                )
+                prefix_caching = False
+            else:
+                self.checkpoints = EngineCheckpoints(
+                    self.pool,
+                    self.executor.checkpoint_spec,
+                    self.executor.num_state_slots,
+                    config.state_checkpoint_interval_tokens,
+                    config.state_checkpoint_demand,
+                )
         _warn_checkpoint_flags(config, hybrid)
         self.scheduler = Scheduler(
             BlockManager(self.pool, prefix_caching),
@@ -95,6 +106,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             state_pool=self.state_pool,
+            checkpoints=self.checkpoints,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
@@ -129,6 +141,10 @@ class EngineCore:
         if self.state_pool is not None and self.state_pool.num_in_use:
             raise RuntimeError("warm-up left state slots behind")
         self.scheduler.reset_counters()
+        if self.checkpoints is not None:
+            if self.checkpoints.store.units_in_use:
+                raise RuntimeError("warm-up left state checkpoints behind")
+            self.checkpoints.counters.__init__(pool_units=self.pool.num_blocks)
 
     def _decide_max_model_len(self) -> int:
         cache_tokens = self.executor.num_blocks * self.block_size
@@ -182,6 +198,13 @@ class EngineCore:
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
         seq.kv_transfer_params = request.kv_transfer_params
         seq.matcher = matcher
+        if self.checkpoints is not None:
+            self.checkpoints.placement.schedulability_warning(
+                seq.request_id,
+                len(prompt) + (params.max_tokens or 0),
+                self.pool.num_blocks,
+                self.checkpoints.spec.units_per_image,
+            )
         parked = self.kv_transfer is not None and self.kv_transfer.park(seq)
         if not parked:  # a parked request enters the scheduler once its KV pull is over
             self.scheduler.add(seq)
@@ -217,6 +240,10 @@ class EngineCore:
                 self.kv_transfer.wait(0.005)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
+        if not batch and batch.state_copy is not None:
+            # Nothing to schedule, but copies hold slots admission waits for: run them alone.
+            self.executor.copy_state(batch.state_copy)
+            self.scheduler.batch_done(batch)
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
         self._in_flight = launched
@@ -261,12 +288,17 @@ class EngineCore:
             state_slots_in_use=self.state_pool.num_in_use if self.state_pool else 0,
             state_slot_bytes=self.executor.state_bytes_per_slot if self.state_pool else 0,
             kv_transfer=self.kv_transfer.snapshot() if self.kv_transfer is not None else None,
+            state_checkpoints=self.checkpoints.counters if self.checkpoints else None,
         )
 
     def cached_block_hashes(self) -> list[int]:
         return sorted(self.pool.cached)
 
     def reset_prefix_cache(self) -> bool:
+        # Lent blocks count as in use: checkpoints go first (False while one is pinned or its
+        # copy is in flight; the pool then refuses too).
+        if self.checkpoints is not None and not self.checkpoints.store.invalidate_all():
+            return False
         ok = self.pool.reset_prefix_cache()
         if ok:
             self.publisher.publish(self.pool.drain_events())
@@ -325,24 +357,21 @@ class _InFlight:
 
 
 def _warn_checkpoint_flags(config: EngineConfig, hybrid: bool) -> None:
-    """The --state-checkpoint-* flags drive nothing yet: say so instead of failing (the operator
-    renders them for every deployment)."""
+    """Non-hybrid models hold no recurrent state: a checkpoint setting other than the defaults
+    (-1, demand unset or on) has no effect, say so instead of failing (the operator renders
+    the flags for every deployment). Hybrid models with prefix caching off are told too."""
     flags = []
-    if config.state_checkpoint_interval_tokens != 0:
+    if config.state_checkpoint_interval_tokens > 0:
         flags.append(
             f"--state-checkpoint-interval-tokens={config.state_checkpoint_interval_tokens}"
         )
-    if not config.state_checkpoint_demand:
+    if config.state_checkpoint_demand is False:
         flags.append("--no-state-checkpoint-demand")
-    if not flags:
-        return
     if hybrid:
-        log.warning(
-            "%s: state checkpoints are not implemented in this runtime yet; the flag has no "
-            "effect (prefix reuse stays off for hybrid models)",
-            ", ".join(flags),
-        )
-    else:
+        if not config.enable_prefix_caching and config.state_checkpoint_interval_tokens != 0:
+            log.info("state checkpoints are off: prefix caching is disabled")
+        return
+    if flags:
         log.warning(
             "%s has no effect: the model holds no recurrent state (only hybrid models use "
             "state checkpoints)",

@@ -23,6 +23,7 @@ import numpy as np
 
 from atom_runtime.kv_transfer.stats import KVTransferStats
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:
@@ -88,6 +89,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     state_slots_in_use: int = 0
     state_slot_bytes: int = 0
     kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
+    # Hybrid models with state checkpoints on: their counters (None otherwise).
+    state_checkpoints: StateCheckpointCounters | None = None
 
 
 # -- client (API server) -> EngineCore process -----------------------------------------------------
@@ -183,6 +186,9 @@ class StepInputs(msgspec.Struct, tag="step", array_like=True):
     # from it (bool [B]; False: the first chunk since admission, which starts from zero state).
     state_slots: np.ndarray | None = None
     has_initial_state: np.ndarray | None = None
+    # State checkpoints: the unit table (int64 [R, 3], maintenance.UnitCopyTable.rows) of the
+    # copies to run before this forward; each rank translates it for its own shard.
+    state_copy: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 STATE_SHARE = 0.5
 
 
+HELD = "\x00held-for-a-checkpoint-copy"  # owner of a slot whose request left before its copy ran
+
+
 class StateSlotPool:
     def __init__(self, num_slots: int, slots_per_request: int = 1) -> None:
         if num_slots < 1:
@@ -71,13 +74,29 @@ class StateSlotPool:
         seq.state_slots = slots
         return True
 
-    def free(self, seq: Sequence) -> None:
-        """Return seq's slots (finish, abort, preemption). Idempotent."""
+    def free(self, seq: Sequence, hold: frozenset[int] | set[int] = frozenset()) -> None:
+        """Return seq's slots (finish, abort, preemption). Idempotent. Slots in `hold` leave seq
+        but stay in use (a queued checkpoint copy still reads them): `give_back` frees them."""
         for slot in seq.state_slots:
             if self._owner.pop(slot, None) != seq.request_id:
                 raise RuntimeError(f"state slot {slot} is not held by {seq.request_id!r}")
-            self._free.append(slot)
+            if slot in hold:
+                self._owner[slot] = HELD
+            else:
+                self._free.append(slot)
         seq.state_slots = []
+
+    def give_back(self, slots) -> None:
+        """Free slots `free` held for a checkpoint copy, once the copy has run."""
+        for slot in slots:
+            if self._owner.get(slot) != HELD:
+                raise RuntimeError(f"state slot {slot} is not held for a checkpoint copy")
+            del self._owner[slot]
+            self._free.append(slot)
+
+    @property
+    def num_held(self) -> int:
+        return sum(1 for owner in self._owner.values() if owner == HELD)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,315 @@
+"""State checkpoints in the engine (issue 15), on tiny random hybrid models, fp32 on CPU.
+
+Pinned: a request resumed from a checkpoint gives the greedy tokens of one that recomputes its
+prefix, and its slot ends the prompt bitwise equal to the recompute's (same chunk splits); the
+image a checkpoint holds, restored by the engine's own copy launch into a spare slot, is
+bitwise the state of the prefix recomputed alone; the byte table the launch runs copies exactly
+what the torch reference of the unit table copies; a shared system prompt shorter than the
+ladder spacing comes back through a demand rung; a multi-turn follow-up resumes at the
+previous prompt's anchor; and a randomized run with arrivals, aborts, preemptions and
+reclaims under a tiny pool keeps the store's invariants after every step and ends with no pin,
+no held slot and (after a prefix-cache reset) no borrowed unit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from atom_runtime import LLM, SamplingParams
+from atom_runtime.block_hash import hash_token_blocks
+from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
+from atom_runtime.state.copy_plan import StateCopyPlan
+from atom_runtime.state.maintenance import UnitCopyTable, copy_units_reference, uint8_rows
+
+pytestmark = pytest.mark.timeout(300)
+
+BS = 16
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def _run(llm: LLM, prompt: list[int], n: int):
+    return llm.generate({"prompt_token_ids": prompt}, _greedy(n), use_tqdm=False)[0]
+
+
+def _record_slots(llm: LLM) -> dict[str, int]:
+    """request id -> the slot it was given (a spy around the real slot pool)."""
+    pool = llm.engine.state_pool
+    seen: dict[str, int] = {}
+    allocate = pool.allocate
+
+    def spy(seq):
+        ok = allocate(seq)
+        if ok:
+            seen[seq.request_id] = seq.state_slots[0]
+        return ok
+
+    pool.allocate = spy
+    return seen
+
+
+def _slot_state(llm: LLM, slot: int) -> list[torch.Tensor]:
+    state = llm.engine.executor.state
+    return [t[slot].clone() for layer in state.layers for t in (layer.conv_state, layer.ssm_state)]
+
+
+def _assert_idle(llm: LLM) -> None:
+    ck = llm.engine.checkpoints
+    assert ck.store.total_pins == 0
+    assert not ck.maint.held_slots
+    assert llm.engine.state_pool.num_in_use == 0
+    ck.store.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_restore_gives_the_tokens_and_the_state_of_a_recompute(tiny_hybrid_models, kind):
+    folder = str(tiny_hybrid_models[kind])
+    prompt = _tokens(1, 47)  # anchor of the 40-token first turn: 32; KV hit of this one: 32
+    resumed = LLM(folder, dtype="float32", num_gpu_blocks_override=64)
+    slots = _record_slots(resumed)
+    first = _run(resumed, prompt[:40], 4)
+    assert first.num_cached_tokens == 0
+    out = _run(resumed, prompt, 1)
+    assert out.num_cached_tokens == 32
+    resumed_state = _slot_state(resumed, slots[out.request_id])
+    c = resumed.engine.checkpoints.counters
+    assert c.stored >= 1 and c.restored == 1 and c.prefix_hit_tokens == 32
+
+    # Recompute with the same chunk splits ([0, 32) then [32, 47)): no checkpoints, 32-token
+    # budget.
+    recompute = LLM(
+        folder,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=32,
+        state_checkpoint_interval_tokens=0,
+    )
+    rslots = _record_slots(recompute)
+    ref = _run(recompute, prompt, 1)
+    assert ref.num_cached_tokens == 0
+    assert ref.outputs[0].token_ids == out.outputs[0].token_ids
+    for got, want in zip(
+        resumed_state, _slot_state(recompute, rslots[ref.request_id]), strict=True
+    ):
+        assert torch.equal(got, want)
+
+    # Longer generations: identical greedy tokens resumed and recomputed.
+    again = _run(resumed, prompt, 8)
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == _run(recompute, prompt, 8).outputs[0].token_ids
+    _assert_idle(resumed)
+
+
+def test_a_checkpoint_image_is_bitwise_the_recomputed_prefix_state(tiny_hybrid_models):
+    folder = str(tiny_hybrid_models["qwen3_5_moe"])
+    prompt = _tokens(2, 40)
+    llm = LLM(folder, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=4)
+    _run(llm, prompt, 3)  # stores the anchor at 32
+    ck = llm.engine.checkpoints
+    hit = ck.store.lookup(hash_token_blocks(prompt[:32], BS), 2)
+    assert hit is not None and hit.num_tokens == 32
+    # The engine's own launch gathers the image into a slot nobody uses.
+    spare = llm.engine.state_pool.num_slots - 1
+    base = llm.engine.pool.num_blocks + spare * ck.spec.units_per_image
+    rows = np.array([[u, base + k, 1] for k, u in enumerate(hit.units)], dtype=np.int64)
+    llm.engine.executor.copy_state(rows)
+    image = _slot_state(llm, spare)
+
+    alone = LLM(folder, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=4)
+    slots = _record_slots(alone)
+    ref = _run(alone, prompt[:32], 1)
+    for got, want in zip(image, _slot_state(alone, slots[ref.request_id]), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_byte_table_copies_what_the_unit_table_reference_copies():
+    torch.manual_seed(0)
+    nb, ns = 12, 4
+    kv = [torch.randn(nb, 2, 1, 2) for _ in range(4)]  # 16-byte rows: 64-byte units
+    state = [torch.randn(ns, 5, 3), torch.randn(ns, 2, 4, 4).double(), torch.randn(ns, 7)]
+    pool, slots = [uint8_rows(t) for t in kv], [uint8_rows(t) for t in state]
+    image = sum(s.shape[1] for s in slots)  # 344 bytes: 6 units, the last one part padding
+    spec = PagedStateCheckpointSpec(64, image, image, "test")
+    per = spec.units_per_image
+    # A store (slot 1 -> blocks 0..5), a restore in two runs (blocks 8, 9, 11 -> slot 2) and a
+    # relocation (slot 3 -> slot 0).
+    rows = torch.tensor(
+        [
+            [nb + per, 0, per],
+            [8, nb + 2 * per, 2],
+            [11, nb + 2 * per + 2, 1],
+            [nb + 3 * per, nb, per],
+        ]
+    )
+    want_kv, want_state = [t.clone() for t in kv], [t.clone() for t in state]
+    copy_units_reference(
+        UnitCopyTable(rows, nb, ns, per, 64),
+        [uint8_rows(t) for t in want_kv],
+        [uint8_rows(t) for t in want_state],
+        spec,
+    )
+    plan = StateCopyPlan(pool, slots, spec)
+    assert plan.unit_bytes == 4
+    plan.run(rows)
+    for got, want in zip(state, want_state, strict=True):
+        assert torch.equal(got, want)
+    # Pool blocks: the image bytes are the reference's; the last unit's padding is not written.
+    for got, want in zip(kv, want_kv, strict=True):
+        assert torch.equal(got[:5], want[:5]) and torch.equal(got[6:], want[6:])
+    with pytest.raises(ValueError, match="pool segments hold"):
+        StateCopyPlan(pool[:3], slots, spec)
+
+
+def test_a_shared_system_prompt_shorter_than_the_spacing_comes_back_by_demand(
+    tiny_hybrid_models,
+):
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        state_checkpoint_interval_tokens=512,  # a ladder far coarser than the system prompt
+    )
+    system = _tokens(3, 40)
+    # Tails of 10+ tokens put each prompt-end anchor at 48, past the shared 32.
+    outs = [_run(llm, system + _tokens(10 + i, 10 + 3 * i), 2) for i in range(3)]
+    # The first sees nothing; the second hits the KV of the first 2 blocks but no checkpoint,
+    # records a demand there and stops on it; the third resumes there.
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32]
+    c = llm.engine.checkpoints.counters
+    assert c.demands_recorded >= 1 and c.chunks_cut_demand >= 1
+    assert c.hit_lost_tokens >= 32 and c.prefix_hit_tokens == 32
+    _assert_idle(llm)
+
+
+def test_demand_rungs_follow_the_environment_unless_the_flag_says(tiny_hybrid_models, monkeypatch):
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_DEMAND", "0")
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    off = LLM(folder, dtype="float32", num_gpu_blocks_override=64)
+    assert not off.engine.checkpoints.placement.demand_enabled
+    on = LLM(folder, dtype="float32", num_gpu_blocks_override=64, state_checkpoint_demand=True)
+    assert on.engine.checkpoints.placement.demand_enabled
+
+
+def test_a_multi_turn_follow_up_resumes_at_the_previous_prompt_end(tiny_hybrid_models):
+    llm = LLM(str(tiny_hybrid_models["qwen3_next"]), dtype="float32", num_gpu_blocks_override=96)
+    history = _tokens(4, 37)
+    cached = []
+    previous_anchor = 0
+    for turn in range(3):
+        out = _run(llm, history, 6)
+        cached.append(out.num_cached_tokens)
+        anchor = len(history) // BS * BS
+        history = history + list(out.outputs[0].token_ids) + _tokens(20 + turn, 9)
+        if turn:
+            # The previous prompt's anchor is below this prompt's KV hit: resumed exactly there.
+            assert out.num_cached_tokens == previous_anchor
+        previous_anchor = anchor
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    _assert_idle(llm)
+
+
+def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(tiny_hybrid_models):
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        dtype="float32",
+        num_gpu_blocks_override=30,
+        max_num_seqs=4,
+        max_num_batched_tokens=40,
+        max_model_len=160,
+        state_checkpoint_interval_tokens=32,
+    )
+    engine = llm.engine
+    ck = engine.checkpoints
+    rng = random.Random(7)
+    systems = [_tokens(30 + i, n) for i, n in enumerate((50, 75))]
+    finished: list[list[int]] = []
+    live: list[str] = []
+    next_id = 0
+
+    def check() -> None:
+        ck.store.check_invariants()
+        assert ck.store.total_pins == ck.maint.num_outstanding_restores
+        lent = set(engine.pool.lent)
+        held = {b for s in engine.scheduler.running for b in s.block_table}
+        assert not lent & held
+
+    for _ in range(120):
+        r = rng.random()
+        if r < 0.35 and len(live) < 8:
+            if finished and rng.random() < 0.4:
+                prompt = list(rng.choice(finished))[:100]
+            else:
+                prompt = list(rng.choice(systems))
+            prompt += [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))]
+            rid = f"r{next_id}"
+            next_id += 1
+            engine.add_request(
+                EngineRequest(rid, prompt, _greedy(rng.randint(1, 160 - len(prompt))))
+            )
+            live.append(rid)
+        elif r < 0.36 and live:
+            engine.abort_requests([live.pop(rng.randrange(len(live)))])
+        elif r < 0.40:
+            ck.store.reclaim(rng.randint(1, 6))
+        for out in engine.step():
+            if out.finish_reason is not None and out.request_id in live:
+                live.remove(out.request_id)
+        check()
+        for seq in engine.scheduler.running:  # follow-up turns extend what ran
+            if seq.num_tokens - seq.num_pending > 40 and rng.random() < 0.2:
+                finished.append(list(seq.token_ids[: seq.num_tokens - seq.num_pending]))
+    while engine.has_unfinished_requests():
+        engine.step()
+        check()
+    for _ in range(3):  # copies that still hold slots ride maintenance-only launches
+        engine.step()
+    check()
+    assert ck.store.total_pins == 0 and not ck.maint.held_slots
+    assert engine.state_pool.num_in_use == 0
+    assert engine.reset_prefix_cache()
+    assert ck.store.units_in_use == 0 and not engine.pool.lent
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    c = ck.counters
+    assert engine.scheduler.num_preemptions > 0
+    assert c.stored > 0 and c.restored > 0 and c.prefix_hit_tokens > 0
+    assert c.evicted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_restore_matches_recompute_on_gpu_in_bf16(tiny_hybrid_models, enforce_eager):
+    """The Triton copy launch (outside the decode graphs, async scheduling on by default): a
+    resumed request's tokens and end-of-prompt slot state equal a recompute's, bitwise."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    prompt = _tokens(1, 47)
+    common = dict(
+        dtype="bfloat16", device="cuda", num_gpu_blocks_override=64, enforce_eager=enforce_eager
+    )
+    resumed = LLM(folder, **common)
+    slots = _record_slots(resumed)
+    _run(resumed, prompt[:40], 4)
+    out = _run(resumed, prompt, 1)
+    assert out.num_cached_tokens == 32
+    got = _slot_state(resumed, slots[out.request_id])
+    recompute = LLM(folder, max_num_batched_tokens=32, state_checkpoint_interval_tokens=0, **common)
+    rslots = _record_slots(recompute)
+    ref = _run(recompute, prompt, 1)
+    assert ref.outputs[0].token_ids == out.outputs[0].token_ids
+    for a, b in zip(got, _slot_state(recompute, rslots[ref.request_id]), strict=True):
+        assert torch.equal(a, b)
+    again = _run(resumed, prompt, 8)
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == _run(recompute, prompt, 8).outputs[0].token_ids
+    _assert_idle(resumed)
