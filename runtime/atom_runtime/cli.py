@@ -14,7 +14,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("atom_runtime.server.cli", "start the OpenAI-compatible server"),
     "generate": ("atom_runtime.generate_cli", "generate text offline for one or more prompts"),
-    "bench": ("atom_runtime.bench", "benchmarks: `atom bench throughput|latency|prefix|serve|multiturn`"),
+    "bench": (
+        "atom_runtime.bench",
+        "benchmarks: `atom bench throughput|latency|prefix|serve|multiturn`",
+    ),
     "router": ("atom_runtime.router.cli", "KV-cache-aware router in front of `atom serve` pods"),
     "kv-events": ("atom_runtime.kv_events.cli", "KV-cache event tools: `atom kv-events listen`"),
     "render": ("atom_operator.cli_render", "render an AtomDeployment's child objects as YAML"),
