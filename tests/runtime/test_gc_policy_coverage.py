@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = [ROOT / "runtime", ROOT / "operator"]
 REQUIRED = ("set_process_title", "apply_gc_policy", "release_gc_policy")
 ENGINE_BUILDERS = {"EngineCore", "ModelRunner"}
-SERVER_LOOPS = {("uvicorn", "Server"), ("uvicorn", "run"), ("kopf", "run")}
+# A uvicorn.Config marks a server process too: `atom serve` runs a uvicorn.Server subclass.
+SERVER_LOOPS = {("uvicorn", "Server"), ("uvicorn", "Config"), ("uvicorn", "run"), ("kopf", "run")}
 
 # Modules that build an engine inside someone else's process, and whose process that is.
 LIBRARY_MODULES = {

@@ -304,7 +304,9 @@ def test_a_server_without_usage_is_counted_from_the_text(server, model_name):
             return await bsc.send_request(client, f"{server.url}/v1/completions", body, sample)
 
     out = asyncio.run(go())
-    assert out.success and out.output_tokens == 0 and len(out.itl) == 4
+    # Five tokens come as at most five chunks (one ITL gap between each two); how many share a
+    # chunk depends on how far the client fell behind the server, so only the bound is exact.
+    assert out.success and out.output_tokens == 0 and 1 <= len(out.itl) <= 4
     src = bsd.load_token_source(model_name)
     assert bsc.count_missing_usage([out], src) == 1
     assert out.output_tokens == len(src.tokenizer.encode(out.generated_text, False))

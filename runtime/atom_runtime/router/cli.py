@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from atom_runtime.engine.core_proc import LOG_FORMAT
-    from atom_runtime.process import set_process_title
+    from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not 0 < args.port < 65536:
@@ -174,5 +174,10 @@ def run(args: argparse.Namespace) -> int:
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    asyncio.run(server.serve(sockets=[sock]))
+    # Contract 7 (docs/architecture.md): a long-lived process freezes what start-up built.
+    apply_gc_policy()
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        release_gc_policy()
     return 0
