@@ -138,7 +138,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_models, launc
     # Finished in full, long before the grace period ran out: the server left once it was done.
     assert stream.error is None and stream.lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in stream.lines[-2]
-    assert len(stream.lines) == 64 + 1
+    # finish_reason "length" says all 64 tokens came; a slow reader may get two in one chunk.
+    assert 2 <= len(stream.lines) <= 64 + 1
     with pytest.raises(ProcessLookupError):
         os.kill(engine, 0)
     log = srv.log()
