@@ -257,6 +257,51 @@ async def poisson_load(url, model, prompts, rate, max_tokens, seed=0):
         return await asyncio.gather(*tasks)
 
 
+def counters(url: str) -> dict[str, float]:
+    """Every sample of `url`/metrics summed by name (labels folded), counters without `_total`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if family.type == "counter" and sample.name.endswith("_created"):
+                continue
+            for key in (name, *(f"{name}{{{v}}}" for k, v in sample.labels.items() if k == "path")):
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+# What each row reports from the processes' own metrics (differences over the row).
+WATCHED = {
+    "router": ["atom:router_decisions{local_prefill}", "atom:router_decisions{remote_prefill}",
+               "atom:router_fallbacks", "atom:router_prompt_tokens",
+               "atom:router_prefix_matched_tokens"],
+    "decode": ["atom:prompt_tokens", "atom:prefix_cache_hits", "atom:kv_transfer_pulls",
+               "atom:kv_transfer_blocks_received", "atom:kv_transfer_bytes_received",
+               "atom:kv_transfer_blocks_local_hit", "atom:kv_transfer_fallbacks"],
+    "prefill": ["atom:prompt_tokens", "atom:kv_transfer_blocks_sent",
+                "atom:kv_transfer_hold_timeouts"],
+}  # fmt: skip
+
+
+def snapshot(procs: dict[str, Proc]) -> dict[str, dict[str, float]]:
+    return {role: counters(p.url) for role, p in procs.items()}
+
+
+def delta(before: dict, after: dict) -> dict[str, float]:
+    """The watched counters' growth between two snapshots, as `role:metric` keys."""
+    out = {}
+    for role, names in WATCHED.items():
+        if role not in after:
+            continue
+        for name in names:
+            grown = after[role].get(name, 0.0) - before[role].get(name, 0.0)
+            out[f"{role}:{name}"] = grown
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
@@ -295,6 +340,7 @@ def bench_serve(args, scratch: Path) -> dict:
                 procs.append(e)
                 start(procs)
                 r = router("router-agg", scratch, "--backend", backend)
+                roles = {"decode": e}
             else:
                 p, _ = engine("prefill", model, args, scratch,
                               "--kv-transfer-config", transfer_config("kv_producer"))  # fmt: skip
@@ -306,16 +352,19 @@ def bench_serve(args, scratch: Path) -> dict:
                 start(procs)
                 r = router("router-pd", scratch, "--backend", backend, "--prefill-backend", p.url,
                            "--remote-prefill-threshold", str(args.threshold))  # fmt: skip
+                roles = {"decode": d, "prefill": p}
             procs.append(r)
             start(procs)
             warm = random_prompts(4, args.input_len, vocab_of(model), seed=99)
             asyncio.run(poisson_load(r.url, name, warm, 0, 4))
+            roles["router"] = r
             for i, rate in enumerate(args.rates):
                 prompts = random_prompts(args.num_requests, args.input_len, vocab_of(model), i)
+                before = snapshot(roles)
                 t0 = time.perf_counter()
                 results = asyncio.run(poisson_load(r.url, name, prompts, rate, args.output_len))
                 row = {"mode": mode, "rate": rate, "seconds": time.perf_counter() - t0,
-                       **summarize(results)}  # fmt: skip
+                       **summarize(results), "counters": delta(before, snapshot(roles))}  # fmt: skip
                 out["rows"].append(row)
                 print(json.dumps(row))
         finally:
@@ -358,10 +407,12 @@ def bench_routing(args, scratch: Path) -> dict:
             r = router(f"router-{policy}", scratch, *backends, "--policy", policy)
             procs.append(r)
             start(procs)
-
+            roles = {"router": r}
+            before = snapshot(roles)
             t0 = time.perf_counter()
             results = asyncio.run(closed_loop(r.url, name, trace, args))
-            row = {"policy": policy, "seconds": time.perf_counter() - t0, **summarize(results)}
+            row = {"policy": policy, "seconds": time.perf_counter() - t0, **summarize(results),
+                   "counters": delta(before, snapshot(roles))}  # fmt: skip
             out["rows"].append(row)
             print(json.dumps(row))
         finally:

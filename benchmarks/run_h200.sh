@@ -7,6 +7,9 @@
 #   w3 (prefix reuse, `atom bench prefix`) w4 (online serving: `atom serve` + `atom bench serve`)
 #   gemv (the GEMV's compiled tests and its paths in the engine, then W2 on the 8B with its
 #   one-row path choices)
+#   pd (issue 16: TCP connector GB/s, aggregated vs disaggregated serving, KV-aware vs
+#   round-robin routing) w5 (issue 15: `atom bench multiturn` on the dense hybrid, every interval)
+#   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
@@ -20,6 +23,7 @@ export PYTHONPATH=$PWD/runtime:$PWD/kernels:$PWD/operator:$PWD:/tmp/site
 export PYTHONUNBUFFERED=1 ATOM_REPORT_DIR=$OUT/json
 Q3=benchmarks/configs/qwen3-0.6b
 L8=benchmarks/configs/llama-3.1-8b
+H4=benchmarks/configs/qwen3.5-4b
 merge_results() {
   # At most 8 files come back from the device tool: fold every JSON result into one file.
   python3 - "$OUT" <<'PY'
@@ -82,6 +86,18 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench prefix --load-format dummy --model $Q3 --output-json "$OUT/json/w3_qwen3_0.6b.json"
       atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_qwen3_0.6b_max1.json"
       atom bench prefix --admission-only --output-json "$OUT/json/w3_admission.json" ;;
+    pd)
+      python3 benchmarks/pd_bench.py transfer --out "$OUT/json/pd_transfer.json" 2>&1 | grep -v -i warn
+      python3 benchmarks/pd_bench.py serve --model $Q3 --rates 4,16,32,64 --num-requests 64 \
+        --input-len 2048 --output-len 128 --out "$OUT/json/pd_serve.json" 2>&1 | grep -v -i warn
+      # Hit rate is what routing changes; the one-row kernel timing at start-up is skipped.
+      ATOM_SMALL_M_KERNELS=cublas python3 benchmarks/pd_bench.py routing --model $Q3 --groups 16 \
+        --prefix-len 2048 --num-requests 256 --concurrency 16 --kv-blocks 1600 \
+        --out "$OUT/json/pd_routing.json" 2>&1 | grep -v -i warn ;;
+    w5)
+      atom bench multiturn --load-format dummy --model $H4 --output-json "$OUT/json/w5.json" ;;
+    tracehybrid)
+      python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -32 ;;
     w4)
       python3 -m atom_runtime serve --load-format dummy --model $Q3 --port 8011 > "$OUT/w4_serve.log" 2>&1 &
       SERVE=$!
