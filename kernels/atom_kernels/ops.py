@@ -249,9 +249,14 @@ def rotary_embedding_(
         )
 
 
-def _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int) -> None:
-    if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
-        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
+def _check_rope_cache(
+    cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int, partial: bool = False
+) -> None:
+    rotary_dim = cos_sin_cache.shape[-1]
+    if partial and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
+        raise ValueError(f"cos_sin_cache rotary dim {rotary_dim} must be even and <= {head_dim}")
+    if not partial and (rotary_dim != head_dim or head_dim % 2):
+        raise ValueError(f"cos_sin_cache rotary dim {rotary_dim} must equal head_dim")
     _check_cache(k_cache, v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
@@ -273,21 +278,39 @@ def qk_norm_rope_store_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_gate: bool = False,
 ) -> None:
     """Prepare attention inputs in one pass over a fused qkv projection output.
 
     qkv: `[T, (num_heads + 2 * num_kv_heads) * head_dim]`, rows laid out [q heads | k heads |
-    v heads], last dim contiguous. Per token: RMSNorm of every q and k head (when both norm
-    weights are given, `[head_dim]` each; Qwen3), neox rotary of q and k (cos_sin_cache as for
-    `rotary_embedding_`, rotary_dim == head_dim), both written back into `qkv` in place; then k
-    (rotated) and v are stored into the paged cache at `slot_mapping` (-1: skip). The result
-    equals `rms_norm` + `rotary_embedding_` + `store_kvcache` applied in turn."""
+    v heads], last dim contiguous. With `q_gate` (Qwen3.5/Next gated attention) each q head is
+    followed by its output gate: `[T, (2 * num_heads + 2 * num_kv_heads) * head_dim]`, rows
+    [query 0, gate 0, query 1, gate 1, ... | k heads | v heads]; the gates are left alone.
+    Per token: RMSNorm of every q and k head (when both norm weights are given, `[head_dim]`
+    each; Qwen3), neox rotary of the first rotary_dim channels of q and k (cos_sin_cache as for
+    `rotary_embedding_`, rotary_dim = `cos_sin_cache.shape[-1]` <= head_dim: partial rotary
+    leaves the rest as normed), both written back into `qkv` in place; then k (rotated) and v
+    are stored into the paged cache at `slot_mapping` (-1: skip). The result equals `rms_norm`
+    + `rotary_embedding_` + `store_kvcache` applied in turn."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
-    width = (num_heads + 2 * num_kv_heads) * head_dim
+    width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
-    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
+    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim, partial=True)
+
+
+@op(triton="fused.sigmoid_gate_mul", on="x")
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The output gate of gated attention: `x * sigmoid(gate)` in fp32, returned in x's dtype as
+    a new contiguous `[T, H, D]` tensor. x, gate `[T, H, D]` with a contiguous last dim (gate is
+    typically the strided gate half of `qk_norm_rope_store_(..., q_gate=True)`'s qkv)."""
+    if x.dim() != 3 or gate.shape != x.shape:
+        raise ValueError(
+            f"x and gate must both be [T, H, D], got {tuple(x.shape)}, {tuple(gate.shape)}"
+        )
+    if x.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError("x and gate need a contiguous last dim")
 
 
 @op(triton="fused.silu_and_mul", on="x")

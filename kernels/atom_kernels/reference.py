@@ -174,12 +174,14 @@ def qk_norm_rope_store_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_gate: bool = False,
 ) -> None:
-    """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of q
-    and k in place inside `qkv`, then the k/v cache write."""
+    """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of
+    the first rotary_dim channels of q and k in place inside `qkv`, then the k/v cache write.
+    With `q_gate` each q head's gate follows it and is not touched."""
     t = qkv.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    q_size, kv_size = (2 if q_gate else 1) * num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, q_size // num_heads)[..., :head_dim]
     k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
     if q_norm_weight is not None:
@@ -187,6 +189,11 @@ def qk_norm_rope_store_(
         k.copy_(rms_norm(k, k_norm_weight, eps))
     rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True)
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x * sigmoid(gate)` in fp32, a new contiguous tensor in x.dtype."""
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
