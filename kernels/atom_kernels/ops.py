@@ -534,6 +534,97 @@ def gated_rms_norm(
         raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
 
 
+@op(triton="gdn.gdn_gating", on="a")
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's per-token gates from the in_proj outputs a, b `[T, Hv]` (strided views of
+    the projection are fine; last dim contiguous) and the per-head a_log, dt_bias `[Hv]`:
+    returns `(g, beta)`, both fp32 contiguous `[T, Hv]`, with `g = -exp(a_log) * softplus(a +
+    dt_bias)` (the log decay fed to `gated_delta_rule_`) and `beta = sigmoid(b)`, in fp32."""
+    if a.dim() != 2 or b.shape != a.shape:
+        raise ValueError(f"a and b must both be [T, Hv], got {tuple(a.shape)}, {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need a contiguous last dim")
+    hv = a.shape[1]
+    if tuple(a_log.shape) != (hv,) or tuple(dt_bias.shape) != (hv,):
+        raise ValueError(
+            f"a_log and dt_bias must be [{hv}], got {tuple(a_log.shape)}, {tuple(dt_bias.shape)}"
+        )
+
+
+@op(triton="gdn_decode.gated_delta_net_decode_", on="proj")
+def gated_delta_net_decode_(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode token of a Gated DeltaNet layer per row, from its in_proj output to the input
+    of out_proj: what `causal_conv1d_` (silu, no bias) + `gdn_gating` + `gated_delta_rule_`
+    (with the q/k L2 norm) + `gated_rms_norm` compute for rows of one token each.
+
+    proj `[B, conv_dim + Hv*Dv + 2*Hv]`: row b is sequence b's one token, laid out [q (Hk*Dk) |
+    k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)], conv_dim = 2*Hk*Dk + Hv*Dv; a strided
+    view of the projection is fine (last dim contiguous). conv_weight `[conv_dim, W]`;
+    conv_state `[S, conv_dim, W-1]` and ssm_state `[S, Hv, Dk, Dv]` updated in place at each
+    real row's slot (Hk, Dk, Hv, Dv come from these shapes). a_log, dt_bias `[Hv]`; norm_weight
+    `[Dv]` (the gated norm's plain weight). slot_ids int32 `[B]` (-1: a padding row: zero
+    output, no state read or written), has_initial_state bool `[B]` (False: zero conv window
+    and zero recurrent state, whatever the slot holds). Math in fp32, with the chain's
+    roundings: the conv output and the recurrence output rounded to proj's dtype before use.
+    Returns `[B, Hv*Dv]` in proj's dtype. On a GPU one Triton launch with no host sync and a
+    grid from shapes (CUDA-graph capturable)."""
+    if proj.dim() != 2 or proj.stride(1) != 1:
+        raise ValueError(f"proj {tuple(proj.shape)} must be [B, width] with a contiguous last dim")
+    if ssm_state.dim() != 4:
+        raise ValueError(f"ssm_state must be [S, Hv, Dk, Dv], got {tuple(ssm_state.shape)}")
+    hv, dk, dv = ssm_state.shape[1:]
+    if conv_weight.dim() != 2 or conv_weight.shape[1] < 2:
+        raise ValueError(
+            f"conv_weight must be [conv_dim, W] with W >= 2, got {tuple(conv_weight.shape)}"
+        )
+    conv_dim, width = conv_weight.shape
+    key_size = (conv_dim - hv * dv) // 2
+    if key_size <= 0 or 2 * key_size + hv * dv != conv_dim or key_size % dk:
+        raise ValueError(
+            f"conv_weight's {conv_dim} channels are not 2*Hk*{dk} + {hv}*{dv} for any Hk"
+        )
+    hk = key_size // dk
+    if hv % hk:
+        raise ValueError(f"Hv={hv} must be a multiple of Hk={hk}")
+    if proj.shape[1] != conv_dim + hv * dv + 2 * hv:
+        raise ValueError(f"proj width {proj.shape[1]} != {conv_dim} + {hv * dv} + {2 * hv}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (conv_dim, width - 1):
+        raise ValueError(
+            f"conv_state must be [S, {conv_dim}, {width - 1}], got {tuple(conv_state.shape)}"
+        )
+    if tuple(a_log.shape) != (hv,) or tuple(dt_bias.shape) != (hv,):
+        raise ValueError(f"a_log and dt_bias must be [{hv}]")
+    if tuple(norm_weight.shape) != (dv,):
+        raise ValueError(f"norm_weight must be [{dv}], got {tuple(norm_weight.shape)}")
+    b = proj.shape[0]
+    if slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        raise ValueError(
+            f"slot_ids must be int32 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}"
+        )
+    if has_initial_state.dtype != torch.bool or tuple(has_initial_state.shape) != (b,):
+        raise ValueError(
+            f"has_initial_state must be bool [{b}], got {has_initial_state.dtype} "
+            f"{tuple(has_initial_state.shape)}"
+        )
+    for name, t in (("slot_ids", slot_ids), ("has_initial_state", has_initial_state)):
+        if t.device != proj.device:
+            raise ValueError(f"{name} is on {t.device}, proj on {proj.device}")
+
+
 @op(triton=None, on="router_logits")
 def moe_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
