@@ -213,6 +213,23 @@ def _timed(part: str, variant: str, batch: int, step, layers: int, diff: float) 
     )  # fmt: skip
 
 
+def kernel_registers(jit_fn) -> list[dict]:
+    """Registers and spills of each compiled variant of a Triton kernel (by num_warps); empty
+    where this Triton version keeps its compiled kernels elsewhere."""
+    stats = []
+    try:
+        for entry in jit_fn.device_caches.values():
+            for kernel in entry[0].values():
+                kernel._init_handles()
+                stats.append(
+                    dict(num_warps=kernel.metadata.num_warps, n_regs=kernel.n_regs,
+                         n_spills=kernel.n_spills)
+                )  # fmt: skip
+    except (AttributeError, IndexError, TypeError, KeyError):
+        pass
+    return stats
+
+
 def bench_gdn(batch: int, sweep: bool, gen: torch.Generator) -> list[dict]:
     layers = max(GDN_LAYERS, math.ceil(4 * L2_BYTES / gdn_state_bytes(batch)))
     gdn = GdnLayers(batch, layers, gen)
@@ -261,6 +278,12 @@ def main() -> int:
     for r in rows:
         print(f"{r['part']:6} {r['variant']:16} {r['batch']:5d} {r['us_per_layer']:9.2f}  "
               f"{r['max_abs_diff_vs_chain']:.3g}")  # fmt: skip
+    from atom_kernels import gdn_decode
+
+    registers = kernel_registers(gdn_decode._gdn_decode_kernel)
+    for k in registers:
+        print(f"fused GDN kernel, {k['num_warps']} warps: {k['n_regs']} registers a thread, "
+              f"{k['n_spills']} spilled")  # fmt: skip
     by = {(r["part"], r["variant"], r["batch"]): r["us_per_layer"] for r in rows}
     for b in sorted({r["batch"] for r in rows}):
         saved = GDN_LAYERS * (by["gdn", "chain", b] - by["gdn", "fused", b])
@@ -269,7 +292,7 @@ def main() -> int:
               f"saves about {saved:.0f} us between the projections")  # fmt: skip
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    python=platform.python_version())  # fmt: skip
+                    python=platform.python_version(), fused_gdn_registers=registers)  # fmt: skip
         try:
             import triton
 

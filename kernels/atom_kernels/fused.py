@@ -42,7 +42,7 @@ def _norm_rope_heads(
     apart: channels i and i + ROT_HALF (i < ROT_HALF) rotate as a neox pair, channels from
     2 * ROT_HALF on (partial rotary) are only normed. Returns the three pieces as written, in
     fp32 (rows = heads): the rotated first and second halves and the rest."""
-    rest: tl.constexpr = HEAD_DIM - 2 * ROT_HALF
+    rest = HEAD_DIM - 2 * ROT_HALF
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_ROT)
     offs_r = tl.arange(0, BLOCK_REST)

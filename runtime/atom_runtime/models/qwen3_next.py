@@ -5,7 +5,10 @@ conv window and a [heads, k_dim, v_dim] recurrent matrix) lives in the state slo
 (`atom_runtime.state`); every `full_attention_interval`-th layer (or as `layer_types` says) is
 gated full attention over the paged KV cache: q_proj yields a query and an output gate per head,
 q/k get a per-head RMSNorm, rotary covers only the first `partial_rotary_factor` of each head,
-and the attention output is multiplied by sigmoid(gate) before o_proj.
+and the attention output is multiplied by sigmoid(gate) before o_proj. At batch 1 a step costs
+its launch count (docs/hybrid-models.md), so a decode batch runs each GDN layer between its
+projections as one op (`ops.gated_delta_net_decode_`), and every batch runs the attention
+layer's norms, partial rotary and cache store as one (`qk_norm_rope_store_` with `q_gate`).
 
 The three architectures differ only in how their checkpoints store things:
 - Qwen3.5 projects q/k/v, z, b and a with separate matrices; Qwen3-Next interleaves q/k/v/z per
