@@ -2,10 +2,14 @@
 at small batches:
 
 - `qk_norm_rope_store_`: for each token, optional per-head RMSNorm of q and k (Qwen3's QK-norm),
-  rotary embedding of q and k (neox style), and the write of k and v into the paged cache — one
-  launch instead of up to six (two reshape copies, two norms, rotary, cache store).
+  rotary embedding of q and k (neox style, over all of head_dim or its first rotary_dim
+  channels), and the write of k and v into the paged cache — one launch instead of up to six
+  (two reshape copies, two norms, rotary, cache store). q heads may be interleaved with
+  gated attention's output gates ([query; gate] per head, as Qwen3.5/Next's q_proj gives them).
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` over a fused gate_up projection — one launch
   instead of two, and no intermediate tensor.
+- `sigmoid_gate_mul`: gated attention's `out * sigmoid(gate)`, reading the gate where q_proj
+  left it (interleaved with the queries) — one launch instead of a copy, a sigmoid and a multiply.
 
 Numerics follow the unfused path: the normed q/k are rounded to the activation dtype before
 rotation, exactly as the separate norm kernel's output would be.
@@ -28,31 +32,46 @@ def _norm_rope_heads(
     eps,
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_ROT: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
 ):
-    """Norm (optional) and rotate `num_heads` contiguous heads at `base` in place; returns the
-    rotated halves in fp32 (rows = heads)."""
+    """Norm (optional) and rotate, in place, `num_heads` heads starting at `base`, HEAD_STRIDE
+    apart: channels i and i + ROT_HALF (i < ROT_HALF) rotate as a neox pair, channels from
+    2 * ROT_HALF on (partial rotary) are only normed. Returns the three pieces as written, in
+    fp32 (rows = heads): the rotated first and second halves and the rest."""
+    rest = HEAD_DIM - 2 * ROT_HALF
     offs_h = tl.arange(0, BLOCK_H)
-    offs_i = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h[:, None] < num_heads) & (offs_i[None, :] < HALF)
-    p1 = base + offs_h[:, None] * HEAD_DIM + offs_i[None, :]
-    p2 = p1 + HALF
+    offs_i = tl.arange(0, BLOCK_ROT)
+    offs_r = tl.arange(0, BLOCK_REST)
+    h_ok = offs_h[:, None] < num_heads
+    mask = h_ok & (offs_i[None, :] < ROT_HALF)
+    mask_r = h_ok & (offs_r[None, :] < rest)
+    head = base + offs_h[:, None] * HEAD_STRIDE
+    p1 = head + offs_i[None, :]
+    p2 = p1 + ROT_HALF
+    p3 = head + 2 * ROT_HALF + offs_r[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(p3, mask=mask_r, other=0.0).to(tl.float32)
     if HAS_NORM:
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
         inv = 1.0 / tl.sqrt(ss / HEAD_DIM + eps)
-        w1 = tl.load(w_ptr + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + offs_i, mask=offs_i < ROT_HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + ROT_HALF + offs_i, mask=offs_i < ROT_HALF, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + 2 * ROT_HALF + offs_r, mask=offs_r < rest, other=0.0)
         x1 = (x1 * inv[:, None] * w1[None, :]).to(base.dtype.element_ty).to(tl.float32)
         x2 = (x2 * inv[:, None] * w2[None, :]).to(base.dtype.element_ty).to(tl.float32)
+        x3 = (x3 * inv[:, None] * w3.to(tl.float32)[None, :]).to(base.dtype.element_ty)
+        tl.store(p3, x3, mask=mask_r)
+        x3 = x3.to(tl.float32)
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(p1, y1.to(base.dtype.element_ty), mask=mask)
     tl.store(p2, y2.to(base.dtype.element_ty), mask=mask)
-    return y1, y2
+    return y1, y2, x3
 
 
 @triton.jit
@@ -73,39 +92,49 @@ def _qk_prep_kernel(
     num_kv_heads,
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
+    Q_HEAD_STRIDE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_ROT: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_i = tl.arange(0, BLOCK_HALF)
-    cs_mask = offs_i < HALF
+    offs_i = tl.arange(0, BLOCK_ROT)
+    cs_mask = offs_i < ROT_HALF
     cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs_i, mask=cs_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs_i, mask=cs_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + ROT_HALF + offs_i, mask=cs_mask, other=0.0)
     cos = cos.to(tl.float32)
     sin = sin.to(tl.float32)
     row = qkv_ptr + token.to(tl.int64) * qkv_stride_t
     _norm_rope_heads(
-        row, q_w_ptr, num_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_HALF
-    )
-    k_row = row + num_heads * HEAD_DIM
-    k1, k2 = _norm_rope_heads(
-        k_row, k_w_ptr, num_kv_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, HALF, BLOCK_HK, BLOCK_HALF
-    )
+        row, q_w_ptr, num_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, Q_HEAD_STRIDE, ROT_HALF,
+        BLOCK_HQ, BLOCK_ROT, BLOCK_REST,
+    )  # fmt: skip
+    k_row = row + num_heads * Q_HEAD_STRIDE
+    k1, k2, k3 = _norm_rope_heads(
+        k_row, k_w_ptr, num_kv_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, HEAD_DIM, ROT_HALF,
+        BLOCK_HK, BLOCK_ROT, BLOCK_REST,
+    )  # fmt: skip
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # -1: a padding row, nothing to cache
-        offs_h = tl.arange(0, BLOCK_HK)
-        mask = (offs_h[:, None] < num_kv_heads) & (offs_i[None, :] < HALF)
-        within = offs_h[:, None] * HEAD_DIM + offs_i[None, :]
-        kc = k_cache_ptr + slot * cache_stride_slot + within
-        tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v_src = k_row + num_kv_heads * HEAD_DIM + within
-        vc = v_cache_ptr + slot * cache_stride_slot + within
-        tl.store(vc, tl.load(v_src, mask=mask, other=0.0), mask=mask)
-        tl.store(vc + HALF, tl.load(v_src + HALF, mask=mask, other=0.0), mask=mask)
+        offs_h = tl.arange(0, BLOCK_HK)[:, None]
+        offs_r = tl.arange(0, BLOCK_REST)[None, :]
+        h_ok = offs_h < num_kv_heads
+        mask = h_ok & (offs_i[None, :] < ROT_HALF)
+        kc = k_cache_ptr + slot * cache_stride_slot + offs_h * HEAD_DIM
+        dtype = k_cache_ptr.dtype.element_ty
+        tl.store(kc + offs_i[None, :], k1.to(dtype), mask=mask)
+        tl.store(kc + ROT_HALF + offs_i[None, :], k2.to(dtype), mask=mask)
+        rest_mask = h_ok & (offs_r < HEAD_DIM - 2 * ROT_HALF)
+        tl.store(kc + 2 * ROT_HALF + offs_r, k3.to(dtype), mask=rest_mask)
+        offs_d = tl.arange(0, BLOCK_D)[None, :]
+        within = offs_h * HEAD_DIM + offs_d
+        v_mask = h_ok & (offs_d < HEAD_DIM)
+        v = tl.load(k_row + num_kv_heads * HEAD_DIM + within, mask=v_mask, other=0.0)
+        tl.store(v_cache_ptr + slot * cache_stride_slot + within, v, mask=v_mask)
 
 
 def qk_norm_rope_store_(
@@ -121,13 +150,16 @@ def qk_norm_rope_store_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_gate: bool = False,
 ) -> None:
     """See `atom_kernels.ops.qk_norm_rope_store_`."""
     num_tokens = qkv.shape[0]
+    if cos_sin_cache.stride(-1) != 1:
+        raise ValueError("cos_sin_cache must have a contiguous last dim")
     if num_tokens == 0:
         return
     has_norm = q_norm_weight is not None
-    half = head_dim // 2
+    rot_half = cos_sin_cache.shape[-1] // 2
     block_hq = triton.next_power_of_2(num_heads)
     _qk_prep_kernel[(num_tokens,)](
         qkv,
@@ -146,12 +178,56 @@ def qk_norm_rope_store_(
         num_kv_heads,
         HAS_NORM=has_norm,
         HEAD_DIM=head_dim,
-        HALF=half,
+        Q_HEAD_STRIDE=(2 if q_gate else 1) * head_dim,
+        ROT_HALF=rot_half,
         BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4 if block_hq * half >= 1024 else 1,
+        BLOCK_ROT=triton.next_power_of_2(rot_half),
+        BLOCK_REST=triton.next_power_of_2(max(1, head_dim - 2 * rot_half)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if block_hq * head_dim >= 2048 else 1,
     )
+
+
+@triton.jit
+def _sigmoid_gate_mul_kernel(
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    x_stride_t,
+    x_stride_h,
+    gate_stride_t,
+    gate_stride_h,
+    width,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    head, d = offs // HEAD_DIM, offs % HEAD_DIM
+    x = tl.load(x_ptr + token * x_stride_t + head * x_stride_h + d, mask=mask, other=0.0)
+    gate = tl.load(
+        gate_ptr + token * gate_stride_t + head * gate_stride_h + d, mask=mask, other=0.0
+    )
+    gate = gate.to(tl.float32)
+    y = x.to(tl.float32) / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + token * width + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """See `atom_kernels.ops.sigmoid_gate_mul`."""
+    num_tokens, heads, head_dim = x.shape
+    out = torch.empty((num_tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    width = heads * head_dim
+    if num_tokens == 0:
+        return out
+    block = min(2048, triton.next_power_of_2(width))
+    _sigmoid_gate_mul_kernel[(num_tokens, triton.cdiv(width, block))](
+        x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), width,
+        HEAD_DIM=head_dim, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit

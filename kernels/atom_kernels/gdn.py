@@ -10,6 +10,10 @@ whole sequence, so the state is read and written once per call. This is the deco
 the step's rank-1 updates folded into one triangular solve and matmuls. On a GPU with fla-core
 installed, prefill goes to fla's chunked kernels instead (`gated_delta_rule_chunked_fla_`),
 whose work is spread over chunks as well as heads.
+
+`gdn_gating` turns the projection's a and b columns into the fp32 log decay g and write
+strength beta those kernels take, in one launch (`gdn_gates` is its math, shared with the
+fused decode step in `gdn_decode.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,69 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def gdn_gates(a, b, a_log, dt_bias):
+    """(g, beta) = (-exp(a_log) * softplus(a + dt_bias), sigmoid(b)) in fp32, elementwise.
+    softplus as torch's: the identity above 20, else log1p(exp(x)), with log1p(y) computed as
+    log(u) * y / (u - 1), u = 1 + y (exact to a few ulps where log(1 + y) loses y's digits)."""
+    x = a.to(tl.float32) + dt_bias.to(tl.float32)
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    softplus = tl.where(x > 20.0, x, log1p)
+    g = -tl.exp(a_log.to(tl.float32)) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+    return g, beta
+
+
+@triton.jit
+def _gdn_gating_kernel(
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    g_ptr,
+    beta_ptr,
+    num_tokens,
+    a_stride,
+    b_stride,
+    HV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < HV
+    m = (t < num_tokens)[:, None] & h_ok[None, :]
+    t64 = t.to(tl.int64)[:, None]
+    a = tl.load(a_ptr + t64 * a_stride + h[None, :], mask=m, other=0.0)
+    b = tl.load(b_ptr + t64 * b_stride + h[None, :], mask=m, other=0.0)
+    a_log = tl.load(a_log_ptr + h, mask=h_ok, other=0.0)
+    dt_bias = tl.load(dt_bias_ptr + h, mask=h_ok, other=0.0)
+    g, beta = gdn_gates(a, b, a_log[None, :], dt_bias[None, :])
+    tl.store(g_ptr + t64 * HV + h[None, :], g, mask=m)
+    tl.store(beta_ptr + t64 * HV + h[None, :], beta, mask=m)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.gdn_gating`. No host syncs."""
+    if not (a_log.is_contiguous() and dt_bias.is_contiguous()):
+        raise ValueError("gdn_gating needs contiguous a_log and dt_bias")
+    num_tokens, hv = a.shape
+    g = torch.empty((num_tokens, hv), dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if num_tokens:
+        block_h = triton.next_power_of_2(hv)
+        block_t = max(1, min(64, 2048 // block_h, triton.next_power_of_2(num_tokens)))
+        _gdn_gating_kernel[(triton.cdiv(num_tokens, block_t),)](
+            a, b, a_log, dt_bias, g, beta, num_tokens, a.stride(0), b.stride(0),
+            HV=hv, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        )  # fmt: skip
+    return g, beta
 
 
 @triton.jit

@@ -249,9 +249,14 @@ def rotary_embedding_(
         )
 
 
-def _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int) -> None:
-    if cos_sin_cache.shape[-1] != head_dim or head_dim % 2:
-        raise ValueError(f"cos_sin_cache rotary dim {cos_sin_cache.shape[-1]} must equal head_dim")
+def _check_rope_cache(
+    cos_sin_cache, k_cache, v_cache, num_kv_heads: int, head_dim: int, partial: bool = False
+) -> None:
+    rotary_dim = cos_sin_cache.shape[-1]
+    if partial and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
+        raise ValueError(f"cos_sin_cache rotary dim {rotary_dim} must be even and <= {head_dim}")
+    if not partial and (rotary_dim != head_dim or head_dim % 2):
+        raise ValueError(f"cos_sin_cache rotary dim {rotary_dim} must equal head_dim")
     _check_cache(k_cache, v_cache)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
@@ -273,21 +278,39 @@ def qk_norm_rope_store_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_gate: bool = False,
 ) -> None:
     """Prepare attention inputs in one pass over a fused qkv projection output.
 
     qkv: `[T, (num_heads + 2 * num_kv_heads) * head_dim]`, rows laid out [q heads | k heads |
-    v heads], last dim contiguous. Per token: RMSNorm of every q and k head (when both norm
-    weights are given, `[head_dim]` each; Qwen3), neox rotary of q and k (cos_sin_cache as for
-    `rotary_embedding_`, rotary_dim == head_dim), both written back into `qkv` in place; then k
-    (rotated) and v are stored into the paged cache at `slot_mapping` (-1: skip). The result
-    equals `rms_norm` + `rotary_embedding_` + `store_kvcache` applied in turn."""
+    v heads], last dim contiguous. With `q_gate` (Qwen3.5/Next gated attention) each q head is
+    followed by its output gate: `[T, (2 * num_heads + 2 * num_kv_heads) * head_dim]`, rows
+    [query 0, gate 0, query 1, gate 1, ... | k heads | v heads]; the gates are left alone.
+    Per token: RMSNorm of every q and k head (when both norm weights are given, `[head_dim]`
+    each; Qwen3), neox rotary of the first rotary_dim channels of q and k (cos_sin_cache as for
+    `rotary_embedding_`, rotary_dim = `cos_sin_cache.shape[-1]` <= head_dim: partial rotary
+    leaves the rest as normed), both written back into `qkv` in place; then k (rotated) and v
+    are stored into the paged cache at `slot_mapping` (-1: skip). The result equals `rms_norm`
+    + `rotary_embedding_` + `store_kvcache` applied in turn."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
-    width = (num_heads + 2 * num_kv_heads) * head_dim
+    width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
-    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
+    _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim, partial=True)
+
+
+@op(triton="fused.sigmoid_gate_mul", on="x")
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The output gate of gated attention: `x * sigmoid(gate)` in fp32, returned in x's dtype as
+    a new contiguous `[T, H, D]` tensor. x, gate `[T, H, D]` with a contiguous last dim (gate is
+    typically the strided gate half of `qk_norm_rope_store_(..., q_gate=True)`'s qkv)."""
+    if x.dim() != 3 or gate.shape != x.shape:
+        raise ValueError(
+            f"x and gate must both be [T, H, D], got {tuple(x.shape)}, {tuple(gate.shape)}"
+        )
+    if x.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError("x and gate need a contiguous last dim")
 
 
 @op(triton="fused.silu_and_mul", on="x")
@@ -509,6 +532,97 @@ def gated_rms_norm(
         raise ValueError(f"x and z must both be [N, D], got {tuple(x.shape)}, {tuple(z.shape)}")
     if tuple(weight.shape) != (x.shape[1],):
         raise ValueError(f"weight must be [{x.shape[1]}], got {tuple(weight.shape)}")
+
+
+@op(triton="gdn.gdn_gating", on="a")
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's per-token gates from the in_proj outputs a, b `[T, Hv]` (strided views of
+    the projection are fine; last dim contiguous) and the per-head a_log, dt_bias `[Hv]`:
+    returns `(g, beta)`, both fp32 contiguous `[T, Hv]`, with `g = -exp(a_log) * softplus(a +
+    dt_bias)` (the log decay fed to `gated_delta_rule_`) and `beta = sigmoid(b)`, in fp32."""
+    if a.dim() != 2 or b.shape != a.shape:
+        raise ValueError(f"a and b must both be [T, Hv], got {tuple(a.shape)}, {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b need a contiguous last dim")
+    hv = a.shape[1]
+    if tuple(a_log.shape) != (hv,) or tuple(dt_bias.shape) != (hv,):
+        raise ValueError(
+            f"a_log and dt_bias must be [{hv}], got {tuple(a_log.shape)}, {tuple(dt_bias.shape)}"
+        )
+
+
+@op(triton="gdn_decode.gated_delta_net_decode_", on="proj")
+def gated_delta_net_decode_(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode token of a Gated DeltaNet layer per row, from its in_proj output to the input
+    of out_proj: what `causal_conv1d_` (silu, no bias) + `gdn_gating` + `gated_delta_rule_`
+    (with the q/k L2 norm) + `gated_rms_norm` compute for rows of one token each.
+
+    proj `[B, conv_dim + Hv*Dv + 2*Hv]`: row b is sequence b's one token, laid out [q (Hk*Dk) |
+    k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)], conv_dim = 2*Hk*Dk + Hv*Dv; a strided
+    view of the projection is fine (last dim contiguous). conv_weight `[conv_dim, W]`;
+    conv_state `[S, conv_dim, W-1]` and ssm_state `[S, Hv, Dk, Dv]` updated in place at each
+    real row's slot (Hk, Dk, Hv, Dv come from these shapes). a_log, dt_bias `[Hv]`; norm_weight
+    `[Dv]` (the gated norm's plain weight). slot_ids int32 `[B]` (-1: a padding row: zero
+    output, no state read or written), has_initial_state bool `[B]` (False: zero conv window
+    and zero recurrent state, whatever the slot holds). Math in fp32, with the chain's
+    roundings: the conv output and the recurrence output rounded to proj's dtype before use.
+    Returns `[B, Hv*Dv]` in proj's dtype. On a GPU one Triton launch with no host sync and a
+    grid from shapes (CUDA-graph capturable)."""
+    if proj.dim() != 2 or proj.stride(1) != 1:
+        raise ValueError(f"proj {tuple(proj.shape)} must be [B, width] with a contiguous last dim")
+    if ssm_state.dim() != 4:
+        raise ValueError(f"ssm_state must be [S, Hv, Dk, Dv], got {tuple(ssm_state.shape)}")
+    hv, dk, dv = ssm_state.shape[1:]
+    if conv_weight.dim() != 2 or conv_weight.shape[1] < 2:
+        raise ValueError(
+            f"conv_weight must be [conv_dim, W] with W >= 2, got {tuple(conv_weight.shape)}"
+        )
+    conv_dim, width = conv_weight.shape
+    key_size = (conv_dim - hv * dv) // 2
+    if key_size <= 0 or 2 * key_size + hv * dv != conv_dim or key_size % dk:
+        raise ValueError(
+            f"conv_weight's {conv_dim} channels are not 2*Hk*{dk} + {hv}*{dv} for any Hk"
+        )
+    hk = key_size // dk
+    if hv % hk:
+        raise ValueError(f"Hv={hv} must be a multiple of Hk={hk}")
+    if proj.shape[1] != conv_dim + hv * dv + 2 * hv:
+        raise ValueError(f"proj width {proj.shape[1]} != {conv_dim} + {hv * dv} + {2 * hv}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (conv_dim, width - 1):
+        raise ValueError(
+            f"conv_state must be [S, {conv_dim}, {width - 1}], got {tuple(conv_state.shape)}"
+        )
+    if tuple(a_log.shape) != (hv,) or tuple(dt_bias.shape) != (hv,):
+        raise ValueError(f"a_log and dt_bias must be [{hv}]")
+    if tuple(norm_weight.shape) != (dv,):
+        raise ValueError(f"norm_weight must be [{dv}], got {tuple(norm_weight.shape)}")
+    b = proj.shape[0]
+    if slot_ids.dtype != torch.int32 or tuple(slot_ids.shape) != (b,):
+        raise ValueError(
+            f"slot_ids must be int32 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}"
+        )
+    if has_initial_state.dtype != torch.bool or tuple(has_initial_state.shape) != (b,):
+        raise ValueError(
+            f"has_initial_state must be bool [{b}], got {has_initial_state.dtype} "
+            f"{tuple(has_initial_state.shape)}"
+        )
+    for name, t in (("slot_ids", slot_ids), ("has_initial_state", has_initial_state)):
+        if t.device != proj.device:
+            raise ValueError(f"{name} is on {t.device}, proj on {proj.device}")
 
 
 @op(triton=None, on="router_logits")

@@ -174,12 +174,14 @@ def qk_norm_rope_store_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_gate: bool = False,
 ) -> None:
-    """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of q
-    and k in place inside `qkv`, then the k/v cache write."""
+    """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of
+    the first rotary_dim channels of q and k in place inside `qkv`, then the k/v cache write.
+    With `q_gate` each q head's gate follows it and is not touched."""
     t = qkv.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_size].view(t, num_heads, head_dim)
+    q_size, kv_size = (2 if q_gate else 1) * num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(t, num_heads, q_size // num_heads)[..., :head_dim]
     k = qkv[:, q_size : q_size + kv_size].view(t, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(t, num_kv_heads, head_dim)
     if q_norm_weight is not None:
@@ -187,6 +189,11 @@ def qk_norm_rope_store_(
         k.copy_(rms_norm(k, k_norm_weight, eps))
     rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True)
     store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x * sigmoid(gate)` in fp32, a new contiguous tensor in x.dtype."""
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -430,6 +437,61 @@ def gated_rms_norm(
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (normed * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(-exp(a_log) * softplus(a + dt_bias), sigmoid(b))`, both fp32 `[T, Hv]`."""
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+def gated_delta_net_decode_(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One token per row through conv + silu, the gates, the L2-normed delta rule step and the
+    gated norm, batched over the real rows; both states updated in place at their slots."""
+    hv, dk, dv = ssm_state.shape[1:]
+    conv_dim = conv_weight.shape[0]
+    key_size = (conv_dim - hv * dv) // 2
+    out = torch.zeros(proj.shape[0], hv * dv, dtype=proj.dtype, device=proj.device)
+    rows = torch.nonzero(slot_ids >= 0).squeeze(1)
+    if rows.numel() == 0:
+        return out
+    n, slots = rows.numel(), slot_ids[rows].long()
+    resume = has_initial_state[rows]
+    x = proj[rows]
+    # Conv over [window (or zeros) ; token]; the slot keeps the window's last W-1 inputs.
+    window = torch.where(resume[:, None, None], conv_state[slots].float(), 0.0)
+    full = torch.cat([window, x[:, :conv_dim, None].float()], dim=-1)  # [n, conv_dim, W]
+    mixed = torch.nn.functional.silu((full * conv_weight.float()).sum(-1)).to(proj.dtype)
+    conv_state[slots] = full[..., 1:].to(conv_state.dtype)
+    q = mixed[:, :key_size].view(n, -1, dk)
+    k = mixed[:, key_size : 2 * key_size].view(n, -1, dk)
+    v = mixed[:, 2 * key_size :].view(n, hv, dv)
+    z = x[:, conv_dim : conv_dim + hv * dv]
+    g, beta = gdn_gating(x[:, -hv:], x[:, -2 * hv : -hv], a_log, dt_bias)
+    qs, ks, vs, gs, bs = _gdn_inputs(q, k, v, g, beta, scale, use_qk_l2norm=True)  # [Hv, n, .]
+    s0 = torch.where(resume[:, None, None, None], ssm_state[slots].float(), 0.0)
+    o, s1 = gdn_recurrent_step(
+        qs.transpose(0, 1).flatten(0, 1), ks.transpose(0, 1).flatten(0, 1),
+        vs.transpose(0, 1).flatten(0, 1), gs.t().flatten(), bs.t().flatten(), s0.flatten(0, 1),
+    )  # fmt: skip
+    ssm_state[slots] = s1.view(s0.shape).to(ssm_state.dtype)
+    o = o.to(proj.dtype)  # [n * Hv, Dv], what the recurrence kernel would hand the norm
+    out[rows] = gated_rms_norm(o, z.reshape(n * hv, dv), norm_weight, eps).view(n, hv * dv)
+    return out
 
 
 def moe_topk(

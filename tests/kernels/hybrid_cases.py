@@ -50,6 +50,62 @@ def gdn_case(
     )
 
 
+def gdn_decode_case(
+    *, slots, resume, hk, hv, dk, dv, width=4, seed, num_slots=6, dtype=torch.float32,
+    state_dtype=torch.float32, device="cpu",
+):  # fmt: skip
+    """Arguments of `gated_delta_net_decode_` for one token per row: proj a strided column
+    slice of a wider buffer (as the in_proj output is viewed), random conv and recurrent
+    states in every slot, Qwen3-Next-like gate parameters."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(slots)
+    conv_dim = 2 * hk * dk + hv * dv
+    width_proj = conv_dim + hv * dv + 2 * hv
+    wide = torch.randn(b, width_proj + 5, generator=g)
+    return dict(
+        proj=wide.to(dtype).to(device)[:, 3 : 3 + width_proj],
+        conv_weight=(torch.randn(conv_dim, width, generator=g) * 0.5).to(dtype).to(device),
+        conv_state=torch.randn(num_slots, conv_dim, width - 1, generator=g).to(dtype).to(device),
+        ssm_state=(torch.randn(num_slots, hv, dk, dv, generator=g) * 0.5)
+        .to(state_dtype)
+        .to(device),
+        a_log=torch.randn(hv, generator=g).to(dtype).to(device),
+        dt_bias=torch.randn(hv, generator=g).to(dtype).to(device),
+        norm_weight=(torch.rand(dv, generator=g) + 0.5).to(dtype).to(device),
+        eps=1e-6,
+        slot_ids=torch.tensor(slots, dtype=torch.int32, device=device),
+        has_initial_state=torch.tensor(resume, dtype=torch.bool, device=device),
+        scale=dk**-0.5,
+    )
+
+
+def unfused_gdn_decode(proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight,
+                       eps, slot_ids, has_initial_state, scale, ops):  # fmt: skip
+    """The chain the model ran before the fused decode op, on `ops` (the reference module or
+    the ops dispatcher): conv1d + silu, the gates as the model wrote them in torch, the delta
+    rule with the q/k L2 norm, the gated RMSNorm."""
+    hv, dk, dv = ssm_state.shape[1:]
+    conv_dim = conv_weight.shape[0]
+    ks = (conv_dim - hv * dv) // 2
+    t = proj.shape[0]
+    qsl = torch.arange(t + 1, dtype=torch.int32, device=proj.device)
+    mixed = ops.causal_conv1d_(
+        proj[:, :conv_dim].contiguous(), conv_weight, None, conv_state, qsl, slot_ids,
+        has_initial_state, activation="silu",
+    )  # fmt: skip
+    z = proj[:, conv_dim : conv_dim + hv * dv]
+    b, a = proj[:, conv_dim + hv * dv : -hv], proj[:, -hv:]
+    beta = torch.sigmoid(b.float())
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    o = ops.gated_delta_rule_(
+        mixed[:, :ks].reshape(t, -1, dk), mixed[:, ks : 2 * ks].reshape(t, -1, dk),
+        mixed[:, 2 * ks :].reshape(t, hv, dv), g, beta, ssm_state, qsl, slot_ids,
+        has_initial_state, scale, use_qk_l2norm=True,
+    )  # fmt: skip
+    out = ops.gated_rms_norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv), norm_weight, eps)
+    return out.reshape(t, hv * dv)
+
+
 def naive_conv1d(x, weight, bias, conv_state, query_start_loc, slot_ids, has_initial_state,
                  activation="silu"):  # fmt: skip
     """y[t, c] = act(bias[c] + sum_w weight[c, w] * input[t - (W-1) + w, c]) token by token,

@@ -105,6 +105,85 @@ def test_reference_fused_prep_equals_the_separate_ops():
     assert torch.equal(kc.view(-1, kvh, d)[7], k[3]) and torch.equal(vc.view(-1, kvh, d)[7], v[3])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
+    [(4, 2, 16, 4), (3, 1, 24, 8), (2, 2, 32, 32)],  # tiny Qwen3.5; rest not a power of 2; full
+)
+def test_gated_partial_rotary_prep_matches_reference(
+    kernels, device, dtype, num_heads, num_kv_heads, head_dim, rotary_dim
+):
+    """Gated attention's layout ([query; gate] per q head) with partial rotary: queries and keys
+    normed, their first rotary_dim channels rotated, the gates untouched, k/v cached."""
+    g = torch.Generator().manual_seed(8)
+    tokens, block_size, num_blocks = 9, 8, 4
+    width = (2 * num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=g).to(dtype).to(device)
+    positions = torch.tensor([0, 1, 2, 9, 17, 300, 511, 3, 64], device=device)
+    slots = torch.tensor([0, 1, 2, 9, 17, -1, 31, 4, 5], device=device)
+    cache = _rope_cache(512, rotary_dim).to(device)
+    qw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device)
+    kw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    want_qkv, want_k, want_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    heads = (num_heads, num_kv_heads, head_dim)
+    reference.qk_norm_rope_store_(
+        want_qkv, positions, cache, qw, kw, 1e-6, want_k, want_v, slots, *heads, True
+    )
+    gates = qkv[:, : 2 * num_heads * head_dim].view(tokens, num_heads, 2, head_dim)[:, :, 1]
+    gates_before = gates.clone()
+    kernels["fused"].qk_norm_rope_store_(
+        qkv, positions, cache, qw, kw, 1e-6, k_cache, v_cache, slots, *heads, True
+    )
+    torch.testing.assert_close(qkv, want_qkv, **TOL[dtype])
+    assert torch.equal(gates, gates_before)
+    torch.testing.assert_close(k_cache, want_k, equal_nan=True, **TOL[dtype])
+    torch.testing.assert_close(v_cache, want_v, equal_nan=True, **TOL[dtype])
+    assert torch.isnan(k_cache.view(-1, num_kv_heads, head_dim)[[6, 30]]).all()  # never written
+
+
+def test_reference_gated_prep_equals_the_separate_ops():
+    """What the gated attention layer ran before the fused prep: the queries cut out of
+    [query; gate] and normed, keys normed, partial rotary, then the cache store."""
+    g = torch.Generator().manual_seed(4)
+    t, h, kvh, d, rot = 3, 2, 1, 16, 4
+    qkv = torch.randn(t, (2 * h + 2 * kvh) * d, generator=g)
+    pos = torch.tensor([3, 8, 2])
+    cache = _rope_cache(16, rot)
+    w1, w2 = torch.rand(d, generator=g), torch.rand(d, generator=g)
+    kc, vc = torch.zeros(2, 4, kvh, d), torch.zeros(2, 4, kvh, d)
+    slots = torch.tensor([0, 5, 7])
+    q_gate = qkv[:, : 2 * h * d].view(t, h, 2 * d)
+    q = reference.rms_norm(q_gate[..., :d].reshape(t * h, d), w1, 1e-6).view(t, h, d)
+    k = reference.rms_norm(qkv[:, 2 * h * d : (2 * h + kvh) * d].reshape(t * kvh, d), w2, 1e-6)
+    k = k.view(t, kvh, d)
+    v = qkv[:, (2 * h + kvh) * d :].view(t, kvh, d)
+    reference.rotary_embedding_(pos, q, k, cache)
+    fused = qkv.clone()
+    ops.qk_norm_rope_store_(fused, pos, cache, w1, w2, 1e-6, kc, vc, slots, h, kvh, d, True)
+    fused_q_gate = fused[:, : 2 * h * d].view(t, h, 2 * d)
+    assert torch.equal(fused_q_gate[..., :d], q)
+    assert torch.equal(fused_q_gate[..., d:], q_gate[..., d:])
+    assert torch.equal(kc.view(-1, kvh, d)[7], k[2]) and torch.equal(vc.view(-1, kvh, d)[5], v[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_mul_matches_reference(kernels, device, dtype):
+    """The gate read in place from [query; gate] heads (strided), x from attention."""
+    g = torch.Generator().manual_seed(9)
+    t, h, d = 5, 3, 40
+    x = (torch.randn(t, h, d, generator=g) * 3).to(dtype).to(device)
+    q_gate = (torch.randn(t, h, 2 * d, generator=g) * 4).to(dtype).to(device)
+    gate = q_gate[..., d:]
+    got = kernels["fused"].sigmoid_gate_mul(x, gate)
+    want = reference.sigmoid_gate_mul(x, gate)
+    assert got.shape == (t, h, d) and got.is_contiguous()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(want.float(), x.float() * torch.sigmoid(gate.float()), **TOL[dtype])
+
+
 def test_qk_norm_rope_store_refuses_mismatched_inputs():
     qkv = torch.zeros(2, 8 * 16)
     cache = _rope_cache(4, 16)
@@ -139,6 +218,14 @@ def test_qk_norm_rope_store_refuses_mismatched_inputs():
             2,
             16,
         )
+    no_gates = (kc, kc.clone(), torch.zeros(2, dtype=torch.long), 4, 2, 16)
+    with pytest.raises(ValueError, match="must be"):  # [query; gate] heads need twice the q width
+        ops.qk_norm_rope_store_(qkv, torch.zeros(2, dtype=torch.long), cache, None, None, 1e-6,
+                                *no_gates, True)  # fmt: skip
+    for rotary in (_rope_cache(4, 18), torch.zeros(4, 5)):  # wider than head_dim; odd
+        with pytest.raises(ValueError, match="rotary dim"):
+            ops.qk_norm_rope_store_(qkv, torch.zeros(2, dtype=torch.long), rotary, None, None,
+                                    1e-6, *no_gates)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,6 +1,8 @@
 """Compiled hybrid-model kernels on a GPU: bf16, Qwen3-Next-sized shapes, the dispatch through
-`ops` (fla-core's chunked prefill when it is installed), and decode steps captured in a CUDA
-graph and replayed with other slots. Skipped (with a reason, by tests/conftest.py) without a GPU.
+`ops` (fla-core's chunked prefill when it is installed), decode steps captured in a CUDA graph
+and replayed with other slots, and the fused decode ops (GDN layer in one launch, gated
+attention's prep and output gate) at Qwen3.5-4B sizes. Skipped (with a reason, by
+tests/conftest.py) without a GPU.
 
     python3 -m pytest -q tests/kernels/test_hybrid_kernels_gpu.py
 """
@@ -11,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from hybrid_cases import conv_case, gdn_case
+from hybrid_cases import conv_case, gdn_case, gdn_decode_case, unfused_gdn_decode
 
 from atom_kernels import ops, reference
 
@@ -218,3 +220,109 @@ def test_state_copy_large_units_and_graph_replay_with_a_new_table(kernels):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(pages, want[0]) and torch.equal(slots, want[1])
+
+
+def _fused_decode_case(b: int, seed: int, state_dtype=torch.float32, num_slots: int = 96):
+    """Qwen3.5-4B's GDN layer (16 k heads, 32 v heads of 128, conv width 4), one token per row,
+    bf16 projection; rows 0 mod 7 start fresh, row 5 (when there is one) is padding."""
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:b].tolist()
+    if b > 5:
+        slots[5] = -1
+    return gdn_decode_case(
+        slots=slots, resume=[i % 7 != 0 for i in range(b)], hk=16, hv=32, dk=128, dv=128,
+        seed=seed + 1, num_slots=num_slots, dtype=torch.bfloat16, state_dtype=state_dtype,
+        device="cuda",
+    )  # fmt: skip
+
+
+def _states_run(fn, case):
+    case = {
+        **case,
+        "conv_state": case["conv_state"].clone(),
+        "ssm_state": case["ssm_state"].clone(),
+    }
+    return fn(**case), case["conv_state"], case["ssm_state"]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b", [1, 64])
+def test_gdn_fused_decode_qwen3_5_4b(kernels, b, state_dtype):
+    """The fused op against its reference and against the unfused chain of Triton kernels it
+    replaces (conv1d, gates, recurrent GDN, gated norm), outputs and both states."""
+    case = _fused_decode_case(b, seed=60, state_dtype=state_dtype)
+    got = _states_run(ops.gated_delta_net_decode_, case)
+    want = _states_run(reference.gated_delta_net_decode_, case)
+    chain = _states_run(lambda **c: unfused_gdn_decode(**c, ops=ops), case)
+    for g, w, c in zip(got, want, chain, strict=True):
+        torch.testing.assert_close(g, w, **BF16)
+        torch.testing.assert_close(g, c, **BF16)
+    if b > 5:
+        assert torch.count_nonzero(got[0][5]) == 0
+
+
+def test_gdn_fused_decode_replays_in_a_cuda_graph_with_new_slots(kernels):
+    """Captured once, replayed after the slot ids, has_initial_state and the projection row were
+    rewritten in place: no host sync, a grid from shapes, the states of the new slots."""
+    case = _fused_decode_case(8, seed=61)
+    conv0, ssm0 = case["conv_state"].clone(), case["ssm_state"].clone()
+    ops.gated_delta_net_decode_(**case)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.gated_delta_net_decode_(**case)
+    gen = torch.Generator().manual_seed(62)
+    case["slot_ids"].copy_(torch.tensor([40, 3, -1, 77, 0, 95, 12, 2], dtype=torch.int32))
+    case["has_initial_state"].copy_(torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool))
+    case["proj"].copy_(torch.randn(case["proj"].shape, generator=gen).to(torch.bfloat16))
+    case["conv_state"].copy_(conv0)
+    case["ssm_state"].copy_(ssm0)
+    want = _states_run(reference.gated_delta_net_decode_, case)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip((out, case["conv_state"], case["ssm_state"]), want, strict=True):
+        torch.testing.assert_close(g, w, **BF16)
+
+
+def test_gdn_gating_bf16(kernels):
+    g = torch.Generator().manual_seed(63)
+    wide = (torch.randn(1000, 70, generator=g) * 8).to(torch.bfloat16).cuda()
+    a, b = wide[:, :32], wide[:, 35:67]
+    a_log = torch.randn(32, generator=g).to(torch.bfloat16).cuda()
+    dt_bias = torch.randn(32, generator=g).to(torch.bfloat16).cuda()
+    got = ops.gdn_gating(a, b, a_log, dt_bias)
+    want = reference.gdn_gating(a, b, a_log, dt_bias)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_gated_attention_prep_and_gate_qwen3_5_4b(kernels, tokens):
+    """16 q heads with their gates, 4 KV heads of 256, rotary on the first 64 channels, bf16:
+    the fused prep and the output gate against their references."""
+    g = torch.Generator().manual_seed(64)
+    h, kvh, d, rot = 16, 4, 256, 64
+    qkv = torch.randn(tokens, (2 * h + 2 * kvh) * d, generator=g).to(torch.bfloat16).cuda()
+    positions = torch.randint(0, 4096, (tokens,), generator=g).cuda()
+    slots = torch.randperm(40 * 16, generator=g)[:tokens].cuda()
+    inv = 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).cuda()
+    qw = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16).cuda()
+    kw = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16).cuda()
+    k_cache = torch.zeros(40, 16, kvh, d, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    want_qkv, want_k, want_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    reference.qk_norm_rope_store_(
+        want_qkv, positions, cache, qw, kw, 1e-6, want_k, want_v, slots, h, kvh, d, True
+    )
+    ops.qk_norm_rope_store_(
+        qkv, positions, cache, qw, kw, 1e-6, k_cache, v_cache, slots, h, kvh, d, True
+    )
+    torch.testing.assert_close(qkv, want_qkv, **BF16)
+    torch.testing.assert_close(k_cache, want_k, **BF16)
+    torch.testing.assert_close(v_cache, want_v, **BF16)
+    attn = torch.randn(tokens, h, d, generator=g).to(torch.bfloat16).cuda()
+    gate = qkv[:, : 2 * h * d].view(tokens, h, 2 * d)[..., d:]
+    torch.testing.assert_close(
+        ops.sigmoid_gate_mul(attn, gate), reference.sigmoid_gate_mul(attn, gate), **BF16
+    )

@@ -34,9 +34,13 @@ class PagedAttention(nn.Module):
         q_norm_weight: torch.Tensor | None = None,
         k_norm_weight: torch.Tensor | None = None,
         eps: float = 1e-6,
+        *,
+        q_gate: bool = False,
     ) -> torch.Tensor:
-        """From the fused qkv projection: QK-norm (optional), rotary, and this step's K/V into the
-        cache, in one pass. Returns q as [T, num_heads, head_dim] (a view into qkv)."""
+        """From the fused qkv projection: QK-norm (optional), rotary (over the cos_sin_cache's
+        rotary_dim), and this step's K/V into the cache, in one pass. `q_gate`: each q head is
+        followed by its output gate in qkv (gated attention). Returns q as [T, num_heads,
+        head_dim] (a view into qkv; strided past the gates with `q_gate`)."""
         self._check_bound()
         meta = get_attention_metadata()
         ops.qk_norm_rope_store_(
@@ -52,8 +56,11 @@ class PagedAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
+            q_gate,
         )
-        return qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+        q_width = (2 if q_gate else 1) * self.head_dim
+        q = qkv[:, : self.num_heads * q_width].view(-1, self.num_heads, q_width)
+        return q[..., : self.head_dim]
 
     def prepare_one_row(
         self,

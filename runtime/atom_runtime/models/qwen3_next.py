@@ -5,7 +5,10 @@ conv window and a [heads, k_dim, v_dim] recurrent matrix) lives in the state slo
 (`atom_runtime.state`); every `full_attention_interval`-th layer (or as `layer_types` says) is
 gated full attention over the paged KV cache: q_proj yields a query and an output gate per head,
 q/k get a per-head RMSNorm, rotary covers only the first `partial_rotary_factor` of each head,
-and the attention output is multiplied by sigmoid(gate) before o_proj.
+and the attention output is multiplied by sigmoid(gate) before o_proj. At batch 1 a step costs
+its launch count (docs/hybrid-models.md), so a decode batch runs each GDN layer between its
+projections as one op (`ops.gated_delta_net_decode_`), and every batch runs the attention
+layer's norms, partial rotary and cache store as one (`qk_norm_rope_store_` with `q_gate`).
 
 The three architectures differ only in how their checkpoints store things:
 - Qwen3.5 projects q/k/v, z, b and a with separate matrices; Qwen3-Next interleaves q/k/v/z per
@@ -28,12 +31,11 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
-from atom_runtime.forward_context import get_attention_metadata, get_state_metadata
+from atom_runtime.forward_context import get_state_metadata
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
@@ -89,22 +91,15 @@ class GatedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        t, hd, nh, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        q_size, kv_size = nh * 2 * hd, nkv * hd
-        q_gate = qkv[:, :q_size].view(t, nh, 2 * hd)
-        gate = q_gate[..., hd:].reshape(t, nh * hd)
-        q = ops.rms_norm(q_gate[..., :hd].reshape(t * nh, hd), self.q_norm.weight, self.q_norm.eps)
-        k = qkv[:, q_size : q_size + kv_size].reshape(t * nkv, hd)
-        k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
-        v = qkv[:, q_size + kv_size :].reshape(t, nkv, hd)
-        ops.rotary_embedding_(positions, q, k, self.rotary.cos_sin_cache, is_neox=True)
-        self.attn._check_bound()
-        ops.store_kvcache(
-            k, v, self.attn.k_cache, self.attn.v_cache, get_attention_metadata().slot_mapping
-        )
-        out = self.attn(q) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        t, hd, nh = x.shape[0], self.head_dim, self.num_heads
+        # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
+        q = self.attn.prepare(
+            qkv, positions, self.rotary.cos_sin_cache, self.q_norm.weight, self.k_norm.weight,
+            self.q_norm.eps, q_gate=True,
+        )  # fmt: skip
+        gate = qkv[:, : nh * 2 * hd].view(t, nh, 2 * hd)[..., hd:]
+        out = ops.sigmoid_gate_mul(self.attn(q).view(t, nh, hd), gate)
+        return self.o_proj(out.view(t, nh * hd))
 
 
 class GatedDeltaNet(nn.Module):
@@ -206,19 +201,27 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         ks, vs, nv = self.key_size, self.value_size, self.num_v_heads
         proj = self.in_proj(x)
-        mixed = proj[:, : self.conv_dim].contiguous()
+        if t == meta.slot_ids.shape[0]:
+            # One token per row (the scheduler never runs a row without tokens, so as many
+            # tokens as rows means a decode batch; decided from shapes, no host sync): conv,
+            # gates, recurrence and gated norm in one launch.
+            o = ops.gated_delta_net_decode_(
+                proj, self.conv_weight, self.conv_state, self.ssm_state, self.A_log,
+                self.dt_bias, self.norm.weight, self.norm.eps, meta.slot_ids,
+                meta.has_initial_state, self.k_dim**-0.5,
+            )  # fmt: skip
+            return self.out_proj(o)
         z = proj[:, self.conv_dim : self.conv_dim + vs]
         b = proj[:, self.conv_dim + vs : self.conv_dim + vs + nv]
         a = proj[:, self.conv_dim + vs + nv :]
         mixed = ops.causal_conv1d_(
-            mixed, self.conv_weight, None, self.conv_state, meta.query_start_loc,
-            meta.slot_ids, meta.has_initial_state, activation="silu",
+            proj[:, : self.conv_dim], self.conv_weight, None, self.conv_state,
+            meta.query_start_loc, meta.slot_ids, meta.has_initial_state, activation="silu",
         )  # fmt: skip
         q = mixed[:, :ks].reshape(t, self.num_k_heads, self.k_dim)
         k = mixed[:, ks : 2 * ks].reshape(t, self.num_k_heads, self.k_dim)
         v = mixed[:, 2 * ks :].reshape(t, nv, self.v_dim)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
         o = ops.gated_delta_rule_(
             q, k, v, g, beta, self.ssm_state, meta.query_start_loc, meta.slot_ids,
             meta.has_initial_state, self.k_dim**-0.5, use_qk_l2norm=True,

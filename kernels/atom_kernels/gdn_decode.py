@@ -1,0 +1,246 @@
+"""Triton fused decode step of a Gated DeltaNet layer: one launch from the in_proj output of one
+token per row to the input of out_proj.
+
+The unfused chain is a conv1d launch (and its state-update launch), about eight elementwise
+launches for the gates, the recurrence and the gated norm, plus the copies between them. At batch
+1 each of those is a couple of microseconds of launch gap inside a CUDA graph and almost no work,
+so one program does it all: it reads its channels of the projection row, convolves them with the
+slot's conv window (and shifts the window), computes beta and g, L2-normalises q and k, advances
+the recurrent state one token and applies the gated RMSNorm with z.
+
+Program layout: one program per (row, k head), holding the `[GROUP, Dk, Dv]` fp32 state of the
+GROUP v heads that k head serves.
+
+- It owns every conv-window channel it reads: q and k of its k head and v of its v heads. The
+  window must be read before it is shifted, and a channel read by several programs (q and k serve
+  GROUP v heads) could only be rewritten once all of them had read it, which needs an arrival
+  counter and an extra L2 round trip per program. Here the read, a barrier and the write are in
+  program order, and q, k's conv and L2 norm are computed once per k head, not GROUP times.
+- It holds whole Dv rows, so the gated norm over Dv needs no second pass.
+- The cost is parallelism at batch 1: Hk programs per row (16 for Qwen3.5-4B) instead of Hv (32)
+  or Hv x Dv tiles (128 for the recurrent kernel). Every Qwen3.5/Next config has GROUP 2, so a
+  program holds 2 x 128 x 128 fp32 = 128 KiB of state; 16 warps give 64 state registers per
+  thread, what one v head with 8 warps would. GROUP x Dk x Dv above `MAX_STATE_TILE` values is
+  walked in blocks of v heads (more registers would spill).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.gdn import gdn_gates
+
+# fp32 state values a program holds at once (128 KiB): GROUP 2 x 128 x 128.
+MAX_STATE_TILE = 32768
+
+
+@triton.jit
+def _conv_token(
+    x_row,
+    conv_w_ptr,
+    window_row,
+    ch,
+    live,
+    resume,
+    cs_stride_c,
+    cs_stride_w,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """The causal conv + silu of one token over channels `ch` ([C], `live` masks them; `resume`
+    those whose window is read, zeros elsewhere). Returns the output (fp32, rounded through
+    x's dtype as the conv kernel's output would be) and the shifted window `[C, BLOCK_W]`
+    (columns < WIDTH - 1 are the new window, oldest first) for the caller to store."""
+    j = tl.arange(0, BLOCK_W)
+    x = tl.load(x_row + ch, mask=live, other=0.0).to(tl.float32)
+    window = window_row + ch.to(tl.int64)[:, None] * cs_stride_c + j[None, :] * cs_stride_w
+    old = tl.load(window, mask=resume[:, None] & (j < WIDTH - 1)[None, :], other=0.0)
+    taps = tl.where((j == WIDTH - 1)[None, :], x[:, None], old.to(tl.float32))
+    w_mask = live[:, None] & (j < WIDTH)[None, :]
+    w = tl.load(conv_w_ptr + ch[:, None] * WIDTH + j[None, :], mask=w_mask, other=0.0)
+    acc = tl.sum(taps * w.to(tl.float32), axis=1)
+    y = (acc / (1.0 + tl.exp(-acc))).to(x_row.dtype.element_ty).to(tl.float32)
+    # The new window is the old one shifted by one, the token last: loaded shifted rather than
+    # moved between registers.
+    shifted = tl.load(
+        window + cs_stride_w, mask=resume[:, None] & (j + 1 < WIDTH - 1)[None, :], other=0.0
+    )
+    shifted = tl.where((j + 1 == WIDTH - 1)[None, :], x[:, None], shifted.to(tl.float32))
+    return y, shifted
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    proj_ptr,
+    conv_w_ptr,
+    conv_state_ptr,
+    ssm_state_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    norm_w_ptr,
+    out_ptr,
+    slot_ids_ptr,
+    has_initial_state_ptr,
+    scale,
+    eps,
+    proj_stride,
+    out_stride,
+    cs_stride_s,
+    cs_stride_c,
+    cs_stride_w,
+    ss_stride_s,
+    ss_stride_h,
+    ss_stride_k,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kh = tl.program_id(1)
+    slot = tl.load(slot_ids_ptr + row)
+    real = slot >= 0
+    resume = tl.load(has_initial_state_ptr + row) != 0
+    x_row = proj_ptr + row.to(tl.int64) * proj_stride
+    window_row = conv_state_ptr + slot.to(tl.int64) * cs_stride_s
+    state_row = ssm_state_ptr + slot.to(tl.int64) * ss_stride_s
+    conv_dim = 2 * HK * DK + HV * DV
+    j = tl.arange(0, BLOCK_W)
+    in_window = (j < WIDTH - 1)[None, :]
+
+    # q and k of this k head. Scalar conditions fold into the bounds (the interpreter rejects
+    # block & scalar masks).
+    dk = tl.arange(0, BLOCK_K)
+    k_live = dk < tl.where(real, DK, 0)
+    k_resume = dk < tl.where(real & resume, DK, 0)
+    q_ch = kh * DK + dk
+    k_ch = HK * DK + kh * DK + dk
+    q, q_window = _conv_token(
+        x_row, conv_w_ptr, window_row, q_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
+        WIDTH, BLOCK_W,
+    )  # fmt: skip
+    k, k_window = _conv_token(
+        x_row, conv_w_ptr, window_row, k_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
+        WIDTH, BLOCK_W,
+    )  # fmt: skip
+    # Every thread has read the old windows before any of them is overwritten (a tile's element
+    # may sit in several threads).
+    tl.debug_barrier()
+    window_dtype = conv_state_ptr.dtype.element_ty
+    q_dst = window_row + q_ch.to(tl.int64)[:, None] * cs_stride_c + j[None, :] * cs_stride_w
+    tl.store(q_dst, q_window.to(window_dtype), mask=k_live[:, None] & in_window)
+    k_dst = window_row + k_ch.to(tl.int64)[:, None] * cs_stride_c + j[None, :] * cs_stride_w
+    tl.store(k_dst, k_window.to(window_dtype), mask=k_live[:, None] & in_window)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    gi = tl.arange(0, BLOCK_G)
+    dv = tl.arange(0, BLOCK_V)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    # The v channels of BLOCK_G heads as one flat run, head-major like the projection.
+    flat = tl.arange(0, BLOCK_G * BLOCK_V)
+    flat_g = flat // BLOCK_V
+    flat_v = flat % BLOCK_V
+    norm_w = tl.load(norm_w_ptr + dv, mask=dv_ok, other=0.0).to(tl.float32)
+    for g0 in tl.static_range(0, GROUP, BLOCK_G):
+        heads = kh * GROUP + g0 + gi
+        g_ok = g0 + gi < GROUP
+        g_live = g0 + gi < tl.where(real, GROUP, 0)
+        g_resume = g0 + gi < tl.where(real & resume, GROUP, 0)
+        v_ch = 2 * HK * DK + (kh * GROUP + g0 + flat_g) * DV + flat_v
+        f_live = (g0 + flat_g < tl.where(real, GROUP, 0)) & (flat_v < DV)
+        f_resume = (g0 + flat_g < tl.where(real & resume, GROUP, 0)) & (flat_v < DV)
+        v, v_window = _conv_token(
+            x_row, conv_w_ptr, window_row, v_ch, f_live, f_resume, cs_stride_c, cs_stride_w,
+            WIDTH, BLOCK_W,
+        )  # fmt: skip
+        tl.debug_barrier()
+        v_dst = window_row + v_ch.to(tl.int64)[:, None] * cs_stride_c + j[None, :] * cs_stride_w
+        tl.store(v_dst, v_window.to(window_dtype), mask=f_live[:, None] & in_window)
+        v = tl.reshape(v, (BLOCK_G, BLOCK_V))
+
+        gate_mask = g_live[:, None] & dv_ok[None, :]
+        z = tl.load(x_row + conv_dim + heads[:, None] * DV + dv[None, :], mask=gate_mask, other=0.0)
+        b = tl.load(x_row + conv_dim + HV * DV + heads, mask=g_live, other=0.0)
+        a = tl.load(x_row + conv_dim + HV * DV + HV + heads, mask=g_live, other=0.0)
+        a_log = tl.load(a_log_ptr + heads, mask=g_live, other=0.0)
+        dt_bias = tl.load(dt_bias_ptr + heads, mask=g_live, other=0.0)
+        g, beta = gdn_gates(a, b, a_log, dt_bias)
+
+        s_ptrs = state_row + heads.to(tl.int64)[:, None, None] * ss_stride_h
+        s_ptrs += dk[None, :, None] * ss_stride_k + dv[None, None, :]
+        kv_ok = dk_ok[None, :, None] & dv_ok[None, None, :]
+        s = tl.load(s_ptrs, mask=g_resume[:, None, None] & kv_ok, other=0.0).to(tl.float32)
+        s = s * tl.exp(g)[:, None, None]
+        predicted = tl.sum(k[None, :, None] * s, axis=1)
+        delta = beta[:, None] * (v - predicted)
+        s = s + k[None, :, None] * delta[:, None, :]
+        o = tl.sum(q[None, :, None] * s, axis=1)
+        tl.debug_barrier()  # as for the windows: all of the old state read before it is written
+        tl.store(s_ptrs, s.to(ssm_state_ptr.dtype.element_ty), mask=g_live[:, None, None] & kv_ok)
+
+        # Gated RMSNorm over Dv, on o rounded as the recurrence kernel's output would be.
+        o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)
+        z = z.to(tl.float32)
+        y = o * inv_rms[:, None] * norm_w[None, :] * (z / (1.0 + tl.exp(-z)))
+        y = tl.where(gate_mask, y, 0.0)  # padding rows: zeros
+        o_ptrs = out_ptr + row.to(tl.int64) * out_stride + heads[:, None] * DV + dv[None, :]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
+
+
+def gated_delta_net_decode_(
+    proj: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    *,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_delta_net_decode_`. `num_warps` overrides the default (16
+    for a 128 KiB state tile, fewer for smaller ones; the benchmark sweeps it)."""
+    for name, t in (
+        ("conv_weight", conv_weight), ("a_log", a_log), ("dt_bias", dt_bias),
+        ("norm_weight", norm_weight),
+    ):  # fmt: skip
+        if not t.is_contiguous():
+            raise ValueError(f"gated_delta_net_decode_ needs a contiguous {name}")
+    if ssm_state.stride(3) != 1:
+        raise ValueError("gated_delta_net_decode_ needs ssm_state with a contiguous last dim")
+    batch = proj.shape[0]
+    hv, dk, dv = ssm_state.shape[1:]
+    conv_dim, width = conv_weight.shape
+    hk = (conv_dim - hv * dv) // (2 * dk)
+    out = torch.empty((batch, hv * dv), dtype=proj.dtype, device=proj.device)
+    if batch == 0:
+        return out
+    group = hv // hk
+    block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    block_g = max(1, min(triton.next_power_of_2(group), MAX_STATE_TILE // (block_k * block_v)))
+    if num_warps is None:
+        num_warps = max(4, min(16, block_g * block_k * block_v // 2048))
+    _gdn_decode_kernel[(batch, hk)](
+        proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, out, slot_ids,
+        has_initial_state.view(torch.uint8), scale, eps, proj.stride(0), out.stride(0),
+        *conv_state.stride(), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        HK=hk, HV=hv, GROUP=group, DK=dk, DV=dv, WIDTH=width, BLOCK_G=block_g,
+        BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_W=triton.next_power_of_2(width),
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
