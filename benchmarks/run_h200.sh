@@ -9,6 +9,8 @@
 #   one-row path choices)
 #   pd (issue 16: TCP connector GB/s, aggregated vs disaggregated serving, KV-aware vs
 #   round-robin routing) w5 (issue 15: `atom bench multiturn` on the dense hybrid, every interval)
+#   hybrid (the fused GDN decode kernels compiled, their microbenchmark, W2 on the dense hybrid)
+#   mixed (step cost by kind with prefill chunks joining decodes, dense hybrid, W5's shape)
 #   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
@@ -96,6 +98,14 @@ for stage in ${*:-tests bench kernels peer}; do
         --out "$OUT/json/pd_routing.json" 2>&1 | grep -v -i warn ;;
     w5)
       atom bench multiturn --load-format dummy --model $H4 --output-json "$OUT/json/w5.json" ;;
+    hybrid)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py \
+        tests/kernels/test_hybrid_kernels_gpu.py tests/kernels/test_fused.py \
+        tests/runtime/test_hybrid_gpu.py 2>&1 | tail -4
+      python3 benchmarks/gdn_decode_bench.py --sweep --out "$OUT/json/gdn_decode.json" 2>&1 | grep -v -i warn | tail -30
+      atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json" ;;
+    mixed)
+      python3 benchmarks/trace_mixed.py --model $H4 --out "$OUT/json/mixed_h4.json" 2>&1 | grep -v -i warn | head -60 ;;
     tracehybrid)
       python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -32 ;;
     w4)
