@@ -7,7 +7,9 @@ the engine, the server and transformers itself.
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -119,6 +121,43 @@ HYBRID_CONFIGS = {
 }
 
 
+_HYBRID_MODELING = [
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+]
+
+
+def hybrid_references_on_torch() -> None:
+    """Make transformers' hybrid models use their pure-torch Gated DeltaNet, the reference.
+
+    transformers binds fla-core's Triton kernels at import time when fla is importable, and
+    those cannot run the CPU reference (a GPU box with `atom-serving[fla]` installed). Import (or
+    re-import) the modeling modules with fla hidden, once a process; the engine's own fla lookup
+    is untouched."""
+    global _references_on_torch
+    if _references_on_torch:
+        return
+    saved = {k: m for k, m in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["fla"] = None  # import fla -> ImportError while the modules bind their kernels
+    try:
+        for name in _HYBRID_MODELING:
+            module = sys.modules.get(name)
+            if module is None:
+                importlib.import_module(name)
+            else:
+                importlib.reload(module)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+    _references_on_torch = True
+
+
+_references_on_torch = False
+
+
 def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     """Write a random `kind` model (see CONFIGS) to folder; returns the folder."""
     import transformers
@@ -128,6 +167,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     hybrid = kind in HYBRID_CONFIGS
+    if hybrid:
+        hybrid_references_on_torch()
     spec = dict(HYBRID_CONFIGS[kind] if hybrid else CONFIGS[kind])
     spec.update(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
     model_type = spec.pop("model_type")

@@ -19,6 +19,7 @@ fused decode step in `gdn_decode.py`).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -373,6 +374,16 @@ def gated_delta_rule_chunked_(
     return out
 
 
+# Prefill kernel: "triton" (this module's, the default) or "fla" (fla-core's chunked kernels).
+# fla spreads one long sequence over more programs, but each call costs ~2 ms of host time in
+# its Python wrappers and syncs with the host (measured on an H200 with fla-core 0.6: 24 GDN
+# layers added ~49 ms to every step that prefills, and a step with 15 decodes and a 500-token
+# chunk took ~95 ms), so it only pays for very long single prompts. Read once at import.
+PREFILL_KERNEL = os.environ.get("ATOM_GDN_PREFILL", "triton")
+if PREFILL_KERNEL not in ("triton", "fla"):
+    raise ValueError(f"ATOM_GDN_PREFILL={PREFILL_KERNEL!r}: expected 'triton' or 'fla'")
+
+
 @functools.cache
 def _fla_chunk():
     """fla-core's chunked gated delta rule, or None when it is not installed."""
@@ -441,12 +452,11 @@ def gated_delta_rule_(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.gated_delta_rule_`. A batch of one token per row (decided from
-    shapes, no host sync) runs the recurrent kernel; a batch with longer rows runs fla-core's
-    chunked kernels on a GPU when fla-core is installed, this module's chunked kernel
-    otherwise."""
+    shapes, no host sync) runs the recurrent kernel; a batch with longer rows runs this module's
+    chunked kernel, or fla-core's on a GPU with `ATOM_GDN_PREFILL=fla` and fla-core installed."""
     args = (q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale)
     if q.shape[0] <= slot_ids.shape[0]:
         return gated_delta_rule_recurrent_(*args, use_qk_l2norm)
-    if q.is_cuda and _fla_chunk() is not None:
+    if PREFILL_KERNEL == "fla" and q.is_cuda and _fla_chunk() is not None:
         return gated_delta_rule_chunked_fla_(*args, use_qk_l2norm)
     return gated_delta_rule_chunked_(*args, use_qk_l2norm)

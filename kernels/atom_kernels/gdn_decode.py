@@ -213,8 +213,11 @@ def gated_delta_net_decode_(
     *,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """See `atom_kernels.ops.gated_delta_net_decode_`. `num_warps` overrides the default (16
-    for a 128 KiB state tile, fewer for smaller ones; the benchmark sweeps it)."""
+    """See `atom_kernels.ops.gated_delta_net_decode_`. `num_warps` overrides the default (8 for
+    a 128 KiB state tile, fewer for smaller ones). On an H200 at Qwen3.5-4B sizes
+    (`benchmarks/gdn_decode_bench.py --sweep`, bf16): 8 warps 10.2 us a layer at batch 1 and
+    28.8 at 16, with 255 registers a thread and no spills; 16 warps 13.6 / 35.2 (20 registers
+    spilled), 4 warps 76 / 223 (1,260 spilled), 32 warps 20.2 / 48.8."""
     for name, t in (
         ("conv_weight", conv_weight), ("a_log", a_log), ("dt_bias", dt_bias),
         ("norm_weight", norm_weight),
@@ -234,7 +237,7 @@ def gated_delta_net_decode_(
     block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     block_g = max(1, min(triton.next_power_of_2(group), MAX_STATE_TILE // (block_k * block_v)))
     if num_warps is None:
-        num_warps = max(4, min(16, block_g * block_k * block_v // 2048))
+        num_warps = max(4, min(8, block_g * block_k * block_v // 2048))
     _gdn_decode_kernel[(batch, hk)](
         proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, out, slot_ids,
         has_initial_state.view(torch.uint8), scale, eps, proj.stride(0), out.stride(0),

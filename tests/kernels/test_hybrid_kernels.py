@@ -121,6 +121,24 @@ def test_gdn_dispatch_sends_prefill_batches_to_the_chunked_kernel(kernels, devic
     assert calls == [1]  # the prefill batch only
 
 
+@pytest.mark.parametrize("choice", ["triton", "fla"])
+def test_gdn_prefill_goes_to_fla_only_when_asked(kernels, monkeypatch, choice):
+    """fla-core installed is not enough: its per-call host cost makes it the opt-in prefill
+    (ATOM_GDN_PREFILL=fla); by default prefill batches run this repository's chunked kernel."""
+    gdn = kernels["gdn"]
+    calls = []
+    monkeypatch.setattr(gdn, "PREFILL_KERNEL", choice)
+    monkeypatch.setattr(gdn, "_fla_chunk", lambda: object())  # "installed"
+    monkeypatch.setattr(gdn, "gated_delta_rule_chunked_", lambda *a, **kw: calls.append("own"))
+    monkeypatch.setattr(gdn, "gated_delta_rule_chunked_fla_", lambda *a, **kw: calls.append("fla"))
+    case = gdn_case(lens=[3, 1], slots=[0, 1], resume=[True, True], hk=1, hv=1, dk=16, dv=16,
+                    seed=30, device="cpu")  # fmt: skip
+    q = case["q"]
+    monkeypatch.setattr(type(q), "is_cuda", property(lambda t: True))
+    gdn.gated_delta_rule_(**case)
+    assert calls == ["own" if choice == "triton" else "fla"]
+
+
 def test_gdn_recurrent_kernel_decode_batch_bf16_state_free_scale(kernels, device):
     # A decode batch (the CUDA-graph shape), without the L2 norm, another scale.
     case = gdn_case(

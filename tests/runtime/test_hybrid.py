@@ -32,6 +32,7 @@ from atom_runtime.models.config import ModelConfig
 from atom_runtime.scheduler import Scheduler, StepOutput
 from atom_runtime.sequence import FinishReason, Sequence
 from atom_runtime.state.slot_pool import StateSlotPool, plan_state_slots
+from tests.model_factory import hybrid_references_on_torch
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 MAX_TOKENS = 8
@@ -50,6 +51,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def _hf_reference(folder, prompts):
     """Greedy tokens and the first step's log-softmax, per prompt."""
+    hybrid_references_on_torch()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens, first = [], []
     with torch.no_grad():
