@@ -87,6 +87,8 @@ class Scheduler:
             raise ValueError("checkpoints: state checkpoints need a state slot pool")
         self.checkpoints = checkpoints
         self.batch_id = 0
+        # (seq, position, reason, batch that reached it): boundaries staged one schedule late.
+        self._deferred_boundaries: list[tuple[Sequence, int, str | None, int]] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -241,15 +243,36 @@ class Scheduler:
         bm = self.block_manager
         self.batch_id += 1
         b = self.batch_id
+        ready = []
+        # Boundaries the previous batch reached on a token that was still being sampled (async
+        # scheduling: a decode's input token). That token has been read back since, so the
+        # block's hash is known; the slot still holds the state at the boundary, because no
+        # batch after the one that reached it has run the sequence yet (this one copies first).
+        # A sequence that finished, was preempted or is still waiting on the token loses it.
+        for seq, pos, reason, reached in self._deferred_boundaries:
+            if (
+                seq.status is SequenceStatus.RUNNING
+                and seq.num_computed_tokens >= pos
+                and pos <= seq.num_tokens - seq.num_pending
+            ):
+                ready.append((seq, pos, reason, reached))
+            else:
+                ck.counters.dropped += 1
+        self._deferred_boundaries = []
         for seq, (pos, reason) in boundaries:
             if pos > seq.num_tokens - seq.num_pending:
-                continue  # ends on a token still being sampled: its hash is unknown yet
+                self._deferred_boundaries.append((seq, pos, reason, b))
+            else:
+                ready.append((seq, pos, reason, b))
+        for seq, pos, reason, reached in ready:
             bm.ensure_hashes(seq, pos // bm.block_size)
             staged = ck.store.stage(
                 seq.block_hashes[pos // bm.block_size - 1], pos, demand=reason == "demand"
             )
             if staged is not None:
-                ck.maint.queue_store(seq.request_id, seq.state_slots[0], staged, after_batch=b)
+                ck.maint.queue_store(
+                    seq.request_id, seq.state_slots[0], staged, after_batch=reached
+                )
         flush = not batch and ck.maint.needs_flush
         ops = ck.maint.take_for_batch(b, len(batch.seqs), flush=flush)
         batch.batch_id = b

@@ -220,7 +220,37 @@ def test_a_multi_turn_follow_up_resumes_at_the_previous_prompt_end(tiny_hybrid_m
     _assert_idle(llm)
 
 
-def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(tiny_hybrid_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_decode_rungs_are_stored_and_resumed_under_either_schedule(
+    tiny_hybrid_models, async_scheduling
+):
+    """A ladder rung reached while decoding is checkpointed. Under async scheduling the step
+    that reaches it runs a token still being sampled, so the block's hash is unknown when the
+    step is scheduled: the store is staged one schedule later (the slot still holds the state at
+    the rung). A follow-up that extends the generated text resumes at the deepest decode rung,
+    with the tokens of an engine that recomputes the whole prefix."""
+    folder = str(tiny_hybrid_models["qwen3_next"])
+    kw = dict(dtype="float32", num_gpu_blocks_override=96, async_scheduling=async_scheduling)
+    llm = LLM(folder, state_checkpoint_interval_tokens=32, **kw)
+    assert llm.engine.async_scheduling is async_scheduling
+    prompt = _tokens(7, 20)  # no rung inside the prompt; anchor at 16
+    first = _run(llm, prompt, 60)  # decode passes the rungs 32 and 64 (20..79 computed)
+    ck = llm.engine.checkpoints
+    # The anchor at 16 and the rung at 64; 32 is within one spacing of the anchor (held).
+    assert ck.counters.stored == 2
+    assert ck.counters.dropped == 0
+    follow = prompt + list(first.outputs[0].token_ids) + _tokens(8, 5)
+    resumed = _run(llm, follow, 8)
+    assert resumed.num_cached_tokens == 64
+    fresh = LLM(folder, state_checkpoint_interval_tokens=0, **kw)
+    assert resumed.outputs[0].token_ids == _run(fresh, follow, 8).outputs[0].token_ids
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(
+    tiny_hybrid_models, async_scheduling
+):
     llm = LLM(
         str(tiny_hybrid_models["qwen3_5"]),
         dtype="float32",
@@ -229,6 +259,7 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(tiny_hybrid_
         max_num_batched_tokens=40,
         max_model_len=160,
         state_checkpoint_interval_tokens=32,
+        async_scheduling=async_scheduling,
     )
     engine = llm.engine
     ck = engine.checkpoints
