@@ -363,9 +363,11 @@ class TCPConnector(KVConnector):
                 self._expire(time.monotonic())
         except Exception:
             log.exception("KV transfer thread failed")
-            with self._lock:
+            with self._lock:  # nothing expires without this thread: end everything now
                 for job in list(self._pulls.values()):
                     self._fail(job, "the KV transfer thread failed")
+                for ticket in list(self._tickets.values()):
+                    self._fail_ticket(ticket)
         finally:
             for sock in [self._cmd_pull, *dealers.values()]:
                 sock.close(linger=0)
