@@ -52,6 +52,11 @@ PROTOCOL = 2  # 1: the payload was a second ZMQ frame of the PullReply
 CHUNK_BYTES = 8 << 20  # a staged stripe moves in chunks of about this size
 HELLO_TIMEOUT_S = 10.0  # a payload connection must name its stripe within this
 IOV_BATCH = 512  # views per sendmsg/recvmsg_into call (Linux allows 1024)
+# Payload sockets block (no Python timeout) and receive with MSG_WAITALL, so one system call
+# moves a whole chunk or view batch without returning to Python: a busy engine thread holding the
+# GIL then costs one switch per chunk, not one per socket-buffer refill. Deadlines are enforced by
+# the control thread, which shuts a late stripe's sockets down (that wakes the blocked call).
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -553,7 +558,7 @@ class TCPConnector(KVConnector):
                 ticket.claimed.add(hello.index)
                 ticket.active += 1
                 ticket.socks.add(conn)
-            conn.settimeout(max(0.01, ticket.deadline - time.monotonic()))
+            conn.settimeout(None)  # the ticket's expiry shuts it down
             start, end = ticket.stripes[hello.index]
             self._send_units(conn, ticket, start, end)
             ok = True
@@ -718,6 +723,7 @@ class TCPConnector(KVConnector):
         _size_buffers(sock, self.config.socket_buffer_bytes)  # before connect: window scaling
         sock.settimeout(remaining)
         sock.connect(address)
+        sock.settimeout(None)  # the pull's deadline shuts it down
         return sock
 
     def _receive_units(self, sock: socket.socket, job: _PullJob, start: int, end: int) -> None:
@@ -783,7 +789,7 @@ def _recv_frame(sock: socket.socket) -> bytes:
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, _WAITALL)
         if n == 0:
             raise ConnectionError(f"closed by the peer after {got} of {len(view)} bytes")
         got += n
@@ -811,7 +817,7 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     total, i = sum(len(v) for v in views), 0
     got = 0
     while i < len(views):
-        n = sock.recvmsg_into(views[i : i + IOV_BATCH])[0]
+        n = sock.recvmsg_into(views[i : i + IOV_BATCH], 0, _WAITALL)[0]
         if n == 0:
             raise ConnectionError(f"closed by the peer after {got} of {total} bytes")
         got += n
