@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +96,16 @@ def bench_transfer(args) -> dict:
     port = free_port()
     producer, consumer = connector("kv_producer", port), connector("kv_consumer", free_port())
     rows = []
+    stop = threading.Event()
+
+    def engine_loop() -> None:  # pure Python, as an engine loop between steps: holds the GIL
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    busy = threading.Thread(target=engine_loop, daemon=True)
+    if args.gil_load:
+        busy.start()
     try:
         for n in args.blocks:
             # The consumer writes into other blocks than the producer reads, in another order:
@@ -142,10 +153,14 @@ def bench_transfer(args) -> dict:
                 f"{rows[-1]['cpu_s_per_gb_median']:5.2f} CPU s/GB"
             )
     finally:
+        stop.set()
+        if args.gil_load:
+            busy.join()
         producer.close()
         consumer.close()
     return {
         "device": device,
+        "gil_load": args.gil_load,
         "layout": consumer.kv.layout,
         "streams": args.streams,
         "direct": consumer.kv.direct,
@@ -464,6 +479,8 @@ def main() -> int:
                    help="a CPU cache through staging buffers too (default: sockets on the blocks)")  # fmt: skip
     t.add_argument("--socket-buffer-bytes", type=int, default=0, help="0: kernel autotuning")
     t.add_argument("--check", action="store_true", help="compare the pulled bytes")
+    t.add_argument("--gil-load", action="store_true",
+                   help="a thread spinning Python meanwhile, as a busy engine loop")  # fmt: skip
     for name in ("serve", "routing"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
