@@ -238,7 +238,7 @@ class KVCacheAccess:
                     self.caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
                 )
             out.copy_(staged, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
             done.record(self._copy_stream)
         return done
 
@@ -261,6 +261,6 @@ class KVCacheAccess:
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
                 self.caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
             done.record(self._copy_stream)
         return done
