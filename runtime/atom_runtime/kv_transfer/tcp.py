@@ -16,7 +16,7 @@ Threads: one control thread owns every ZMQ socket and the data listener. Stripes
 `streams` worker threads per role, in arrival order: a queued pull waits for the one ahead of it
 rather than sharing its bandwidth. A contiguous CPU cache is read and written by the sockets
 themselves (sendmsg / recvmsg_into over the blocks' memory, no copy); a GPU cache moves through
-two reusable pinned chunks per stripe, with the device copies on KVCacheAccess's side stream, so
+two reusable pinned chunks per stripe worker, with the device copies on KVCacheAccess's side stream, so
 one chunk crosses PCIe while the next crosses the network. A pull appears in `completed()` only
 once its bytes are in the cache, so the engine thread never waits on a transfer.
 """
