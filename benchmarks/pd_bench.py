@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,9 +62,12 @@ def bench_transfer(args) -> dict:
     from atom_runtime.kv_transfer.config import KVTransferConfig
     from atom_runtime.kv_transfer.tcp import TCPConnector
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     max_blocks = max(args.blocks)
+    direct = False if args.staged else None  # None: direct on a CPU cache, staged on a GPU
 
     class Layer:
         def __init__(self) -> None:
@@ -79,54 +83,90 @@ def bench_transfer(args) -> dict:
                     "kv_role": role,
                     "kv_ip": "127.0.0.1",
                     "kv_port": port,
+                    "kv_connector_extra_config": {
+                        "streams": args.streams,
+                        "socket_buffer_bytes": args.socket_buffer_bytes,
+                    },
                 }
             )  # fmt: skip
         )
-        return TCPConnector(cfg, KVCacheAccess([Layer() for _ in range(args.layers)]))
+        kv = KVCacheAccess([Layer() for _ in range(args.layers)], direct=direct)
+        return TCPConnector(cfg, kv)
 
     port = free_port()
     producer, consumer = connector("kv_producer", port), connector("kv_consumer", free_port())
     rows = []
+    stop = threading.Event()
+
+    def engine_loop() -> None:  # pure Python, as an engine loop between steps: holds the GIL
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    busy = threading.Thread(target=engine_loop, daemon=True)
+    if args.gil_load:
+        busy.start()
     try:
         for n in args.blocks:
+            # The consumer writes into other blocks than the producer reads, in another order:
+            # the gather and the scatter both see scattered block ids, as in serving.
             ids = list(range(n))
-            times = []
+            into = list(range(max_blocks - 1, max_blocks - 1 - n, -1))
+            times, cpu = [], []
             for r in range(args.repeat + 1):
                 tid = f"bench-{n}-{r}"
                 producer.offer(tid, ids)
-                start = time.perf_counter()
-                consumer.start_pull(RemoteBlocks(tid, "127.0.0.1", port, ids), 120)
+                start, cpu0 = time.perf_counter(), time.process_time()
+                consumer.start_pull(RemoteBlocks(tid, "127.0.0.1", port, ids), into, 120)
                 results = []
                 while not results:
                     consumer.wait(0.01)
                     results = consumer.completed()
                 if results[0].error:
                     raise RuntimeError(results[0].error)
-                consumer.kv.write(ids, results[0].payload)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                if r:  # the first round warms the sockets and the pinned allocator
+                if r:  # the first round warms the sockets and the staging buffers
                     times.append(time.perf_counter() - start)
-                producer.withdraw(tid)
+                    cpu.append(time.process_time() - cpu0)
+                while not producer.withdraw(tid):
+                    time.sleep(0.001)  # the last stripe's ticket settles just after its bytes
+            if args.check:
+                for a, b in zip(producer.kv.caches, consumer.kv.caches, strict=True):
+                    if not torch.equal(a[ids], b[into]):
+                        raise RuntimeError(f"{n} blocks: the pulled bytes differ")
             nbytes = n * consumer.kv.block_bytes
-            best = min(times)
+            best, median = min(times), statistics.median(times)
             rows.append(
                 {
                     "blocks": n,
                     "bytes": nbytes,
                     "seconds_best": best,
-                    "seconds_median": statistics.median(times),
+                    "seconds_median": median,
                     "gb_per_s_best": nbytes / best / 1e9,
-                    "gb_per_s_median": nbytes / statistics.median(times) / 1e9,
+                    "gb_per_s_median": nbytes / median / 1e9,
+                    # Both ends' threads: the process's CPU seconds per GB moved.
+                    "cpu_s_per_gb_median": statistics.median(cpu) / (nbytes / 1e9),
                 }
             )
             print(
-                f"{n:6d} blocks {nbytes / 2**20:9.1f} MiB  {rows[-1]['gb_per_s_median']:6.2f} GB/s"
+                f"{n:6d} blocks {nbytes / 2**20:9.1f} MiB  best {rows[-1]['gb_per_s_best']:6.2f} "
+                f"median {rows[-1]['gb_per_s_median']:6.2f} GB/s  "
+                f"{rows[-1]['cpu_s_per_gb_median']:5.2f} CPU s/GB"
             )
     finally:
+        stop.set()
+        if args.gil_load:
+            busy.join()
         producer.close()
         consumer.close()
-    return {"device": device, "layout": consumer.kv.layout, "rows": rows}
+    return {
+        "device": device,
+        "gil_load": args.gil_load,
+        "layout": consumer.kv.layout,
+        "streams": args.streams,
+        "direct": consumer.kv.direct,
+        "socket_buffer_bytes": args.socket_buffer_bytes,
+        "rows": rows,
+    }
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -433,6 +473,14 @@ def main() -> int:
     t.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")],
                    default=[16, 64, 256, 1024])  # fmt: skip
     t.add_argument("--repeat", type=int, default=5)
+    t.add_argument("--streams", type=int, default=4, help="payload connections per pull")
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    t.add_argument("--staged", action="store_true",
+                   help="a CPU cache through staging buffers too (default: sockets on the blocks)")  # fmt: skip
+    t.add_argument("--socket-buffer-bytes", type=int, default=0, help="0: kernel autotuning")
+    t.add_argument("--check", action="store_true", help="compare the pulled bytes")
+    t.add_argument("--gil-load", action="store_true",
+                   help="a thread spinning Python meanwhile, as a busy engine loop")  # fmt: skip
     for name in ("serve", "routing"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")

@@ -10,10 +10,12 @@ releases it (after its pull, or when its request was aborted) or after `hold_tim
 Consumer (a decode engine): a request carrying `do_remote_prefill` params is parked before the
 scheduler sees it. The agent checks the producer's block hashes against its own hashes of the
 prompt, claims its local prefix hits (never re-sent), allocates blocks for the rest and pulls only
-those. On success the blocks are written, hashed into the prefix cache (so KV events announce them
-as stored) and released, and the request enters the scheduler, which finds them as prefix hits:
-the decode engine computes only the prompt's last block. On failure or timeout the blocks are
-freed and the request is prefilled locally (counted). The scheduler needs no change.
+those: the transport writes the bytes into them off the engine thread. On success the blocks are
+hashed into the prefix cache (so KV events announce them as stored) and released, and the request
+enters the scheduler, which finds them as prefix hits: the decode engine computes only the
+prompt's last block. On failure or timeout the blocks are freed and the request is prefilled
+locally (counted). An aborted pull's blocks are freed once the transport has stopped writing them.
+The scheduler needs no change.
 
 Contract 2 holds on both sides: the consumer never takes the prompt's last block remotely.
 Hybrid models (recurrent state) would also need the state image at the prompt end; the seam for it
@@ -109,6 +111,7 @@ class TransferAgent:
         self.connector = connector
         self.holds: dict[str, _Hold] = {}
         self.pulls: dict[str, _Pull] = {}  # by transfer id
+        self.draining: dict[str, _Pull] = {}  # aborted; freed once the transport lets go
         self.stats = KVTransferStats()
 
     # -- producer --------------------------------------------------------------------------------
@@ -188,7 +191,8 @@ class TransferAgent:
         start = len(hits)
         need = usable - start
         idle_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
-        if not prefix_ok or need <= 0 or remote.transfer_id in self.pulls:
+        busy = remote.transfer_id in self.pulls or remote.transfer_id in self.draining
+        if not prefix_ok or need <= 0 or busy:
             self.stats.blocks_local_hit += start
             self.connector.release_remote(remote.host, remote.port, remote.transfer_id)
             return False
@@ -206,18 +210,14 @@ class TransferAgent:
         self.pulls[remote.transfer_id] = _Pull(seq, wanted, hits, blocks, own[:usable], start)
         self.stats.blocks_local_hit += start
         self.stats.pulls_in_flight += 1
-        self.connector.start_pull(wanted, self.config.pull_timeout_s)
+        self.connector.start_pull(wanted, blocks, self.config.pull_timeout_s)
         return True
 
-    def _finish_pull(self, pull: _Pull, payload) -> bool:
-        """Place the pulled blocks in the prefix cache, then let go of every block the pull held;
-        the scheduler's prefix lookup claims them again at once. False if the payload is bad."""
+    def _finish_pull(self, pull: _Pull, nbytes: int) -> None:
+        """Place the pulled blocks (the transport wrote them) in the prefix cache; the caller
+        then lets go of every block the pull held, and the scheduler's prefix lookup claims them
+        again at once."""
         bs = self.block_size
-        try:
-            self.kv.write(pull.blocks, payload)
-        except ValueError as e:
-            log.warning("pulled KV for %s is unusable: %s", pull.seq.request_id, e)
-            return False
         first = pull.start
         tokens = [
             pull.seq.token_ids[i * bs : (i + 1) * bs]
@@ -231,8 +231,7 @@ class TransferAgent:
         )
         self.stats.pulls_ok += 1
         self.stats.blocks_received += len(pull.blocks)
-        self.stats.bytes_received += len(payload)
-        return True
+        self.stats.bytes_received += nbytes
 
     def _release_local(self, pull: _Pull) -> None:
         self.pool.free(pull.blocks[::-1] + pull.hits[::-1])
@@ -248,16 +247,21 @@ class TransferAgent:
             self._end_holds()
         ready: list[Sequence] = []
         for result in self.connector.completed():
+            drained = self.draining.pop(result.transfer_id, None)
+            if drained is not None:  # aborted: the transport has let go of its blocks
+                self._release_local(drained)
+                continue
             pull = self.pulls.pop(result.transfer_id, None)
             if pull is None:
                 continue  # aborted meanwhile
-            ok = result.error is None and self._finish_pull(pull, result.payload)
-            if not ok:
+            if result.error is None:
+                self._finish_pull(pull, result.nbytes)
+            else:
                 self.stats.fallbacks += 1
                 log.warning(
                     "KV pull for %s failed (%s); prefilling locally",
                     pull.seq.request_id,
-                    result.error or "bad payload",
+                    result.error,
                 )
             self._release_local(pull)
             ready.append(pull.seq)
@@ -269,8 +273,10 @@ class TransferAgent:
         for tid, pull in list(self.pulls.items()):
             if pull.seq.request_id in request_ids:
                 del self.pulls[tid]
-                self.connector.cancel_pull(tid)
-                self._release_local(pull)
+                if self.connector.cancel_pull(tid):
+                    self._release_local(pull)
+                else:  # a stripe is still writing into the blocks: freed when it stops
+                    self.draining[tid] = pull
                 pull.seq.finish(FinishReason.ABORT)
                 aborted.append(pull.seq)
         return aborted
@@ -279,7 +285,7 @@ class TransferAgent:
         return any(pull.seq.request_id == request_id for pull in self.pulls.values())
 
     def has_work(self) -> bool:
-        return bool(self.pulls or self.holds)
+        return bool(self.pulls or self.holds or self.draining)
 
     def wait(self, timeout_s: float) -> None:
         self.connector.wait(timeout_s)

@@ -3,18 +3,19 @@
 A transport moves whole KV blocks from a producer engine (it computed a prompt) to a consumer
 engine (it will decode that prompt). Block bookkeeping (which blocks are held, when they are
 released, what a consumer lacks) lives in `TransferAgent` and is the same for every transport;
-a transport only serves reads of held blocks and performs pulls. The portable TCP transport
-(tcp.py) is the first; RDMA transports (NIXL, Mooncake, MoRI) implement the same methods, reading
-and writing `KVCacheAccess`'s registered tensors directly instead of through host bytes.
+a transport only serves reads of held blocks and performs pulls into blocks the agent allocated.
+The portable TCP transport (tcp.py) is the first; RDMA transports (NIXL, Mooncake, MoRI) implement
+the same methods, reading and writing `KVCacheAccess.caches` directly instead of through host
+bytes.
 
 Threading: the engine thread calls every method below; a transport does its I/O on its own
 thread(s) and hands results back through `completed()` / `released()`, so the block pool is only
-ever touched by the engine thread.
+ever touched by the engine thread. The block *bytes* are written by the transport, off the engine
+thread, into blocks nobody else uses until the pull is reported done.
 """
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -23,11 +24,12 @@ import torch
 
 @dataclass
 class PullResult:
-    """A finished pull: the raw block bytes (layout per `KVCacheAccess.layout`) or an error."""
+    """A finished pull: its bytes are in the local blocks (`error` None), or it failed. Reported
+    only once the transport no longer touches those blocks (device copies included)."""
 
     transfer_id: str
-    payload: memoryview | bytes | None
     error: str | None = None
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,12 +66,18 @@ class KVConnector(ABC):
     # -- consumer --------------------------------------------------------------------------------
 
     @abstractmethod
-    def start_pull(self, remote: RemoteBlocks, timeout_s: float) -> None:
-        """Begin pulling; the outcome comes back from `completed()`, an error after timeout_s."""
+    def start_pull(
+        self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
+    ) -> None:
+        """Begin pulling `remote.block_ids` into `local_block_ids` (same length, same order); the
+        outcome comes back from `completed()`, an error after timeout_s."""
 
     @abstractmethod
-    def cancel_pull(self, transfer_id: str) -> None:
-        """Forget a pull; a late answer is dropped."""
+    def cancel_pull(self, transfer_id: str) -> bool:
+        """Stop a pull; a late answer is dropped. True when the transport no longer touches the
+        pull's local blocks (the caller may free them now); False while a write into them is
+        being stopped: a `PullResult` with an error then comes from `completed()`, after which
+        they may be freed."""
 
     @abstractmethod
     def release_remote(self, host: str, port: int, transfer_id: str) -> None:
@@ -89,21 +97,77 @@ class KVConnector(ABC):
     def close(self) -> None: ...
 
 
+def plan_stripes(num_units: int, streams: int) -> list[tuple[int, int]]:
+    """Cut units [0, num_units) into min(streams, num_units) contiguous stripes [start, end)
+    whose sizes differ by at most one unit. Producer and consumer compute the same plan."""
+    if num_units < 1 or streams < 1:
+        raise ValueError(f"plan_stripes: {num_units} units over {streams} streams")
+    count = min(streams, num_units)
+    return [(i * num_units // count, (i + 1) * num_units // count) for i in range(count)]
+
+
+def unit_runs(block_ids: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """Units [start, end) of a payload over `block_ids` as (cache, first block id, count) runs of
+    consecutive block ids, in wire order. Unit u is block `block_ids[u % n]` of cache `u // n`
+    (cache 2*layer is the layer's K, 2*layer+1 its V)."""
+    runs: list[tuple[int, int, int]] = []
+    for cache, j0, j1 in cache_segments(len(block_ids), start, end):
+        first, count = block_ids[j0], 1
+        for block in block_ids[j0 + 1 : j1]:
+            if block == first + count:
+                count += 1
+            else:
+                runs.append((cache, first, count))
+                first, count = block, 1
+        runs.append((cache, first, count))
+    return runs
+
+
+def cache_segments(num_blocks: int, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Units [start, end) cut where the cache changes: (cache, first position, end position)."""
+    out = []
+    u = start
+    while u < end:
+        cache, j = divmod(u, num_blocks)
+        stop = min(end - u + j, num_blocks)
+        out.append((cache, j, stop))
+        u += stop - j
+    return out
+
+
 class KVCacheAccess:
     """The paged KV cache of one engine (every attention layer's K and V) as block bytes.
 
     Wire layout of n blocks: [layer][k|v][block][block_size][kv_heads][head_dim], contiguous, in
-    the cache dtype. Both ends must agree on `layout`; a consumer refuses a mismatch."""
+    the cache dtype. Both ends must agree on `layout`; a consumer refuses a mismatch. A *unit* is
+    one block of one cache (`unit_bytes`); a payload of n blocks is `2 * layers * n` units.
 
-    def __init__(self, layers: list) -> None:
+    Two ways to move units: `direct` (a contiguous CPU cache) hands out memoryviews of the
+    blocks themselves, so sockets read and write the cache with no copy; otherwise (a GPU cache)
+    `gather`/`scatter` copy units between the cache and a host buffer on a side stream."""
+
+    def __init__(self, layers: list, direct: bool | None = None) -> None:
         if not layers:
             raise ValueError("KVCacheAccess: the model has no attention layers")
         self.layers = layers
+        self.caches = [c for layer in layers for c in (layer.k_cache, layer.v_cache)]
         k = layers[0].k_cache
         self.block_shape = tuple(k.shape[1:])  # (block_size, kv_heads, head_dim)
         self.dtype = k.dtype
         self.device = k.device
-        self.block_bytes = 2 * len(layers) * k[0].numel() * k.element_size()
+        self.unit_bytes = k[0].numel() * k.element_size()
+        self.block_bytes = len(self.caches) * self.unit_bytes
+        can_direct = self.device.type == "cpu" and all(c.is_contiguous() for c in self.caches)
+        if direct is None:
+            direct = can_direct
+        elif direct and not can_direct:
+            raise ValueError("KVCacheAccess: direct access needs contiguous CPU caches")
+        self.direct = direct
+        self._bytes = (
+            [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in self.caches]
+            if direct
+            else []
+        )
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
@@ -112,41 +176,91 @@ class KVCacheAccess:
         dims = "x".join(str(d) for d in self.block_shape)
         return f"{len(self.layers)}L/2/{dims}/{str(self.dtype).removeprefix('torch.')}"
 
-    def read(self, block_ids: list[int]) -> memoryview:
-        """Copy the blocks to host memory (pinned on a GPU, on a side stream, so the copy
-        overlaps the compute stream); safe from a transport thread while the blocks are held."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        caches = [c for layer in self.layers for c in (layer.k_cache, layer.v_cache)]
-        shape = (len(caches), len(block_ids), *self.block_shape)
-        if self._copy_stream is None:
-            host = torch.empty(shape, dtype=self.dtype)
-            for i, cache in enumerate(caches):  # gathered straight into the output: one copy
-                torch.index_select(cache, 0, index, out=host[i])
-        else:
-            with torch.cuda.stream(self._copy_stream):
-                gathered = torch.empty(shape, dtype=self.dtype, device=self.device)
-                for i, cache in enumerate(caches):
-                    torch.index_select(cache, 0, index, out=gathered[i])
-                host = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-                host.copy_(gathered, non_blocking=True)
-            self._copy_stream.synchronize()
-        return memoryview(host.view(torch.uint8).numpy()).cast("B")
+    @property
+    def pin(self) -> bool:
+        """Whether host buffers for this cache should be pinned (a GPU cache)."""
+        return self._copy_stream is not None
 
-    def write(self, block_ids: list[int], payload: memoryview | bytes) -> None:
-        """Place pulled blocks into the cache (engine thread, between steps)."""
-        n = len(block_ids)
-        if len(payload) != n * self.block_bytes:
-            raise ValueError(
-                f"KV payload of {len(payload)} bytes for {n} blocks of {self.block_bytes} bytes"
-            )
-        with warnings.catch_warnings():
-            # The received frame is read-only; it is only ever read from here.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(payload, dtype=torch.uint8)
-        blocks = flat.view(self.dtype).view(2 * len(self.layers), n, *self.block_shape)
-        if self.device.type == "cuda":
-            blocks = blocks.pin_memory().to(self.device, non_blocking=True)
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for i, layer in enumerate(self.layers):
-            layer.k_cache.index_copy_(0, index, blocks[2 * i])
-            layer.v_cache.index_copy_(0, index, blocks[2 * i + 1])
+    def num_units(self, num_blocks: int) -> int:
+        return len(self.caches) * num_blocks
+
+    def fence(self):
+        """Engine thread: a CUDA event after the compute stream's work so far (None on CPU).
+        Side-stream copies wait for it, so they never race a step still in flight that touched
+        the same blocks under an earlier owner."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def views(self, block_ids: list[int], start: int, end: int) -> list[memoryview]:
+        """Direct access: units [start, end) as writable views of the cache memory, in wire
+        order (consecutive blocks merged)."""
+        if not self.direct:
+            raise RuntimeError("KVCacheAccess.views: this cache is not directly accessible")
+        ub = self.unit_bytes
+        return [
+            self._bytes[cache][first * ub : (first + count) * ub]
+            for cache, first, count in unit_runs(block_ids, start, end)
+        ]
+
+    def block_index(self, block_ids: list[int]) -> torch.Tensor:
+        """`block_ids` as the index tensor `gather`/`scatter` take (on the device, queued on the
+        side stream), made once per stripe."""
+        if self._copy_stream is None:
+            return torch.tensor(block_ids, dtype=torch.long)
+        with torch.cuda.stream(self._copy_stream):
+            return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def _units(self, host: torch.Tensor, count: int) -> torch.Tensor:
+        return host[: count * self.unit_bytes].view(self.dtype).view(count, *self.block_shape)
+
+    def gather(self, index: torch.Tensor, start: int, end: int, host: torch.Tensor, fence=None):
+        """Copy units [start, end) of the payload over `index` (`block_index`) into the uint8
+        tensor `host` (pinned for a GPU cache). On a GPU the copy runs on the side stream and the
+        returned CUDA event marks its end (`host` must stay untouched until then); on a CPU it is
+        done on return (None)."""
+        out = self._units(host, end - start)
+        n = len(index)
+        if self._copy_stream is None:
+            for cache, j0, j1 in cache_segments(n, start, end):
+                at = cache * n + j0 - start
+                torch.index_select(self.caches[cache], 0, index[j0:j1], out=out[at : at + j1 - j0])
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            if fence is not None:
+                self._copy_stream.wait_event(fence)
+            staged = torch.empty(out.shape, dtype=self.dtype, device=self.device)
+            for cache, j0, j1 in cache_segments(n, start, end):
+                at = cache * n + j0 - start
+                torch.index_select(
+                    self.caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
+                )
+            out.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
+            done.record(self._copy_stream)
+        return done
+
+    def scatter(self, index: torch.Tensor, start: int, end: int, host: torch.Tensor, fence=None):
+        """Copy units [start, end) of the payload over `index` (`block_index`) from the uint8
+        tensor `host` into the cache blocks; on a GPU on the side stream, returning the CUDA
+        event that marks its end (`host` must stay untouched until then), on a CPU done on
+        return (None)."""
+        src = self._units(host, end - start)
+        n = len(index)
+        if self._copy_stream is None:
+            for cache, j0, j1 in cache_segments(n, start, end):
+                at = cache * n + j0 - start
+                self.caches[cache].index_copy_(0, index[j0:j1], src[at : at + j1 - j0])
+            return None
+        with torch.cuda.stream(self._copy_stream):
+            if fence is not None:
+                self._copy_stream.wait_event(fence)
+            staged = src.to(self.device, non_blocking=True)
+            for cache, j0, j1 in cache_segments(n, start, end):
+                at = cache * n + j0 - start
+                self.caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
+            done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
+            done.record(self._copy_stream)
+        return done

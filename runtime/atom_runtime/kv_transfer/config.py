@@ -8,6 +8,12 @@ Extra config understood by the portable connector (all optional):
                    wildcard, else this host's primary address)
   hold_timeout_s   how long a producer keeps a finished prompt's blocks for a pull (default 60)
   pull_timeout_s   how long a consumer waits for a pull before prefilling locally (default 30)
+  streams          TCP connections one pull's payload is split over, in contiguous stripes; on a
+                   producer, how many stripes it sends at once (default 4)
+  data_port        the producer's payload port (default 0: any free port, told to consumers in
+                   each PullReply)
+  socket_buffer_bytes  SO_SNDBUF/SO_RCVBUF of payload sockets (default 0: the kernel autotunes,
+                   which an explicit size turns off; the kernel caps it at net.core.*mem_max)
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ PORTABLE = ("AtomPortableConnector", "TCPConnector")
 NOT_YET = ("NixlConnector", "MooncakeConnector", "MoRIConnector", "P2pNcclConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_PORT = 14579  # vLLM's default kv_port
+DEFAULT_STREAMS = 4
+MAX_STREAMS = 64
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,18 @@ class KVTransferConfig:
     @property
     def pull_timeout_s(self) -> float:
         return float(self.kv_connector_extra_config.get("pull_timeout_s", 30.0))
+
+    @property
+    def streams(self) -> int:
+        return int(self.kv_connector_extra_config.get("streams", DEFAULT_STREAMS))
+
+    @property
+    def data_port(self) -> int:
+        return int(self.kv_connector_extra_config.get("data_port", 0))
+
+    @property
+    def socket_buffer_bytes(self) -> int:
+        return int(self.kv_connector_extra_config.get("socket_buffer_bytes", 0))
 
     def advertise_host(self) -> str:
         host = self.kv_connector_extra_config.get("advertise_host") or os.environ.get("POD_IP")
@@ -109,5 +129,16 @@ class KVTransferConfig:
                 raise ValueError(
                     f"kv_transfer_config.kv_connector_extra_config.{key}: must be a number > 0, "
                     f"got {value!r}"
+                )
+        for key, low, high in (
+            ("streams", 1, MAX_STREAMS),
+            ("data_port", 0, 65535),
+            ("socket_buffer_bytes", 0, 1 << 30),
+        ):
+            value = extra.get(key)
+            if value is not None and (type(value) is not int or not low <= value <= high):
+                raise ValueError(
+                    f"kv_transfer_config.kv_connector_extra_config.{key}: must be an integer in "
+                    f"{low}..{high}, got {value!r}"
                 )
         return cls(connector, role, ip, port, dict(extra))
