@@ -11,6 +11,8 @@
 #   round-robin routing) w5 (issue 15: `atom bench multiturn` on the dense hybrid, every interval)
 #   hybrid (the fused GDN decode kernels compiled, their microbenchmark, W2 on the dense hybrid)
 #   mixed (step cost by kind with prefill chunks joining decodes, dense hybrid, W5's shape)
+#   kvx (the KV connector's tests with its GPU path, transfer GB/s) pdserve (disaggregated serving
+#   at two rates) hybridparity (fp32 greedy parity of the dense hybrid on the GPU)
 #   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
@@ -106,6 +108,15 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json" ;;
     mixed)
       python3 benchmarks/trace_mixed.py --model $H4 --out "$OUT/json/mixed_h4.json" 2>&1 | grep -v -i warn | head -60 ;;
+    kvx)
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kv_transfer.py 2>&1 | tail -3
+      python3 benchmarks/pd_bench.py transfer --check --out "$OUT/json/pd_transfer.json" 2>&1 | grep -v -i warn
+      python3 benchmarks/pd_bench.py transfer --streams 8 --out "$OUT/json/pd_transfer_s8.json" 2>&1 | grep -v -i warn ;;
+    pdserve)
+      python3 benchmarks/pd_bench.py serve --modes disaggregated --model $Q3 --rates 4,16 \
+        --num-requests 32 --input-len 2048 --output-len 128 --out "$OUT/json/pd_serve_kvx.json" 2>&1 | grep -v -i warn ;;
+    hybridparity)
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_gpu.py -k "parity and qwen3_5 and not moe" 2>&1 | tail -3 ;;
     tracehybrid)
       python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -32 ;;
     w4)
