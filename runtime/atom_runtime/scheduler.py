@@ -89,6 +89,10 @@ class Scheduler:
         self.batch_id = 0
         # (seq, position, reason, batch that reached it): boundaries staged one schedule late.
         self._deferred_boundaries: list[tuple[Sequence, int, str | None, int]] = []
+        # Request id -> its latest decode anchor (`CheckpointPlacement.decode_boundary`), which
+        # the next one supersedes; the last one stays when the request ends.
+        self._rolling_anchor: dict[str, object] = {}
+        self._superseded_by: dict[object, object] = {}  # staged decode checkpoint -> the older
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -213,8 +217,7 @@ class Scheduler:
             return min(remaining, budget), None
         computed = seq.num_computed_tokens
         if computed >= seq.num_prompt_tokens and remaining == 1:
-            pos = ck.placement.decode_boundary(seq.request_id, computed + 1)
-            return 1, (None if pos is None else (pos, "rung"))
+            return 1, ck.placement.decode_boundary(seq.request_id, computed + 1)
         plan = ck.placement.plan_prefill_chunk(
             seq.request_id, computed, seq.num_tokens, budget, prompt_len=seq.num_prompt_tokens
         )
@@ -267,24 +270,58 @@ class Scheduler:
         for seq, pos, reason, reached in ready:
             bm.ensure_hashes(seq, pos // bm.block_size)
             staged = ck.store.stage(
-                seq.block_hashes[pos // bm.block_size - 1], pos, demand=reason == "demand"
+                seq.block_hashes[pos // bm.block_size - 1],
+                pos,
+                demand=reason == "demand",
+                rolling=reason == "decode_anchor",
             )
-            if staged is not None:
-                ck.maint.queue_store(
-                    seq.request_id, seq.state_slots[0], staged, after_batch=reached
-                )
+            if staged is None:
+                continue
+            ck.maint.queue_store(seq.request_id, seq.state_slots[0], staged, after_batch=reached)
+            if reason in ("decode_anchor", "rung"):
+                # A decode checkpoint covers everything the sequence's previous rolling anchor
+                # did: that one goes once this one is READY (until then it is the one to find).
+                previous = self._rolling_anchor.pop(seq.request_id, None)
+                if previous is not None:
+                    self._superseded_by[staged.ref] = previous
+                if reason == "decode_anchor":
+                    self._rolling_anchor[seq.request_id] = staged.ref
         flush = not batch and ck.maint.needs_flush
         ops = ck.maint.take_for_batch(b, len(batch.seqs), flush=flush)
         batch.batch_id = b
         if ops:
             batch.state_copy = ops.unit_table(ck.spec, bm.pool.num_blocks, ck.num_slots).rows
 
+    def flush_checkpoint_copies(self) -> ScheduledBatch | None:
+        """Copies queued for requests that have ended (their slots are held for them), taken
+        alone, before the next schedule: run them (`executor.copy_state`) and settle the batch,
+        and the checkpoints they fill are READY when the next admission looks, not one batch
+        later (a conversation's next turn resumes where the answer ended). None: none queued."""
+        ck = self.checkpoints
+        if ck is None or not ck.maint.needs_flush:
+            return None
+        self.batch_id += 1
+        batch = ScheduledBatch(batch_id=self.batch_id)
+        ops = ck.maint.take_for_batch(self.batch_id, 0, flush=True)
+        if ops:
+            pool = self.block_manager.pool
+            batch.state_copy = ops.unit_table(ck.spec, pool.num_blocks, ck.num_slots).rows
+        return batch
+
     def batch_done(self, batch: ScheduledBatch) -> None:
         """batch has run (its outputs were read back): publish the checkpoints its copies
         filled, unpin its restores' sources, take back slots that only its copies held."""
         if self.checkpoints is None or batch.batch_id is None:
             return
+        store = self.checkpoints.store
         outcome = self.checkpoints.maint.batch_done(batch.batch_id)
+        for ref in outcome.published:
+            previous = self._superseded_by.pop(ref, None)
+            if previous is not None:
+                store.supersede(previous)
+        if self._superseded_by:  # a newer anchor dropped before it was READY: keep the older
+            for ref in [r for r in self._superseded_by if store.state_of(r) is None]:
+                del self._superseded_by[ref]
         if outcome.released_slots:
             self.state_pool.give_back(outcome.released_slots)
 
@@ -377,6 +414,7 @@ class Scheduler:
             self.state_pool.free(seq)
             return
         slot = seq.state_slots[0] if seq.state_slots else None
+        self._rolling_anchor.pop(seq.request_id, None)  # its last decode anchor stays stored
         released = ck.maint.free_request(seq.request_id, slot)
         ck.placement.forget(seq.request_id)
         hold = {slot} if slot is not None and slot not in released else set()

@@ -236,12 +236,41 @@ def test_decode_rungs_are_stored_and_resumed_under_either_schedule(
     prompt = _tokens(7, 20)  # no rung inside the prompt; anchor at 16
     first = _run(llm, prompt, 60)  # decode passes the rungs 32 and 64 (20..79 computed)
     ck = llm.engine.checkpoints
-    # The anchor at 16 and the rung at 64; 32 is within one spacing of the anchor (held).
-    assert ck.counters.stored == 2
-    assert ck.counters.dropped == 0
     follow = prompt + list(first.outputs[0].token_ids) + _tokens(8, 5)
     resumed = _run(llm, follow, 8)
     assert resumed.num_cached_tokens == 64
+    # The anchor at 16, decode anchors at 32 (a rung held back: within one spacing of the
+    # anchor) and 48, each superseded by the next once it is READY, the rung at 64; then the
+    # follow-up's own anchor at 80.
+    assert (ck.counters.stored, ck.counters.evicted, ck.counters.dropped) == (5, 2, 0)
+    fresh = LLM(folder, state_checkpoint_interval_tokens=0, **kw)
+    assert resumed.outputs[0].token_ids == _run(fresh, follow, 8).outputs[0].token_ids
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_follow_up_turn_resumes_where_the_previous_answer_ended(
+    tiny_hybrid_models, async_scheduling
+):
+    """Decode anchors roll: every block boundary the answer reaches replaces the request's
+    previous one, so the next turn (the answer plus a new message) resumes at its KV hit, with
+    no demand rung and no hit lost to the boundary, and gives a recompute's tokens."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    kw = dict(dtype="float32", num_gpu_blocks_override=96, async_scheduling=async_scheduling)
+    llm = LLM(folder, **kw)  # the default interval, -1
+    prompt = _tokens(9, 21)  # anchor at 16
+    first = _run(llm, prompt, 44)  # computed 21..64: decode anchors at 32, 48 and 64
+    ck = llm.engine.checkpoints
+    follow = prompt + list(first.outputs[0].token_ids) + _tokens(10, 7)
+    resumed = _run(llm, follow, 8)
+    # The answer's last decode anchor was copied (alone, before this admission) and is READY:
+    # all of the KV hit is resumed, 64 of the 65 tokens computed.
+    assert resumed.num_cached_tokens == 64
+    assert ck.counters.hit_lost_tokens == 0 and ck.counters.demands_recorded == 0
+    # 16 (the prompt's anchor), 32 -> 48 -> 64, each superseding the one before; the follow-up
+    # (72 + 8 tokens) adds none: its anchor is 64 and its decode stops at 79.
+    assert (ck.counters.stored, ck.counters.evicted) == (4, 2)
+    assert ck.store.num_ready == 2
     fresh = LLM(folder, state_checkpoint_interval_tokens=0, **kw)
     assert resumed.outputs[0].token_ids == _run(fresh, follow, 8).outputs[0].token_ids
     _assert_idle(llm)

@@ -20,8 +20,10 @@ from atom_runtime.state.placement import (
 BS = 16
 
 
-def _placement(interval, demand=None, environ=None) -> CheckpointPlacement:
-    return CheckpointPlacement(interval, BS, demand, environ=environ or {})
+def _placement(interval, demand=None, environ=None, decode_anchors=True) -> CheckpointPlacement:
+    return CheckpointPlacement(
+        interval, BS, demand, decode_anchors=decode_anchors, environ=environ or {}
+    )
 
 
 def test_the_demand_flag_wins_over_the_environment():
@@ -83,7 +85,9 @@ def test_a_budget_short_of_the_next_boundary_runs_whole():
 
 def test_minus_one_places_no_ladder_but_anchors_and_demand_rungs():
     p = _placement(-1)
-    assert p.next_rung(0) is None and p.decode_boundary("a", 4096) is None
+    assert p.next_rung(0) is None
+    assert p.decode_boundary("a", 4096) == (4096, "decode_anchor")  # every block boundary
+    assert p.decode_boundary("a", 4100) is None  # mid-block
     assert p.note_admission("a", 64, 0) is True
     assert p.plan_prefill_chunk("a", 0, 200, 1000) == ChunkPlan(64, 64, "demand", True)
     assert p.pending("a") is None
@@ -145,10 +149,17 @@ def test_decode_checkpoints_are_held_to_spacing():
     # Prefill of a 1000-token prompt placed rung 512 and the anchor 992.
     assert p.plan_prefill_chunk("a", 0, 1000, 4096).boundary == 512
     assert p.plan_prefill_chunk("a", 512, 1000, 4096).boundary == 992
-    assert p.decode_boundary("a", 1000) is None  # not a rung
-    assert p.decode_boundary("a", 1024) is None  # a rung, but 32 tokens after the anchor
-    assert p.decode_boundary("a", 1536) == 1536
-    assert p.decode_boundary("b", 512) == 512  # a sequence with nothing placed yet
+    assert p.decode_boundary("a", 1000) is None  # not a block boundary
+    # A rung 32 tokens after the anchor is held back; it is still a (rolling) decode anchor.
+    assert p.decode_boundary("a", 1024) == (1024, "decode_anchor")
+    assert p.decode_boundary("a", 1536) == (1536, "rung")
+    assert p.decode_boundary("a", 1552) == (1552, "decode_anchor")
+    assert p.decode_boundary("b", 512) == (512, "rung")  # a sequence with nothing placed yet
+    off = _placement(512, decode_anchors=False)
+    assert off.decode_boundary("a", 1552) is None and off.decode_boundary("a", 1536) == (
+        1536,
+        "rung",
+    )
 
 
 def test_forget_drops_the_pending_boundary_and_counts_it():

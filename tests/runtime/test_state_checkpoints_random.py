@@ -77,6 +77,7 @@ class Sim:
         self.finished_tokens: list[list[int]] = []
         self.system_prompts = [[self.rng.randrange(1000) for _ in range(n)] for n in (9, 22, 37)]
         self.batch_id = 0
+        self.rolling: dict[str, object] = {}  # request id -> its latest decode anchor
         self.undone: list[int] = []
         self.next_id = 0
         self.restores_checked = 0
@@ -104,6 +105,7 @@ class Sim:
         slot = self.slot_of.pop(seq.request_id, None)
         self.free_slots += self.maint.free_request(seq.request_id, slot)
         self.placement.forget(seq.request_id)
+        self.rolling.pop(seq.request_id, None)
 
     def abort(self) -> None:
         pool = self.waiting + self.running
@@ -137,11 +139,11 @@ class Sim:
     def plan(self, seq: Sequence, budget: int):
         computed = seq.num_computed_tokens
         if computed >= seq.num_prompt_tokens and seq.num_tokens - computed == 1:
-            return 1, self.placement.decode_boundary(seq.request_id, computed + 1)
+            return 1, self.placement.decode_boundary(seq.request_id, computed + 1)  # (pos, why)
         plan = self.placement.plan_prefill_chunk(
             seq.request_id, computed, seq.num_tokens, budget, prompt_len=seq.num_prompt_tokens
         )
-        return plan.num_tokens, plan.boundary
+        return plan.num_tokens, (None if plan.boundary is None else (plan.boundary, plan.reason))
 
     def step(self) -> None:
         self.batch_id += 1
@@ -219,12 +221,20 @@ class Sim:
         for seq, _, boundary in batch:
             if boundary is None:
                 continue
-            prefix_hash = hash_token_blocks(seq.token_ids[:boundary], BS)[-1]
-            staged = self.store.stage(prefix_hash, boundary)
-            if staged is not None:
-                self.maint.queue_store(
-                    seq.request_id, self.slot_of[seq.request_id], staged, self.batch_id
-                )
+            pos, reason = boundary
+            prefix_hash = hash_token_blocks(seq.token_ids[:pos], BS)[-1]
+            staged = self.store.stage(prefix_hash, pos)
+            if staged is None:
+                continue
+            self.maint.queue_store(
+                seq.request_id, self.slot_of[seq.request_id], staged, self.batch_id
+            )
+            if reason in ("decode_anchor", "rung"):  # the scheduler's rolling decode anchors
+                previous = self.rolling.pop(seq.request_id, None)
+                if previous is not None:
+                    self.store.supersede(previous)
+                if reason == "decode_anchor":
+                    self.rolling[seq.request_id] = staged.ref
 
         # Sample, publish KV, retire finished sequences.
         for seq, _, _ in batch:

@@ -233,6 +233,48 @@ def test_a_record_unindexed_during_its_copy_is_cleaned_up_after_the_batch_never_
     store.check_invariants()
 
 
+def test_supersede_frees_a_rolling_anchor_now_or_after_its_readers_and_cancels_a_copy():
+    store = _store()
+    free = store.pool.num_free_blocks
+    idle = _ready(store, 11)
+    store.supersede(idle.ref)  # READY, unpinned: gone at once, counted as evicted
+    assert store.state_of(idle.ref) is None and store.lookup([11], 1) is None
+    assert store.pool.num_free_blocks == free and store.counters.evicted == 1
+    read = _ready(store, 12, batch=1)
+    store.acquire(read.ref)
+    store.supersede(read.ref)  # a reader restores from it: invisible now, freed on unpin
+    assert store.state_of(read.ref) is CheckpointState.EVICTING
+    assert store.lookup([12], 1) is None
+    store.release(read.ref)
+    assert store.state_of(read.ref) is None and store.pool.num_free_blocks == free
+    queued = store.stage(13, BS)
+    store.supersede(queued.ref)  # COPYING: cancelled, its units back
+    assert store.state_of(queued.ref) is None and store.counters.dropped == 1
+    store.supersede(queued.ref)  # a stale reference: nothing happens
+    assert store.pool.num_free_blocks == free and store.units_in_use == 0
+    store.check_invariants()
+
+
+def test_a_rolling_checkpoint_displaces_only_unread_rolling_ones():
+    store = _store(max_units=6)  # room for two images
+    anchor = _ready(store, 21)
+    first = store.stage(22, BS, rolling=True)
+    store.launch(first.ref, 1)
+    store.publish(1)
+    assert store.stage(23, BS, rolling=True) is not None  # evicts the unread rolling one
+    assert store.state_of(first.ref) is None and store.state_of(anchor.ref) is not None
+    # Full with the anchor and the COPYING 23: neither can go for a rolling checkpoint...
+    assert store.stage(24, BS, rolling=True) is None and store.counters.dropped == 1
+    store.check_invariants()
+    full = _store(max_units=6)
+    kept = [_ready(full, h, batch=h) for h in (31, 32)]
+    assert full.stage(33, BS, rolling=True) is None  # ...and never an anchor or a rung
+    assert full.counters.dropped == 1 and all(full.state_of(k.ref) for k in kept)
+    read = full.stage(34, BS, demand=True)  # an ordinary stage may still evict LRU first
+    assert read is not None and full.state_of(kept[0].ref) is None
+    full.check_invariants()
+
+
 def test_invalidate_all_waits_for_readers_and_in_flight_copies():
     store = _store()
     pinned = _ready(store, 1, batch=1)

@@ -219,8 +219,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts while it holds a live sequence (not once all were aborted).
+        # So do checkpoint copies queued for finished requests (their last decode anchor, say):
+        # one more step runs them alone, or they would wait for the next request to arrive.
         return (
             self.scheduler.has_unfinished()
+            or (self.checkpoints is not None and self.checkpoints.maint.needs_flush)
             or (
                 self._in_flight is not None
                 and not all(seq.is_finished for seq in self._in_flight.batch.seqs)
@@ -238,6 +241,11 @@ class EngineCore:
             if not self.scheduler.has_unfinished() and self._in_flight is None:
                 # Only transfers are pending: sleep until the transport has news, briefly.
                 self.kv_transfer.wait(0.005)
+        flush = self.scheduler.flush_checkpoint_copies()
+        if flush is not None:
+            if flush.state_copy is not None:
+                self.executor.copy_state(flush.state_copy)
+            self.scheduler.batch_done(flush)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         if not batch and batch.state_copy is not None:

@@ -76,6 +76,7 @@ class CheckpointRecord:
         "units",
         "pins",
         "demand",
+        "rolling",
         "launched_in",
     )
 
@@ -88,6 +89,7 @@ class CheckpointRecord:
         self.units: tuple[int, ...] = ()
         self.pins = 0
         self.demand = False
+        self.rolling = False  # a decode anchor: may displace only other unread decode anchors
         self.launched_in: int | None = None  # the batch whose launch carries the copy
 
     @property
@@ -200,11 +202,19 @@ class StateCheckpointStore:
     # -- staging and publication ---------------------------------------------------------------
 
     def stage(
-        self, prefix_hash: int, num_tokens: int, *, demand: bool = False
+        self,
+        prefix_hash: int,
+        num_tokens: int,
+        *,
+        demand: bool = False,
+        rolling: bool = False,
     ) -> StagedCheckpoint | None:
         """Borrow blocks for a checkpoint of the prefix ending at num_tokens (a block boundary,
         prefix_hash the chained hash of its last block). None when that prefix is already stored
-        or being stored, or when there is no room (counted as dropped)."""
+        or being stored, or when there is no room (counted as dropped). demand: speculative, it
+        enters the LRU at its head. rolling (a decode anchor, speculative too): it makes room
+        only by evicting other rolling records nobody has read, so a store that is full does not
+        trade its anchors and rungs for the text being generated."""
         _int("prefix_hash", prefix_hash, 0)
         _int("num_tokens", num_tokens, 1)
         if num_tokens % self.block_size:
@@ -214,14 +224,15 @@ class StateCheckpointStore:
             )
         if prefix_hash in self._by_hash:
             return None
-        if not self._make_room(self.units_per_image):
+        if not self._make_room(self.units_per_image, rolling_only=rolling):
             self.counters.dropped += 1
             return None
         rec = self._new_record()
         rec.state = CheckpointState.COPYING
         rec.prefix_hash = prefix_hash
         rec.num_tokens = num_tokens
-        rec.demand = demand
+        rec.demand = demand or rolling
+        rec.rolling = rolling
         rec.units = tuple(self.pool.lend(self.units_per_image, rec.owner))
         self._by_hash[prefix_hash] = rec
         self._add_units(len(rec.units))
@@ -275,6 +286,23 @@ class StateCheckpointStore:
             rec.state = CheckpointState.EVICTING
         return True
 
+    def supersede(self, ref: CheckpointRef) -> None:
+        """A newer checkpoint of the same sequence replaces ref (a rolling decode anchor): a
+        READY record is evicted now, or once its last reader unpins it; a COPYING one is
+        cancelled. Nothing happens when ref names no live record any more."""
+        rec = self._find(ref)
+        if rec is None:
+            return
+        if rec.state is CheckpointState.COPYING:
+            self.cancel(ref)
+        elif rec.state is CheckpointState.READY:
+            self.counters.evicted += 1
+            if rec.pins == 0:
+                self._free_record(rec)
+            else:
+                self._unindex(rec)
+                rec.state = CheckpointState.EVICTING
+
     # -- readers -------------------------------------------------------------------------------
 
     def lookup(self, block_hashes: Sequence[int], max_blocks: int) -> CheckpointHit | None:
@@ -299,7 +327,9 @@ class StateCheckpointStore:
                 f"(now {rec!r}); look it up again"
             )
         rec.pins += 1
-        rec.demand = False  # a demand checkpoint that served a reader has earned its place
+        rec.demand = rec.rolling = (
+            False  # a speculative one that served a reader has earned its place
+        )
         self._lru.move_to_end(rec.index)
         return rec.units
 
@@ -424,16 +454,21 @@ class StateCheckpointStore:
         self._records.append(rec)
         return rec
 
-    def _make_room(self, need: int) -> bool:
-        """Evict unpinned READY records (LRU first) until need more units fit under the cap and
-        above the pool watermark. Evicts nothing when even evicting all of them would not do."""
+    def _make_room(self, need: int, rolling_only: bool = False) -> bool:
+        """Evict unpinned READY records (LRU first; only rolling ones when rolling_only) until
+        need more units fit under the cap and above the pool watermark. Evicts nothing when even
+        evicting all of them would not do."""
 
         def short(freed: int) -> int:
             over_cap = self.units_in_use - freed + need - self.max_units
             under_watermark = self.min_free_blocks - (self.pool.num_free_blocks + freed - need)
             return max(over_cap, under_watermark, 0)
 
-        evictable = [i for i in self._lru if self._records[i].pins == 0]
+        evictable = [
+            i
+            for i in self._lru
+            if self._records[i].pins == 0 and (self._records[i].rolling or not rolling_only)
+        ]
         if short(len(evictable) * self.units_per_image) > 0:
             return False
         for index in evictable:
@@ -461,7 +496,7 @@ class StateCheckpointStore:
         rec.state = None
         rec.units = ()
         rec.pins = 0
-        rec.demand = False
+        rec.demand = rec.rolling = False
         rec.launched_in = None
         rec.generation += 1
         self._free_indexes.append(rec.index)

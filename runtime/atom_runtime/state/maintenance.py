@@ -269,6 +269,7 @@ class StateMaintenance:
         # them back.
         self._backlog: list[int] = []
         self._last_batch: int | None = None
+        self._last_forward: int | None = None  # the last batch taken that runs sequences
 
     # -- queueing ------------------------------------------------------------------------------
 
@@ -279,12 +280,13 @@ class StateMaintenance:
         slot to the boundary) is behind: it rides the first real batch after it."""
         if not self.store.is_pending_copy(staged.ref):
             raise RuntimeError(f"state checkpoint {staged.ref}: not a queued copy (vanished?)")
-        if self._last_batch is not None and after_batch < self._last_batch:
-            # A later batch was already taken: it may have moved the slot past the boundary,
-            # so the copy would capture the wrong state.
+        if self._last_forward is not None and after_batch < self._last_forward:
+            # A later batch that runs sequences was already taken: it may have moved the slot
+            # past the boundary, so the copy would capture the wrong state. (A flush, copies
+            # alone, moves no slot.)
             raise RuntimeError(
                 f"state checkpoint {staged.ref}: queued too late (after batch {after_batch}, "
-                f"but batch {self._last_batch} is already taken); stage a boundary before "
+                f"but batch {self._last_forward} is already taken); stage a boundary before "
                 "taking the next batch"
             )
         op = StoreOp(seq_id, _slot(slot), staged.ref, staged.units)
@@ -334,6 +336,8 @@ class StateMaintenance:
                 f"batch_id: {batch_id} is not after the last batch taken ({self._last_batch})"
             )
         self._last_batch = batch_id
+        if num_scheduled > 0:
+            self._last_forward = batch_id
         if num_scheduled <= 0 and not flush:
             return None
         stores, keep = [], []

@@ -94,6 +94,7 @@ class CheckpointPlacement:
         block_size: int,
         demand: bool | None = None,
         *,
+        decode_anchors: bool = True,
         counters: StateCheckpointCounters | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> None:
@@ -104,6 +105,7 @@ class CheckpointPlacement:
         self.spacing = snap_interval(interval_tokens, block_size)
         self.enabled = self.spacing != 0
         self.demand_enabled = self.enabled and resolve_demand(demand, environ)
+        self.decode_anchors = self.enabled and decode_anchors
         self.counters = counters if counters is not None else StateCheckpointCounters()
         # Per sequence: the one demand boundary it is heading for, and the deepest boundary it
         # placed (decode rungs keep their spacing from it).
@@ -214,16 +216,29 @@ class CheckpointPlacement:
 
     # -- decode --------------------------------------------------------------------------------
 
-    def decode_boundary(self, seq_id: str, computed: int) -> int | None:
+    def decode_boundary(self, seq_id: str, computed: int) -> tuple[int, str] | None:
         """After a decode step leaves the sequence with computed tokens of state: the position to
-        checkpoint, if it is a ladder rung at least one spacing past the last one this sequence
-        placed (so an anchor just before a rung does not cost a second image)."""
-        if self.spacing <= 0 or computed % self.spacing:
+        checkpoint and why, if any.
+
+        "rung": a ladder rung at least one spacing past the last boundary this sequence placed
+        (so an anchor just before a rung does not cost a second image). "decode_anchor": any
+        other block boundary the generated text reaches, with placement on. Decode anchors roll:
+        each one replaces the sequence's previous one (the scheduler supersedes it), so what
+        stays when the request ends is the state where its text ended. The next turn of a
+        conversation extends that text, so it resumes there rather than at the prompt's end,
+        and its KV hit is no deeper than the checkpoint (no demand rung, no extra chunk)."""
+        if not self.enabled or computed % self.block_size:
             return None
-        if computed - self._last_placed.get(seq_id, 0) < self.spacing:
-            return None
-        self._last_placed[seq_id] = computed
-        return computed
+        if (
+            self.spacing > 0
+            and computed % self.spacing == 0
+            and computed - self._last_placed.get(seq_id, 0) >= self.spacing
+        ):
+            self._last_placed[seq_id] = computed
+            return computed, "rung"
+        if self.decode_anchors:
+            return computed, "decode_anchor"
+        return None
 
     # -- lifetime ------------------------------------------------------------------------------
 
