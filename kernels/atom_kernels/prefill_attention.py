@@ -246,7 +246,8 @@ def _sweep_keys(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Lengths that change every step are not specialised on (each value class would compile anew).
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -362,7 +363,7 @@ def _prefill_kernel(
             tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_merge_kernel(
     out_ptr,
     part_acc_ptr,
