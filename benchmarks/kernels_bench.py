@@ -9,18 +9,30 @@ automatic choice can be checked against the best fixed one.
 
 Prefill: 8192 query tokens (one 8k prompt, and 8 prompts of 1k), causal, paged cache.
 Figure: TFLOP/s counting 4 * head_dim FLOPs per (query, visible key, head) pair, beside
-torch's scaled_dot_product_attention (flash) on the same problem laid out densely.
+torch's scaled_dot_product_attention (flash) on the same problem laid out densely. And W3's
+step: 64 new tokens over 8,000 cached (bandwidth-bound: K/V GB/s), split-KV automatic and off.
+
+    python benchmarks/kernels_bench.py --sweep prefill --out prefill_sweep.json
+
+`--sweep prefill` first times every candidate launch setting of
+`atom_kernels.prefill_attention.PREFILL_CANDIDATES` on one 8k prompt with Llama-3.1-8B,
+Qwen3-0.6B and Qwen3.5-4B (head_dim 256) heads against SDPA (`of_sdpa`: SDPA time / ours),
+then split counts and heads per program on W3's step; `--sweep-budget-s` bounds it (about
+two minutes in all on an H200, mostly compiles). `--sweep decode` retunes `decode_config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import platform
 import sys
+import time
 
 import torch
+import triton
 
 COPY_CEILING_BYTES_PER_S = 4.2e12
 MODELS = {
@@ -150,9 +162,36 @@ def bench_prefill(model: str, num_seqs: int, seq_len: int, block_size: int) -> l
     ]
 
 
-def sweep() -> list[dict]:
-    """Launch settings around the defaults, to retune `decode_config`/`prefill_config`."""
+def bench_w3_step(model: str, prefix: int) -> list[dict]:
+    """W3's attention step: 64 new tokens over a cached prefix, split-KV automatic and off."""
     from atom_kernels import decode_attention, prefill_attention
+
+    problem = PrefillProblem(MODELS[model], [(prefix, 64)])
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    config = prefill_attention.prefill_config(head_dim)
+    hpp = prefill_attention.choose_heads_per_program(
+        num_heads // num_kv_heads, config["block_m"], 64
+    )
+    auto = prefill_attention.choose_prefill_splits(
+        num_heads // hpp,
+        problem.args[5].shape[1] * 16,
+        config["block_n"],
+        decode_attention._multiprocessor_count(problem.args[0].device),
+    )
+    rows = []
+    for name, splits in ((f"auto({auto})", None), ("1", 1)):
+        ms = problem.time_ms(num_splits=splits)
+        rows.append(
+            {"op": "prefill-w3", "model": model, "num_seqs": 1, "seq_len": f"64+{prefix}",
+             "block_size": 16, "num_splits": name, "ms": round(ms, 4),
+             "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1)}
+        )  # fmt: skip
+    return rows
+
+
+def sweep_decode() -> list[dict]:
+    """Decode launch settings around the defaults, to retune `decode_config`."""
+    from atom_kernels import decode_attention
 
     rows = []
     num_heads, num_kv_heads, head_dim = MODELS["llama3-8b"]
@@ -187,31 +226,153 @@ def sweep() -> list[dict]:
                      "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
                      "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
                 )  # fmt: skip
-    seq_len = 8192
-    k_cache, v_cache, tables = _paged_cache([seq_len], num_kv_heads, head_dim, 16, dtype)
-    q = torch.randn(seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
-    cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
-    flops = 4 * seq_len * (seq_len + 1) // 2 * num_heads * head_dim
-    for bm, bn, warps, stages in [
-        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-        (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 4, 2),
-    ]:  # fmt: skip
+    return rows
+
+
+# Head shapes of the prefill sweep: (num_heads, num_kv_heads, head_dim).
+SWEEP_HEADS = {
+    "llama3-8b": (32, 8, 128),
+    "qwen3-0.6b": (16, 8, 128),
+    "qwen3.5-4b": (16, 4, 256),  # its full-attention layers
+}
+
+
+class PrefillProblem:
+    """A paged prefill batch on the GPU, given (cached prefix, chunk) per sequence, with its
+    FLOPs (4 * head_dim per visible (query, key, head) pair) and K/V bytes (each sequence's
+    keys and values read once)."""
+
+    def __init__(self, heads: tuple[int, int, int], shapes: list[tuple[int, int]],
+                 block_size: int = 16) -> None:  # fmt: skip
+        num_heads, num_kv_heads, head_dim = heads
+        self.heads = heads
+        seq_lens = [p + c for p, c in shapes]
+        q_lens = [c for _, c in shapes]
+        k_cache, v_cache, tables = _paged_cache(
+            seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16
+        )
+        total = sum(q_lens)
+        q = torch.randn(total, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.args = (q, k_cache, v_cache, cu.cuda(), lens.cuda(), tables, head_dim**-0.5,
+                     max(q_lens))  # fmt: skip
+        self.out = torch.empty_like(q)
+        pairs = sum(c * p + c * (c + 1) // 2 for p, c in shapes)
+        self.flops = 4 * pairs * num_heads * head_dim
+        self.kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+        self.shapes = shapes
+
+    def time_ms(self, **launch) -> float:
+        from atom_kernels import prefill_attention
+
+        return _time_ms(
+            lambda: prefill_attention.paged_attention_prefill(*self.args, self.out, **launch)
+        )
+
+    def max_error(self) -> float:
+        """Largest absolute difference of the last timed output from the torch reference
+        (bf16 outputs of unit-variance inputs: expect about 1e-2 or less)."""
+        from atom_kernels import reference
+
+        if not hasattr(self, "_want"):
+            self._want = reference.paged_attention_prefill(*self.args)
+        return (self.out.float() - self._want.float()).abs().max().item()
+
+    def sdpa_ms(self) -> float:
+        """torch SDPA (flash) on dense tensors of the same problem, one sequence: causal for a
+        whole prompt; for a chunk over a cached prefix, non-causal (its queries see every key
+        but the last chunk's upper triangle: nearly the same work), K/V as GQA when torch
+        takes `enable_gqa`, else repeated to every query head."""
+        if len(self.shapes) != 1:
+            raise ValueError("the SDPA peer is timed for one sequence")
+        (prefix, chunk), = self.shapes  # fmt: skip
+        num_heads, num_kv_heads, head_dim = self.heads
+        dtype = torch.bfloat16
+        qd = torch.randn(1, num_heads, chunk, head_dim, dtype=dtype, device="cuda")
+        kd = torch.randn(1, num_kv_heads, prefix + chunk, head_dim, dtype=dtype, device="cuda")
+        vd = torch.randn_like(kd)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        causal = prefix == 0
         try:
-            ms = _time_ms(
-                functools.partial(
-                    prefill_attention.paged_attention_prefill,
-                    q, k_cache, v_cache, cu, lens, tables, 0.1, seq_len, block_m=bm,
-                    block_n=bn, num_warps=warps, num_stages=stages,
-                )
-            )  # fmt: skip
-        except Exception as e:  # e.g. out of shared memory for this tiling
-            print(f"prefill {bm}x{bn} w{warps} s{stages}: {type(e).__name__}", file=sys.stderr)
-            continue
-        rows.append(
-            {"op": "prefill", "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-             "ms": round(ms, 4), "TFLOP_per_s": round(flops / (ms * 1e-3) / 1e12, 1)}
-        )  # fmt: skip
+            sdpa(qd, kd, vd, is_causal=causal, enable_gqa=True)
+            return _time_ms(lambda: sdpa(qd, kd, vd, is_causal=causal, enable_gqa=True))
+        except (TypeError, RuntimeError):
+            group = num_heads // num_kv_heads
+            kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+            return _time_ms(lambda: sdpa(qd, kd, vd, is_causal=causal))
+
+
+def sweep_prefill(budget_s: float) -> list[dict]:
+    """Every candidate of `prefill_attention.PREFILL_CANDIDATES` on one 8,192-token prompt
+    per head shape, against SDPA; then the split-KV choices on W3's step (64 new tokens over
+    8,000 cached). Stops starting new timings once `budget_s` seconds have passed (compiles
+    dominate), listing what it skipped."""
+    from triton.runtime.errors import OutOfResources
+
+    from atom_kernels import prefill_attention as pa
+
+    began = time.perf_counter()
+    rows: list[dict] = []
+    skipped: list[str] = []
+
+    def timed(workload: str, problem: PrefillProblem, name: str, sdpa_ms: float | None,
+              launch: dict) -> None:  # fmt: skip
+        label = f"{workload} {name}"
+        if time.perf_counter() - began > budget_s:
+            skipped.append(label)
+            return
+        if launch.get("warp_specialize") and not pa.HAS_WARP_SPECIALIZE:
+            skipped.append(f"{label} (Triton {triton.__version__} has no warp_specialize)")
+            return
+        try:
+            ms = problem.time_ms(**launch)
+        except OutOfResources as e:  # this tiling does not fit the device's shared memory
+            print(f"prefill {label}: {e}", file=sys.stderr)
+            return
+        except Exception as e:  # a setting this Triton cannot compile: report, go on
+            print(f"prefill {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            return
+        row = {"op": "prefill", "workload": workload, "config": name, "ms": round(ms, 4),
+               "TFLOP_per_s": round(problem.flops / (ms * 1e-3) / 1e12, 1),
+               "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1),
+               "max_err": round(problem.max_error(), 4)}  # fmt: skip
+        if sdpa_ms is not None:
+            row["of_sdpa"] = round(sdpa_ms / ms, 3)
+        rows.append(row)
+
+    for model, heads in SWEEP_HEADS.items():
+        problem = PrefillProblem(heads, [(0, 8192)])
+        sdpa_ms = problem.sdpa_ms()
+        workload = f"{model} 8k"
+        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense",
+                     "ms": round(sdpa_ms, 4),
+                     "TFLOP_per_s": round(problem.flops / (sdpa_ms * 1e-3) / 1e12, 1)})  # fmt: skip
+        timed(workload, problem, "default", sdpa_ms, {})
+        bucket = 128 if heads[2] <= 128 else 256
+        for name, launch in pa.PREFILL_CANDIDATES[bucket]:
+            timed(workload, problem, name, sdpa_ms, launch)
+        del problem
+    for model in ("qwen3-0.6b", "qwen3.5-4b"):
+        problem = PrefillProblem(SWEEP_HEADS[model], [(8000, 64)])
+        sdpa_ms = problem.sdpa_ms()
+        workload = f"{model} W3 64+8000"
+        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense-noncausal",
+                     "ms": round(sdpa_ms, 4),
+                     "KV_GB_per_s": round(problem.kv_bytes / (sdpa_ms * 1e-3) / 1e9, 1)})  # fmt: skip
+        variants = [("auto", {}), ("splits=1", dict(num_splits=1))]
+        if model == "qwen3-0.6b":
+            variants += [(f"splits={s}", dict(num_splits=s)) for s in (4, 8, 16, 32)]
+            variants += [("auto heads_per_program=1", dict(heads_per_program=1)),
+                         ("splits=1 heads_per_program=1",
+                          dict(num_splits=1, heads_per_program=1))]  # fmt: skip
+        for name, launch in variants:
+            timed(workload, problem, name, sdpa_ms, launch)
+        del problem
+    torch.cuda.empty_cache()
+    if skipped:
+        print(f"prefill sweep: over its {budget_s:.0f} s budget, skipped: {skipped}",
+              file=sys.stderr)  # fmt: skip
     return rows
 
 
@@ -230,15 +391,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernels_bench.json", help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="small shapes, a smoke test")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch settings")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        choices=("all", "decode", "prefill"),
+        help="also sweep launch settings (decode, prefill or all)",
+    )
+    parser.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=100.0,
+        help="the prefill sweep starts no new timing after this many seconds",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels_bench needs a CUDA or ROCm GPU; none is present", file=sys.stderr)
         return 2
-    sweep_rows = sweep() if args.sweep else []
-    if sweep_rows:
+    sweep_rows = []
+    if args.sweep in ("all", "decode"):
+        sweep_rows += sweep_decode()
         _print_table([r for r in sweep_rows if r["op"] == "decode"])
-        _print_table([r for r in sweep_rows if r["op"] == "prefill"])
+    if args.sweep in ("all", "prefill"):
+        prefill_sweep = sweep_prefill(args.sweep_budget_s)
+        sweep_rows += prefill_sweep
+        for workload in dict.fromkeys(r["workload"] for r in prefill_sweep):
+            _print_table([r for r in prefill_sweep if r["workload"] == workload])
 
     batch, context, prefill_len = (4, 512, 1024) if args.quick else (64, 4096, 8192)
     decode_rows, prefill_rows = [], []
@@ -247,10 +425,9 @@ def main(argv: list[str] | None = None) -> int:
             decode_rows += bench_decode(model, batch, context, block_size, args.quick)
         prefill_rows += bench_prefill(model, 1, prefill_len, 16)
         prefill_rows += bench_prefill(model, 8, prefill_len // 8, 16)
+        prefill_rows += bench_w3_step(model, 8000 if not args.quick else 1000)
     _print_table(decode_rows)
     _print_table(prefill_rows)
-
-    import triton
 
     result = {
         "device": torch.cuda.get_device_name(),
