@@ -393,10 +393,10 @@ class ModelRunner:
             end = start + n
             ids_parts.append(np.frombuffer(seq.token_ids, dtype=np.int32)[start:end])
             pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            table = np.frombuffer(seq.block_table, dtype=np.int32)  # a view, no copy
             tables[i, : len(table)] = table
             pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slot_parts.append(table[pos // bs].astype(np.int64) * bs + pos % bs)
             seq_lens.append(end)
             q_lens.append(n)
             offset += n
@@ -466,7 +466,7 @@ class ModelRunner:
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos, strict=True)]
         tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+            tables[i, : len(s.block_table)] = np.frombuffer(s.block_table, dtype=np.int32)
         rows = [i for i, (s, p) in enumerate(zip(seqs, pos, strict=True)) if p + 1 == s.num_tokens]
         positions = np.array(pos, dtype=np.int64)
         inputs = StepInputs(
