@@ -469,6 +469,12 @@ def prefill_config(head_dim: int) -> dict:
     return dict(PREFILL_DEFAULTS[(vendor, _head_dim_bucket(head_dim))])
 
 
+@functools.lru_cache(maxsize=16)
+def _defaults(head_dim: int, hip: bool) -> dict:
+    """`prefill_config` for the launch path: looked up once per head_dim, shared, not edited."""
+    return PREFILL_DEFAULTS[("hip" if hip else "cuda", _head_dim_bucket(head_dim))]
+
+
 def choose_kv_lookup(page_size: int, block_n: int) -> str:
     """The "tile" lookup when a tile never straddles pages (the page is a multiple of BLOCK_N), else
     "row" (one lookup per key row works for every page size)."""
@@ -557,7 +563,7 @@ def paged_attention_prefill(
     if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
 
-    config = prefill_config(head_dim)
+    config = _defaults(head_dim, torch.version.hip is not None)
     block_m = block_m or config["block_m"]
     block_n = block_n or config["block_n"]
     group = num_heads // num_kv_heads
@@ -583,15 +589,14 @@ def paged_attention_prefill(
         raise ValueError(f"num_splits={num_splits}: must be >= 1")
     split = num_splits > 1
     if split:
-        # [num_splits, T, num_heads(, head_dim)], fp32; every real (token, head) row of every
-        # split is written by the split kernel.
-        part_max = torch.empty(
-            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
-        )
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty(
-            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
+        # fp32 max and sum [num_splits, T, num_heads] and acc [..., head_dim], carved out of
+        # one allocation; every real (token, head) row of every split is written by the split
+        # kernel.
+        rows = num_splits * num_tokens * num_heads
+        parts = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=q.device)
+        part_acc = parts[: rows * head_dim]
+        part_max = parts[rows * head_dim : rows * (head_dim + 1)]
+        part_sum = parts[rows * (head_dim + 1) :]
     else:
         part_acc = part_max = part_sum = out  # unused by the unsplit path
 
