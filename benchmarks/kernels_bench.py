@@ -164,27 +164,14 @@ def bench_prefill(model: str, num_seqs: int, seq_len: int, block_size: int) -> l
 
 def bench_w3_step(model: str, prefix: int) -> list[dict]:
     """W3's attention step: 64 new tokens over a cached prefix, split-KV automatic and off."""
-    from atom_kernels import decode_attention, prefill_attention
-
     problem = PrefillProblem(MODELS[model], [(prefix, 64)])
-    num_heads, num_kv_heads, head_dim = MODELS[model]
-    config = prefill_attention.prefill_config(head_dim)
-    hpp = prefill_attention.choose_heads_per_program(
-        num_heads // num_kv_heads, config["block_m"], 64
-    )
-    auto = prefill_attention.choose_prefill_splits(
-        num_heads // hpp,
-        problem.args[5].shape[1] * 16,
-        config["block_n"],
-        decode_attention._multiprocessor_count(problem.args[0].device),
-    )
     rows = []
-    for name, splits in ((f"auto({auto})", None), ("1", 1)):
+    for name, splits in (("auto", None), ("1", 1)):
         ms = problem.time_ms(num_splits=splits)
         rows.append(
             {"op": "prefill-w3", "model": model, "num_seqs": 1, "seq_len": f"64+{prefix}",
-             "block_size": 16, "num_splits": name, "ms": round(ms, 4),
-             "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1)}
+             "block_size": 16, "num_splits": name, "plan": problem.plan(num_splits=splits),
+             "ms": round(ms, 4), "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1)}
         )  # fmt: skip
     return rows
 
@@ -270,6 +257,29 @@ class PrefillProblem:
             lambda: prefill_attention.paged_attention_prefill(*self.args, self.out, **launch)
         )
 
+    def plan(self, **launch) -> str:
+        """The launch `paged_attention_prefill` makes of this problem, in short."""
+        from atom_kernels import decode_attention, prefill_attention
+
+        q, k_cache, *_ = self.args
+        p = prefill_attention.plan_prefill_launch(
+            num_heads=q.shape[1],
+            num_kv_heads=k_cache.shape[2],
+            head_dim=q.shape[2],
+            page_size=k_cache.shape[1],
+            batch=len(self.shapes),
+            max_seqlen_q=self.args[7],
+            max_context=self.args[5].shape[1] * k_cache.shape[1],
+            num_multiprocessors=decode_attention._multiprocessor_count(q.device),
+            **launch,
+        )
+        return (
+            f"{p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages} P{p.heads_per_program} "
+            f"S{p.num_splits} {p.kv_lookup}"
+            + (f" range{p.loop_stages}" if p.loop_stages else "")
+            + (" ws" if p.warp_specialize else "")
+        )
+
     def max_error(self) -> float:
         """Largest absolute difference of the last timed output from the torch reference
         (bf16 outputs of unit-variance inputs: expect about 1e-2 or less)."""
@@ -304,10 +314,11 @@ class PrefillProblem:
 
 
 def sweep_prefill(budget_s: float) -> list[dict]:
-    """Every candidate of `prefill_attention.PREFILL_CANDIDATES` on one 8,192-token prompt
-    per head shape, against SDPA; then the split-KV choices on W3's step (64 new tokens over
-    8,000 cached). Stops starting new timings once `budget_s` seconds have passed (compiles
-    dominate), listing what it skipped."""
+    """W3's step (64 new tokens over 8,000 cached): split counts, heads per program and
+    `SHORT_CHUNK_CANDIDATES`; then every candidate of `PREFILL_CANDIDATES` on one
+    8,192-token prompt per head shape, against SDPA. Stops starting new timings once
+    `budget_s` seconds have passed (compiles dominate), listing what it skipped. Llama-8B and
+    Qwen3-0.6B heads share compiled kernels (the GQA group is a runtime argument)."""
     from triton.runtime.errors import OutOfResources
 
     from atom_kernels import prefill_attention as pa
@@ -333,7 +344,8 @@ def sweep_prefill(budget_s: float) -> list[dict]:
         except Exception as e:  # a setting this Triton cannot compile: report, go on
             print(f"prefill {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             return
-        row = {"op": "prefill", "workload": workload, "config": name, "ms": round(ms, 4),
+        row = {"op": "prefill", "workload": workload, "config": name,
+               "plan": problem.plan(**launch), "ms": round(ms, 4),
                "TFLOP_per_s": round(problem.flops / (ms * 1e-3) / 1e12, 1),
                "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1),
                "max_err": round(problem.max_error(), 4)}  # fmt: skip
@@ -341,6 +353,25 @@ def sweep_prefill(budget_s: float) -> list[dict]:
             row["of_sdpa"] = round(sdpa_ms / ms, 3)
         rows.append(row)
 
+    # W3's step first (issue 18's target), then the long prompts.
+    for model in ("qwen3-0.6b", "qwen3.5-4b"):
+        heads = SWEEP_HEADS[model]
+        problem = PrefillProblem(heads, [(8000, 64)])
+        sdpa_ms = problem.sdpa_ms()
+        workload = f"{model} W3 64+8000"
+        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense-noncausal",
+                     "ms": round(sdpa_ms, 4),
+                     "KV_GB_per_s": round(problem.kv_bytes / (sdpa_ms * 1e-3) / 1e9, 1)})  # fmt: skip
+        variants = [("default auto-splits", {}), ("default splits=1", dict(num_splits=1))]
+        if model == "qwen3-0.6b":
+            variants += [(f"default splits={s}", dict(num_splits=s)) for s in (4, 8, 16, 32)]
+            variants += [("default heads_per_program=1", dict(heads_per_program=1))]
+        bucket = 128 if heads[2] <= 128 else 256
+        variants += [(f"{name} auto-splits", launch)
+                     for name, launch in pa.SHORT_CHUNK_CANDIDATES[bucket]]  # fmt: skip
+        for name, launch in variants:
+            timed(workload, problem, name, sdpa_ms, launch)
+        del problem
     for model, heads in SWEEP_HEADS.items():
         problem = PrefillProblem(heads, [(0, 8192)])
         sdpa_ms = problem.sdpa_ms()
@@ -351,22 +382,6 @@ def sweep_prefill(budget_s: float) -> list[dict]:
         timed(workload, problem, "default", sdpa_ms, {})
         bucket = 128 if heads[2] <= 128 else 256
         for name, launch in pa.PREFILL_CANDIDATES[bucket]:
-            timed(workload, problem, name, sdpa_ms, launch)
-        del problem
-    for model in ("qwen3-0.6b", "qwen3.5-4b"):
-        problem = PrefillProblem(SWEEP_HEADS[model], [(8000, 64)])
-        sdpa_ms = problem.sdpa_ms()
-        workload = f"{model} W3 64+8000"
-        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense-noncausal",
-                     "ms": round(sdpa_ms, 4),
-                     "KV_GB_per_s": round(problem.kv_bytes / (sdpa_ms * 1e-3) / 1e9, 1)})  # fmt: skip
-        variants = [("auto", {}), ("splits=1", dict(num_splits=1))]
-        if model == "qwen3-0.6b":
-            variants += [(f"splits={s}", dict(num_splits=s)) for s in (4, 8, 16, 32)]
-            variants += [("auto heads_per_program=1", dict(heads_per_program=1)),
-                         ("splits=1 heads_per_program=1",
-                          dict(num_splits=1, heads_per_program=1))]  # fmt: skip
-        for name, launch in variants:
             timed(workload, problem, name, sdpa_ms, launch)
         del problem
     torch.cuda.empty_cache()
@@ -399,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also sweep launch settings (decode, prefill or all)",
     )
     parser.add_argument(
+        "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
+    )
+    parser.add_argument(
         "--sweep-budget-s",
         type=float,
         default=100.0,
@@ -417,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep_rows += prefill_sweep
         for workload in dict.fromkeys(r["workload"] for r in prefill_sweep):
             _print_table([r for r in prefill_sweep if r["workload"] == workload])
+    if args.sweep_only:
+        _write(args.out, {"sweep": sweep_rows})
+        return 0
 
     batch, context, prefill_len = (4, 512, 1024) if args.quick else (64, 4096, 8192)
     decode_rows, prefill_rows = [], []
@@ -430,20 +451,27 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(prefill_rows)
 
     result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "hip": torch.version.hip,
-        "python": platform.python_version(),
         "copy_ceiling_GB_per_s": COPY_CEILING_BYTES_PER_S / 1e9,
         "decode": decode_rows,
         "prefill": prefill_rows,
         "sweep": sweep_rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    _write(args.out, result)
     return 0
+
+
+def _write(path: str, result: dict) -> None:
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "hip": torch.version.hip,
+        "python": platform.python_version(),
+        **result,
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ lookup per key row: any page size, including ones that do not divide the tile).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -80,6 +81,7 @@ def _load_kv_tile(
 ):
     """The [BLOCK_N, BLOCK_D] tile of keys (or values) at positions tile..tile+BLOCK_N-1 of
     one KV head; positions at or past kv_end read as zeros when MASKED."""
+    # One return at the end (no early returns: every Triton version compiles this form).
     if KV_LOOKUP == 1:
         # Whole pages: one block-table entry per page, a 3-D gather viewed as 2-D.
         NUM_PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
@@ -99,30 +101,33 @@ def _load_kv_tile(
         if MASKED:
             pos = (page * PAGE_SIZE)[:, None] + offs_p[None, :]
             mask = (pos < kv_end)[:, :, None] & d_mask[None, None, :]
-            kv = tl.load(ptrs, mask=mask, other=0.0)
+            kv3 = tl.load(ptrs, mask=mask, other=0.0)
         elif PAD_D:
-            kv = tl.load(ptrs, mask=d_mask[None, None, :], other=0.0)
+            kv3 = tl.load(ptrs, mask=d_mask[None, None, :], other=0.0)
+        else:
+            kv3 = tl.load(ptrs)
+        kv = tl.reshape(kv3, (BLOCK_N, BLOCK_D))
+    else:
+        pos = tile + offs_n
+        if KV_LOOKUP == 2:
+            # The tile lies inside one page (tiles start at multiples of BLOCK_N, which
+            # divides the page): one scalar lookup.
+            block = tl.load(bt_row + tile // PAGE_SIZE).to(tl.int64)
+            rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
+        else:
+            if MASKED:
+                block = tl.load(bt_row + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
+            else:
+                block = tl.load(bt_row + pos // PAGE_SIZE)
+            rows = block.to(tl.int64) * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
+        ptrs = cache_ptr + (rows + head_off)[:, None] + offs_d[None, :]
+        if MASKED:
+            kv = tl.load(ptrs, mask=(pos < kv_end)[:, None] & d_mask[None, :], other=0.0)
+        elif PAD_D:
+            kv = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
         else:
             kv = tl.load(ptrs)
-        return tl.reshape(kv, (BLOCK_N, BLOCK_D))
-    pos = tile + offs_n
-    if KV_LOOKUP == 2:
-        # The tile lies inside one page (tiles start at multiples of BLOCK_N, which divides
-        # the page): one scalar lookup.
-        block = tl.load(bt_row + tile // PAGE_SIZE).to(tl.int64)
-        rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
-    else:
-        if MASKED:
-            block = tl.load(bt_row + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
-        else:
-            block = tl.load(bt_row + pos // PAGE_SIZE)
-        rows = block.to(tl.int64) * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
-    ptrs = cache_ptr + (rows + head_off)[:, None] + offs_d[None, :]
-    if MASKED:
-        return tl.load(ptrs, mask=(pos < kv_end)[:, None] & d_mask[None, :], other=0.0)
-    if PAD_D:
-        return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-    return tl.load(ptrs)
+    return kv
 
 
 @triton.jit
@@ -270,7 +275,7 @@ def _prefill_kernel(
     cache_stride_off,
     cache_stride_h,
     bt_stride_b,
-    GROUP: tl.constexpr,
+    group,  # query heads per KV head; a runtime value, so models share compiled kernels
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -322,7 +327,7 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
-        head_off = ((head_block * HEADS_PER_PROG) // GROUP).to(tl.int64) * cache_stride_h
+        head_off = ((head_block * HEADS_PER_PROG) // group).to(tl.int64) * cache_stride_h
         kv_end = first_pos + tl.minimum(q_len, m0 + BLOCK_Q)  # last query's position + 1
         # Keys before first_pos + m0 precede every query of the tile: no mask needed.
         unmasked_end = ((first_pos + m0) // BLOCK_N) * BLOCK_N
@@ -407,12 +412,21 @@ def _prefill_merge_kernel(
 
 # Defaults by (vendor, head_dim bucket): "cuda" or "hip"; buckets 128 (head_dim <= 128) and
 # 256. `kv_lookup` "auto" takes "tile" when the page is a multiple of BLOCK_N, "row"
-# otherwise. Retune from `benchmarks/kernels_bench.py --sweep prefill` (PREFILL_CANDIDATES).
+# otherwise. An entry's "short_chunks" dict overrides it for launches whose chunks are all at
+# most SHORT_CHUNK_TOKENS long (W3's 64 new tokens over a long cached prefix: one query tile
+# per chunk, split-KV, bandwidth-bound). Retune from `benchmarks/kernels_bench.py --sweep
+# prefill` (PREFILL_CANDIDATES for long prompts, its W3 rows for short chunks).
+#
+# Compiled for sm_90 (Triton 3.9, no GPU): BLOCK_M 128 with 4 warps holds a 128 x head_dim
+# fp32 accumulator in one warpgroup and spills (~250 bytes of stack at head_dim 128); 8 warps
+# do not; K/V gathers are pipelined with cp.async (num_stages - 1 buffers).
 #
 # H200, bf16, one 8k prompt, 32 q / 8 KV heads, head_dim 128 (before this table): 128x64
 # tiles, 4 warps, 3 stages ran at ~370 TFLOP/s; 8 warps ~300, 128x128 ~350, 64x64 ~330.
 # head_dim 256 halves both tiles to keep K, V and the accumulator within shared memory and
 # registers. MI300 (64-wide wavefronts): its stream pipeliner wants 2 stages.
+SHORT_CHUNK_TOKENS = 128
+
 PREFILL_DEFAULTS: dict[tuple[str, int], dict] = {
     ("cuda", 128): dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
     ("cuda", 256): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
@@ -425,13 +439,15 @@ PREFILL_DEFAULTS: dict[tuple[str, int], dict] = {
 PREFILL_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
     128: [
         ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
-        ("128x64w4s4", dict(block_m=128, block_n=64, num_warps=4, num_stages=4)),
+        ("128x64w4s2", dict(block_m=128, block_n=64, num_warps=4, num_stages=2)),
         ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
         ("128x64w8s4", dict(block_m=128, block_n=64, num_warps=8, num_stages=4)),
         ("128x128w8s2", dict(block_m=128, block_n=128, num_warps=8, num_stages=2)),
         ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
         ("128x32w4s4", dict(block_m=128, block_n=32, num_warps=4, num_stages=4)),
         ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+        ("64x128w4s2", dict(block_m=64, block_n=128, num_warps=4, num_stages=2)),
+        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
         ("256x64w8s2", dict(block_m=256, block_n=64, num_warps=8, num_stages=2)),
         ("128x64w4s3-page", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
                                  kv_lookup="page")),
@@ -443,18 +459,35 @@ PREFILL_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
                                     loop_stages=3)),
         ("128x64w4s3-gqa2", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
                                  heads_per_program=2)),
-        ("128x64w4s3-ws", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                               warp_specialize=True)),
+        ("128x64w8s3-gqa2", dict(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                                 heads_per_program=2)),
     ],
     256: [
         ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
         ("64x32w4s3", dict(block_m=64, block_n=32, num_warps=4, num_stages=3)),
         ("64x64w4s2", dict(block_m=64, block_n=64, num_warps=4, num_stages=2)),
         ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
+        ("64x64w8s3", dict(block_m=64, block_n=64, num_warps=8, num_stages=3)),
         ("128x32w8s2", dict(block_m=128, block_n=32, num_warps=8, num_stages=2)),
         ("128x64w8s2", dict(block_m=128, block_n=64, num_warps=8, num_stages=2)),
         ("64x32w4s2-page", dict(block_m=64, block_n=32, num_warps=4, num_stages=2,
                                 kv_lookup="page")),
+    ],
+}  # fmt: skip
+
+# Whole-config candidates for short chunks (W3's step), timed by the sweep with automatic
+# splits; the winner goes into PREFILL_DEFAULTS[...]["short_chunks"].
+SHORT_CHUNK_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
+    128: [
+        ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+        ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+        ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+        ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+    ],
+    256: [
+        ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
+        ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
     ],
 }  # fmt: skip
 
@@ -463,16 +496,22 @@ def _head_dim_bucket(head_dim: int) -> int:
     return 128 if triton.next_power_of_2(head_dim) <= 128 else 256
 
 
-def prefill_config(head_dim: int) -> dict:
-    """The default launch settings for this head_dim on this vendor's GPUs (a copy)."""
-    vendor = "hip" if torch.version.hip is not None else "cuda"
-    return dict(PREFILL_DEFAULTS[(vendor, _head_dim_bucket(head_dim))])
+def prefill_config(head_dim: int, max_seqlen_q: int | None = None) -> dict:
+    """The default launch settings for this head_dim on this vendor's GPUs (a copy), for a
+    launch whose chunks are at most max_seqlen_q long (None: long prompts)."""
+    short = max_seqlen_q is not None and max_seqlen_q <= SHORT_CHUNK_TOKENS
+    return dict(_defaults(head_dim, torch.version.hip is not None, short))
 
 
-@functools.lru_cache(maxsize=16)
-def _defaults(head_dim: int, hip: bool) -> dict:
-    """`prefill_config` for the launch path: looked up once per head_dim, shared, not edited."""
-    return PREFILL_DEFAULTS[("hip" if hip else "cuda", _head_dim_bucket(head_dim))]
+@functools.lru_cache(maxsize=32)
+def _defaults(head_dim: int, hip: bool, short: bool) -> dict:
+    """The launch path's settings: the entry for this head_dim and vendor, with its
+    "short_chunks" overrides applied when every chunk is short; looked up once, shared."""
+    entry = PREFILL_DEFAULTS[("hip" if hip else "cuda", _head_dim_bucket(head_dim))]
+    config = {k: v for k, v in entry.items() if k != "short_chunks"}
+    if short:
+        config.update(entry.get("short_chunks", {}))
+    return config
 
 
 def choose_kv_lookup(page_size: int, block_n: int) -> str:
@@ -506,7 +545,7 @@ def choose_prefill_splits(
 @functools.lru_cache(maxsize=64)
 def _check_launch(
     block_m: int, block_n: int, heads_per_program: int, group: int, page_size: int, lookup: str
-) -> int:
+) -> None:
     if lookup not in _KV_LOOKUPS:
         raise ValueError(f"kv_lookup={lookup!r}: expected one of {sorted(_KV_LOOKUPS)} or auto")
     for name, v in (("block_m", block_m), ("block_n", block_n)):
@@ -524,7 +563,81 @@ def _check_launch(
     if lookup == "tile" and page_size % block_n:
         raise ValueError(f"kv_lookup='tile' needs the page ({page_size}) to be a multiple of "
                          f"block_n ({block_n})")  # fmt: skip
-    return _KV_LOOKUPS[lookup]
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Every setting of one prefill launch, as `plan_prefill_launch` resolved it."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    heads_per_program: int
+    kv_lookup: str
+    loop_stages: int
+    warp_specialize: bool
+    num_tiles: int  # query tiles per chunk (BLOCK_M // heads_per_program queries each)
+    num_splits: int
+
+
+def plan_prefill_launch(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    batch: int,
+    max_seqlen_q: int,
+    max_context: int,
+    num_multiprocessors: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    heads_per_program: int | None = None,
+    kv_lookup: str | None = None,
+    loop_stages: int | None = None,
+    warp_specialize: bool | None = None,
+) -> PrefillLaunch:
+    """The launch for these shapes: the defaults for head_dim and vendor (their short-chunk
+    overrides when every chunk is at most SHORT_CHUNK_TOKENS), then each given override, then
+    the automatic choices (heads per program, block-table lookup, splits). Host values only:
+    no tensor is read, so the same shapes always give the same launch. Raises ValueError for
+    settings the kernel cannot run."""
+    config = _defaults(head_dim, torch.version.hip is not None, max_seqlen_q <= SHORT_CHUNK_TOKENS)
+    block_m = block_m or config["block_m"]
+    block_n = block_n or config["block_n"]
+    group = num_heads // num_kv_heads
+    hpp = heads_per_program or config.get("heads_per_program")
+    hpp = hpp or choose_heads_per_program(group, block_m, max_seqlen_q)
+    lookup = kv_lookup or config.get("kv_lookup", "auto")
+    if lookup == "auto":
+        lookup = choose_kv_lookup(page_size, block_n)
+    _check_launch(block_m, block_n, hpp, group, page_size, lookup)
+    if warp_specialize is None:
+        warp_specialize = config.get("warp_specialize", False)
+    if warp_specialize and not HAS_WARP_SPECIALIZE:
+        raise ValueError(f"warp_specialize needs Triton >= 3.4 (this is {triton.__version__})")
+    num_tiles = triton.cdiv(max_seqlen_q, block_m // hpp)
+    if num_splits is None:
+        programs = (num_heads // hpp) * num_tiles * batch
+        num_splits = choose_prefill_splits(programs, max_context, block_n, num_multiprocessors)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}: must be >= 1")
+    return PrefillLaunch(
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
+        heads_per_program=hpp,
+        kv_lookup=lookup,
+        loop_stages=config.get("loop_stages", 0) if loop_stages is None else loop_stages,
+        warp_specialize=bool(warp_specialize),
+        num_tiles=num_tiles,
+        num_splits=num_splits,
+    )
 
 
 def paged_attention_prefill(
@@ -563,45 +676,43 @@ def paged_attention_prefill(
     if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
 
-    config = _defaults(head_dim, torch.version.hip is not None)
-    block_m = block_m or config["block_m"]
-    block_n = block_n or config["block_n"]
-    group = num_heads // num_kv_heads
-    hpp = heads_per_program or config.get("heads_per_program")
-    hpp = hpp or choose_heads_per_program(group, block_m, max_seqlen_q)
-    lookup = kv_lookup or config.get("kv_lookup", "auto")
-    if lookup == "auto":
-        lookup = choose_kv_lookup(page_size, block_n)
-    lookup_id = _check_launch(block_m, block_n, hpp, group, page_size, lookup)
-    loop_stages = config.get("loop_stages", 0) if loop_stages is None else loop_stages
-    if warp_specialize is None:
-        warp_specialize = config.get("warp_specialize", False)
-    if warp_specialize and not HAS_WARP_SPECIALIZE:
-        raise ValueError(f"warp_specialize needs Triton >= 3.4 (this is {triton.__version__})")
-
-    num_tiles = triton.cdiv(max_seqlen_q, block_m // hpp)
-    if num_splits is None:
-        programs = (num_heads // hpp) * num_tiles * batch
-        num_splits = choose_prefill_splits(
-            programs, block_tables.shape[1] * page_size, block_n, _multiprocessor_count(q.device)
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits}: must be >= 1")
+    plan = plan_prefill_launch(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        batch=batch,
+        max_seqlen_q=max_seqlen_q,
+        max_context=block_tables.shape[1] * page_size,
+        num_multiprocessors=_multiprocessor_count(q.device),
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_splits=num_splits,
+        heads_per_program=heads_per_program,
+        kv_lookup=kv_lookup,
+        loop_stages=loop_stages,
+        warp_specialize=warp_specialize,
+    )
+    num_splits, hpp = plan.num_splits, plan.heads_per_program
     split = num_splits > 1
     if split:
         # fp32 max and sum [num_splits, T, num_heads] and acc [..., head_dim], carved out of
-        # one allocation; every real (token, head) row of every split is written by the split
-        # kernel.
+        # one allocation (each part 128-byte aligned: pointer alignment is part of a compiled
+        # kernel's specialisation); every real (token, head) row of every split is written
+        # by the split kernel.
         rows = num_splits * num_tokens * num_heads
-        parts = torch.empty(rows * (head_dim + 2), dtype=torch.float32, device=q.device)
-        part_acc = parts[: rows * head_dim]
-        part_max = parts[rows * head_dim : rows * (head_dim + 1)]
-        part_sum = parts[rows * (head_dim + 1) :]
+        acc_len, row_len = -(-rows * head_dim // 32) * 32, -(-rows // 32) * 32
+        parts = torch.empty(acc_len + 2 * row_len, dtype=torch.float32, device=q.device)
+        part_acc = parts[:acc_len]
+        part_max = parts[acc_len : acc_len + row_len]
+        part_sum = parts[acc_len + row_len :]
     else:
         part_acc = part_max = part_sum = out  # unused by the unsplit path
 
     block_d = triton.next_power_of_2(head_dim)
-    grid = (num_heads // hpp, num_tiles * num_splits, batch)
+    grid = (num_heads // hpp, plan.num_tiles * num_splits, batch)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -624,20 +735,20 @@ def paged_attention_prefill(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group,
+        num_heads // num_kv_heads,
         HEADS_PER_PROG=hpp,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
         BLOCK_D=block_d,
         SPLIT=split,
-        KV_LOOKUP=lookup_id,
-        LOOP_STAGES=loop_stages,
-        WARP_SPEC=bool(warp_specialize),
+        KV_LOOKUP=_KV_LOOKUPS[plan.kv_lookup],
+        LOOP_STAGES=plan.loop_stages,
+        WARP_SPEC=plan.warp_specialize,
         IEEE_DOT=q.dtype == torch.float32,
-        num_warps=num_warps or config["num_warps"],
-        num_stages=num_stages or config["num_stages"],
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if split:
         _prefill_merge_kernel[(num_tokens, num_heads)](

@@ -248,15 +248,57 @@ def test_bad_launch_settings_raise(kernels, device, launch, message):
         kernels["prefill_attention"].paged_attention_prefill(*args, **launch)
 
 
+def _long(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k != "short_chunks"}
+
+
 def test_defaults_per_vendor_and_head_dim(kernels, monkeypatch):
     mod = kernels["prefill_attention"]
+    defaults = mod.PREFILL_DEFAULTS
     monkeypatch.setattr(torch.version, "hip", None)
-    assert mod.prefill_config(128) == mod.PREFILL_DEFAULTS[("cuda", 128)]
-    assert mod.prefill_config(96) == mod.PREFILL_DEFAULTS[("cuda", 128)]
-    assert mod.prefill_config(256) == mod.PREFILL_DEFAULTS[("cuda", 256)]
+    assert mod.prefill_config(128) == _long(defaults[("cuda", 128)])
+    assert mod.prefill_config(96) == _long(defaults[("cuda", 128)])
+    assert mod.prefill_config(256) == _long(defaults[("cuda", 256)])
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert mod.prefill_config(64) == mod.PREFILL_DEFAULTS[("hip", 128)]
-    assert mod.prefill_config(256) == mod.PREFILL_DEFAULTS[("hip", 256)]
-    for bucket, candidates in mod.PREFILL_CANDIDATES.items():
-        assert bucket in (128, 256)
-        assert len({name for name, _ in candidates}) == len(candidates)
+    assert mod.prefill_config(64) == _long(defaults[("hip", 128)])
+    assert mod.prefill_config(256) == _long(defaults[("hip", 256)])
+    for table in (mod.PREFILL_CANDIDATES, mod.SHORT_CHUNK_CANDIDATES):
+        for bucket, candidates in table.items():
+            assert bucket in (128, 256)
+            assert len({name for name, _ in candidates}) == len(candidates)
+
+
+def test_short_chunk_overrides_apply_only_to_short_chunks(kernels, monkeypatch):
+    """An entry's "short_chunks" settings replace its own for launches whose chunks are all
+    at most SHORT_CHUNK_TOKENS long, and only for them."""
+    mod = kernels["prefill_attention"]
+    monkeypatch.setattr(torch.version, "hip", None)
+    entry = dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                 short_chunks=dict(num_warps=8, block_n=128))  # fmt: skip
+    monkeypatch.setitem(mod.PREFILL_DEFAULTS, ("cuda", 128), entry)
+    mod._defaults.cache_clear()
+    try:
+        short = mod.SHORT_CHUNK_TOKENS
+        assert mod.prefill_config(128, short) == dict(block_m=128, block_n=128, num_warps=8,
+                                                      num_stages=3)  # fmt: skip
+        assert mod.prefill_config(128, short + 1) == _long(entry)
+        assert mod.prefill_config(128) == _long(entry)
+    finally:
+        mod._defaults.cache_clear()
+
+
+def test_plans_for_w3_and_a_long_prompt_on_an_h200(kernels, monkeypatch):
+    """W3 on Qwen3-0.6B (16 q / 8 KV heads, 64 new tokens over 8,000 cached, block 16): both
+    heads of a KV group in one 128-row program, one query tile, 16 splits, per-row lookups.
+    One 8k prompt: one head a program, 64 tiles, no split."""
+    mod = kernels["prefill_attention"]
+    monkeypatch.setattr(torch.version, "hip", None)
+    shapes = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16, batch=1,
+                  num_multiprocessors=132, block_m=128, block_n=64)  # fmt: skip
+    w3 = mod.plan_prefill_launch(**shapes, max_seqlen_q=64, max_context=504 * 16)
+    assert (w3.heads_per_program, w3.num_tiles, w3.num_splits, w3.kv_lookup) == (2, 1, 16, "row")
+    long = mod.plan_prefill_launch(**shapes, max_seqlen_q=8192, max_context=8192)
+    assert (long.heads_per_program, long.num_tiles, long.num_splits) == (1, 64, 1)
+    forced = mod.plan_prefill_launch(**{**shapes, "block_m": 64}, max_seqlen_q=64,
+                                     max_context=8064, num_splits=3, heads_per_program=1)  # fmt: skip
+    assert (forced.heads_per_program, forced.num_tiles, forced.num_splits) == (1, 1, 3)
