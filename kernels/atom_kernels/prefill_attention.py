@@ -606,6 +606,37 @@ def plan_prefill_launch(
     the automatic choices (heads per program, block-table lookup, splits). Host values only:
     no tensor is read, so the same shapes always give the same launch. Raises ValueError for
     settings the kernel cannot run."""
+    return _plan(
+        num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q, max_context,
+        num_multiprocessors, block_m, block_n, num_warps, num_stages, num_splits,
+        heads_per_program, kv_lookup, loop_stages, warp_specialize,
+        torch.version.hip is not None,
+    )  # fmt: skip
+
+
+# Every layer of a step plans the same launch: cached, positional (the forward calls it once
+# per attention layer, so it costs a dict lookup instead of ~5 us of Python).
+@functools.lru_cache(maxsize=1024)
+def _plan(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    batch: int,
+    max_seqlen_q: int,
+    max_context: int,
+    num_multiprocessors: int,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    num_splits: int | None,
+    heads_per_program: int | None,
+    kv_lookup: str | None,
+    loop_stages: int | None,
+    warp_specialize: bool | None,
+    hip: bool,
+) -> PrefillLaunch:
     config = _defaults(head_dim, torch.version.hip is not None, max_seqlen_q <= SHORT_CHUNK_TOKENS)
     block_m = block_m or config["block_m"]
     block_n = block_n or config["block_n"]
@@ -676,25 +707,12 @@ def paged_attention_prefill(
     if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
 
-    plan = plan_prefill_launch(
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        page_size=page_size,
-        batch=batch,
-        max_seqlen_q=max_seqlen_q,
-        max_context=block_tables.shape[1] * page_size,
-        num_multiprocessors=_multiprocessor_count(q.device),
-        block_m=block_m,
-        block_n=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        num_splits=num_splits,
-        heads_per_program=heads_per_program,
-        kv_lookup=kv_lookup,
-        loop_stages=loop_stages,
-        warp_specialize=warp_specialize,
-    )
+    plan = _plan(
+        num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q,
+        block_tables.shape[1] * page_size, _multiprocessor_count(q.device), block_m, block_n,
+        num_warps, num_stages, num_splits, heads_per_program, kv_lookup, loop_stages,
+        warp_specialize, torch.version.hip is not None,
+    )  # fmt: skip
     num_splits, hpp = plan.num_splits, plan.heads_per_program
     split = num_splits > 1
     if split:
@@ -712,6 +730,7 @@ def paged_attention_prefill(
         part_acc = part_max = part_sum = out  # unused by the unsplit path
 
     block_d = triton.next_power_of_2(head_dim)
+    q_strides, out_strides, cache_strides = q.stride(), out.stride(), k_cache.stride()
     grid = (num_heads // hpp, plan.num_tiles * num_splits, batch)
     _prefill_kernel[grid](
         q,
@@ -727,13 +746,13 @@ def paged_attention_prefill(
         scale * _LOG2E,
         num_splits,
         num_tokens,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        q_strides[0],
+        q_strides[1],
+        out_strides[0],
+        out_strides[1],
+        cache_strides[0],
+        cache_strides[1],
+        cache_strides[2],
         block_tables.stride(0),
         num_heads // num_kv_heads,
         HEADS_PER_PROG=hpp,
@@ -759,8 +778,8 @@ def paged_attention_prefill(
             cu_seqlens_q,
             batch,
             num_splits,
-            out.stride(0),
-            out.stride(1),
+            out_strides[0],
+            out_strides[1],
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,

@@ -277,6 +277,7 @@ def test_short_chunk_overrides_apply_only_to_short_chunks(kernels, monkeypatch):
                  short_chunks=dict(num_warps=8, block_n=128))  # fmt: skip
     monkeypatch.setitem(mod.PREFILL_DEFAULTS, ("cuda", 128), entry)
     mod._defaults.cache_clear()
+    mod._plan.cache_clear()
     try:
         short = mod.SHORT_CHUNK_TOKENS
         assert mod.prefill_config(128, short) == dict(block_m=128, block_n=128, num_warps=8,
@@ -285,6 +286,7 @@ def test_short_chunk_overrides_apply_only_to_short_chunks(kernels, monkeypatch):
         assert mod.prefill_config(128) == _long(entry)
     finally:
         mod._defaults.cache_clear()
+        mod._plan.cache_clear()
 
 
 def test_plans_for_w3_and_a_long_prompt_on_an_h200(kernels, monkeypatch):
