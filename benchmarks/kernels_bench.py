@@ -9,18 +9,30 @@ automatic choice can be checked against the best fixed one.
 
 Prefill: 8192 query tokens (one 8k prompt, and 8 prompts of 1k), causal, paged cache.
 Figure: TFLOP/s counting 4 * head_dim FLOPs per (query, visible key, head) pair, beside
-torch's scaled_dot_product_attention (flash) on the same problem laid out densely.
+torch's scaled_dot_product_attention (flash) on the same problem laid out densely. And W3's
+step: 64 new tokens over 8,000 cached (bandwidth-bound: K/V GB/s), split-KV automatic and off.
+
+    python benchmarks/kernels_bench.py --sweep prefill --out prefill_sweep.json
+
+`--sweep prefill` first times every candidate launch setting of
+`atom_kernels.prefill_attention.PREFILL_CANDIDATES` on one 8k prompt with Llama-3.1-8B,
+Qwen3-0.6B and Qwen3.5-4B (head_dim 256) heads against SDPA (`of_sdpa`: SDPA time / ours),
+then split counts and heads per program on W3's step; `--sweep-budget-s` bounds it (about
+two minutes in all on an H200, mostly compiles). `--sweep decode` retunes `decode_config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import platform
 import sys
+import time
 
 import torch
+import triton
 
 COPY_CEILING_BYTES_PER_S = 4.2e12
 MODELS = {
@@ -150,9 +162,23 @@ def bench_prefill(model: str, num_seqs: int, seq_len: int, block_size: int) -> l
     ]
 
 
-def sweep() -> list[dict]:
-    """Launch settings around the defaults, to retune `decode_config`/`prefill_config`."""
-    from atom_kernels import decode_attention, prefill_attention
+def bench_w3_step(model: str, prefix: int) -> list[dict]:
+    """W3's attention step: 64 new tokens over a cached prefix, split-KV automatic and off."""
+    problem = PrefillProblem(MODELS[model], [(prefix, 64)])
+    rows = []
+    for name, splits in (("auto", None), ("1", 1)):
+        ms = problem.time_ms(num_splits=splits)
+        rows.append(
+            {"op": "prefill-w3", "model": model, "num_seqs": 1, "seq_len": f"64+{prefix}",
+             "block_size": 16, "num_splits": name, "plan": problem.plan(num_splits=splits),
+             "ms": round(ms, 4), "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1)}
+        )  # fmt: skip
+    return rows
+
+
+def sweep_decode() -> list[dict]:
+    """Decode launch settings around the defaults, to retune `decode_config`."""
+    from atom_kernels import decode_attention
 
     rows = []
     num_heads, num_kv_heads, head_dim = MODELS["llama3-8b"]
@@ -187,31 +213,181 @@ def sweep() -> list[dict]:
                      "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
                      "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
                 )  # fmt: skip
-    seq_len = 8192
-    k_cache, v_cache, tables = _paged_cache([seq_len], num_kv_heads, head_dim, 16, dtype)
-    q = torch.randn(seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
-    cu = torch.tensor([0, seq_len], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([seq_len], dtype=torch.int32, device="cuda")
-    flops = 4 * seq_len * (seq_len + 1) // 2 * num_heads * head_dim
-    for bm, bn, warps, stages in [
-        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-        (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 4, 2),
-    ]:  # fmt: skip
+    return rows
+
+
+# Head shapes of the prefill sweep: (num_heads, num_kv_heads, head_dim).
+SWEEP_HEADS = {
+    "llama3-8b": (32, 8, 128),
+    "qwen3-0.6b": (16, 8, 128),
+    "qwen3.5-4b": (16, 4, 256),  # its full-attention layers
+}
+
+
+class PrefillProblem:
+    """A paged prefill batch on the GPU, given (cached prefix, chunk) per sequence, with its
+    FLOPs (4 * head_dim per visible (query, key, head) pair) and K/V bytes (each sequence's
+    keys and values read once)."""
+
+    def __init__(self, heads: tuple[int, int, int], shapes: list[tuple[int, int]],
+                 block_size: int = 16) -> None:  # fmt: skip
+        num_heads, num_kv_heads, head_dim = heads
+        self.heads = heads
+        seq_lens = [p + c for p, c in shapes]
+        q_lens = [c for _, c in shapes]
+        k_cache, v_cache, tables = _paged_cache(
+            seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16
+        )
+        total = sum(q_lens)
+        q = torch.randn(total, num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        self.args = (q, k_cache, v_cache, cu.cuda(), lens.cuda(), tables, head_dim**-0.5,
+                     max(q_lens))  # fmt: skip
+        self.out = torch.empty_like(q)
+        pairs = sum(c * p + c * (c + 1) // 2 for p, c in shapes)
+        self.flops = 4 * pairs * num_heads * head_dim
+        self.kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+        self.shapes = shapes
+
+    def time_ms(self, **launch) -> float:
+        from atom_kernels import prefill_attention
+
+        return _time_ms(
+            lambda: prefill_attention.paged_attention_prefill(*self.args, self.out, **launch)
+        )
+
+    def plan(self, **launch) -> str:
+        """The launch `paged_attention_prefill` makes of this problem, in short."""
+        from atom_kernels import decode_attention, prefill_attention
+
+        q, k_cache, *_ = self.args
+        p = prefill_attention.plan_prefill_launch(
+            num_heads=q.shape[1],
+            num_kv_heads=k_cache.shape[2],
+            head_dim=q.shape[2],
+            page_size=k_cache.shape[1],
+            batch=len(self.shapes),
+            max_seqlen_q=self.args[7],
+            max_context=self.args[5].shape[1] * k_cache.shape[1],
+            num_multiprocessors=decode_attention._multiprocessor_count(q.device),
+            **launch,
+        )
+        return (
+            f"{p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages} P{p.heads_per_program} "
+            f"S{p.num_splits} {p.kv_lookup}"
+            + (f" range{p.loop_stages}" if p.loop_stages else "")
+            + (" ws" if p.warp_specialize else "")
+        )
+
+    def max_error(self) -> float:
+        """Largest absolute difference of the last timed output from the torch reference
+        (bf16 outputs of unit-variance inputs: expect about 1e-2 or less)."""
+        from atom_kernels import reference
+
+        if not hasattr(self, "_want"):
+            self._want = reference.paged_attention_prefill(*self.args)
+        return (self.out.float() - self._want.float()).abs().max().item()
+
+    def sdpa_ms(self) -> float:
+        """torch SDPA (flash) on dense tensors of the same problem, one sequence: causal for a
+        whole prompt; for a chunk over a cached prefix, non-causal (its queries see every key
+        but the last chunk's upper triangle: nearly the same work), K/V as GQA when torch
+        takes `enable_gqa`, else repeated to every query head."""
+        if len(self.shapes) != 1:
+            raise ValueError("the SDPA peer is timed for one sequence")
+        (prefix, chunk), = self.shapes  # fmt: skip
+        num_heads, num_kv_heads, head_dim = self.heads
+        dtype = torch.bfloat16
+        qd = torch.randn(1, num_heads, chunk, head_dim, dtype=dtype, device="cuda")
+        kd = torch.randn(1, num_kv_heads, prefix + chunk, head_dim, dtype=dtype, device="cuda")
+        vd = torch.randn_like(kd)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        causal = prefix == 0
         try:
-            ms = _time_ms(
-                functools.partial(
-                    prefill_attention.paged_attention_prefill,
-                    q, k_cache, v_cache, cu, lens, tables, 0.1, seq_len, block_m=bm,
-                    block_n=bn, num_warps=warps, num_stages=stages,
-                )
-            )  # fmt: skip
-        except Exception as e:  # e.g. out of shared memory for this tiling
-            print(f"prefill {bm}x{bn} w{warps} s{stages}: {type(e).__name__}", file=sys.stderr)
-            continue
-        rows.append(
-            {"op": "prefill", "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-             "ms": round(ms, 4), "TFLOP_per_s": round(flops / (ms * 1e-3) / 1e12, 1)}
-        )  # fmt: skip
+            sdpa(qd, kd, vd, is_causal=causal, enable_gqa=True)
+            return _time_ms(lambda: sdpa(qd, kd, vd, is_causal=causal, enable_gqa=True))
+        except (TypeError, RuntimeError):
+            group = num_heads // num_kv_heads
+            kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+            return _time_ms(lambda: sdpa(qd, kd, vd, is_causal=causal))
+
+
+def sweep_prefill(budget_s: float) -> list[dict]:
+    """W3's step (64 new tokens over 8,000 cached): split counts, heads per program and
+    `SHORT_CHUNK_CANDIDATES`; then every candidate of `PREFILL_CANDIDATES` on one
+    8,192-token prompt per head shape, against SDPA. Stops starting new timings once
+    `budget_s` seconds have passed (compiles dominate), listing what it skipped. Llama-8B and
+    Qwen3-0.6B heads share compiled kernels (the GQA group is a runtime argument)."""
+    from triton.runtime.errors import OutOfResources
+
+    from atom_kernels import prefill_attention as pa
+
+    began = time.perf_counter()
+    rows: list[dict] = []
+    skipped: list[str] = []
+
+    def timed(workload: str, problem: PrefillProblem, name: str, sdpa_ms: float | None,
+              launch: dict) -> None:  # fmt: skip
+        label = f"{workload} {name}"
+        if time.perf_counter() - began > budget_s:
+            skipped.append(label)
+            return
+        if launch.get("warp_specialize") and not pa.HAS_WARP_SPECIALIZE:
+            skipped.append(f"{label} (Triton {triton.__version__} has no warp_specialize)")
+            return
+        try:
+            ms = problem.time_ms(**launch)
+        except OutOfResources as e:  # this tiling does not fit the device's shared memory
+            print(f"prefill {label}: {e}", file=sys.stderr)
+            return
+        except Exception as e:  # a setting this Triton cannot compile: report, go on
+            print(f"prefill {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            return
+        row = {"op": "prefill", "workload": workload, "config": name,
+               "plan": problem.plan(**launch), "ms": round(ms, 4),
+               "TFLOP_per_s": round(problem.flops / (ms * 1e-3) / 1e12, 1),
+               "KV_GB_per_s": round(problem.kv_bytes / (ms * 1e-3) / 1e9, 1),
+               "max_err": round(problem.max_error(), 4)}  # fmt: skip
+        if sdpa_ms is not None:
+            row["of_sdpa"] = round(sdpa_ms / ms, 3)
+        rows.append(row)
+
+    # W3's step first (issue 18's target), then the long prompts.
+    for model in ("qwen3-0.6b", "qwen3.5-4b"):
+        heads = SWEEP_HEADS[model]
+        problem = PrefillProblem(heads, [(8000, 64)])
+        sdpa_ms = problem.sdpa_ms()
+        workload = f"{model} W3 64+8000"
+        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense-noncausal",
+                     "ms": round(sdpa_ms, 4),
+                     "KV_GB_per_s": round(problem.kv_bytes / (sdpa_ms * 1e-3) / 1e9, 1)})  # fmt: skip
+        variants = [("default auto-splits", {}), ("default splits=1", dict(num_splits=1))]
+        if model == "qwen3-0.6b":
+            variants += [(f"default splits={s}", dict(num_splits=s)) for s in (4, 8, 16, 32)]
+            variants += [("default heads_per_program=1", dict(heads_per_program=1))]
+        bucket = 128 if heads[2] <= 128 else 256
+        variants += [(f"{name} auto-splits", launch)
+                     for name, launch in pa.SHORT_CHUNK_CANDIDATES[bucket]]  # fmt: skip
+        for name, launch in variants:
+            timed(workload, problem, name, sdpa_ms, launch)
+        del problem
+    for model, heads in SWEEP_HEADS.items():
+        problem = PrefillProblem(heads, [(0, 8192)])
+        sdpa_ms = problem.sdpa_ms()
+        workload = f"{model} 8k"
+        rows.append({"op": "prefill", "workload": workload, "config": "sdpa-dense",
+                     "ms": round(sdpa_ms, 4),
+                     "TFLOP_per_s": round(problem.flops / (sdpa_ms * 1e-3) / 1e12, 1)})  # fmt: skip
+        timed(workload, problem, "default", sdpa_ms, {})
+        bucket = 128 if heads[2] <= 128 else 256
+        for name, launch in pa.PREFILL_CANDIDATES[bucket]:
+            timed(workload, problem, name, sdpa_ms, launch)
+        del problem
+    torch.cuda.empty_cache()
+    if skipped:
+        print(f"prefill sweep: over its {budget_s:.0f} s budget, skipped: {skipped}",
+              file=sys.stderr)  # fmt: skip
     return rows
 
 
@@ -230,15 +406,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernels_bench.json", help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="small shapes, a smoke test")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch settings")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        choices=("all", "decode", "prefill"),
+        help="also sweep launch settings (decode, prefill or all)",
+    )
+    parser.add_argument(
+        "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
+    )
+    parser.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=100.0,
+        help="the prefill sweep starts no new timing after this many seconds",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels_bench needs a CUDA or ROCm GPU; none is present", file=sys.stderr)
         return 2
-    sweep_rows = sweep() if args.sweep else []
-    if sweep_rows:
+    sweep_rows = []
+    if args.sweep in ("all", "decode"):
+        sweep_rows += sweep_decode()
         _print_table([r for r in sweep_rows if r["op"] == "decode"])
-        _print_table([r for r in sweep_rows if r["op"] == "prefill"])
+    if args.sweep in ("all", "prefill"):
+        prefill_sweep = sweep_prefill(args.sweep_budget_s)
+        sweep_rows += prefill_sweep
+        for workload in dict.fromkeys(r["workload"] for r in prefill_sweep):
+            _print_table([r for r in prefill_sweep if r["workload"] == workload])
+    if args.sweep_only:
+        _write(args.out, {"sweep": sweep_rows})
+        return 0
 
     batch, context, prefill_len = (4, 512, 1024) if args.quick else (64, 4096, 8192)
     decode_rows, prefill_rows = [], []
@@ -247,26 +446,32 @@ def main(argv: list[str] | None = None) -> int:
             decode_rows += bench_decode(model, batch, context, block_size, args.quick)
         prefill_rows += bench_prefill(model, 1, prefill_len, 16)
         prefill_rows += bench_prefill(model, 8, prefill_len // 8, 16)
+        prefill_rows += bench_w3_step(model, 8000 if not args.quick else 1000)
     _print_table(decode_rows)
     _print_table(prefill_rows)
 
-    import triton
+    result = {
+        "copy_ceiling_GB_per_s": COPY_CEILING_BYTES_PER_S / 1e9,
+        "decode": decode_rows,
+        "prefill": prefill_rows,
+        "sweep": sweep_rows,
+    }
+    _write(args.out, result)
+    return 0
 
+
+def _write(path: str, result: dict) -> None:
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "hip": torch.version.hip,
         "python": platform.python_version(),
-        "copy_ceiling_GB_per_s": COPY_CEILING_BYTES_PER_S / 1e9,
-        "decode": decode_rows,
-        "prefill": prefill_rows,
-        "sweep": sweep_rows,
+        **result,
     }
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
-    return 0
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

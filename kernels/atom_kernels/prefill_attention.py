@@ -1,22 +1,133 @@
 """Triton paged attention for prefill (and any mixed batch): packed variable-length query
 chunks attending causally to their sequence's paged KV cache.
 
-Grid: (query head, query tile, sequence). A program owns BLOCK_M consecutive queries of
-one chunk for one head and sweeps the keys BLOCK_N at a time with `tl.dot` for QK^T and
-PV and an online softmax. The sweep has two phases: keys before the tile's first query
-position are visible to every row and need no mask; the remaining keys up to the tile's
-last query position get the causal mask. Query tiles are launched longest-first (the
-last tile of a chunk sees the most keys) so the tail of the launch is short work. Heads
-of one KV group are neighbours in launch order, so their shared K/V tiles hit in L2.
+Grid: (head block, query tile x split, sequence). A program owns BLOCK_M rows: BLOCK_Q
+consecutive queries of one chunk times HEADS_PER_PROG query heads of one KV group
+(query-major: row r is query r // HEADS_PER_PROG, head r % HEADS_PER_PROG), so a short chunk
+still fills the tile and each K/V tile it loads serves every head of the block. It sweeps
+the keys BLOCK_N at a time with `tl.dot` for QK^T and PV and an online softmax in fp32. The
+sweep has two phases: keys before the tile's first query position are visible to every row
+and need no mask; the keys from there up to the tile's last query position get the causal
+mask. Keys past the tile's last query are never visited (fully masked tiles are skipped).
+Query tiles are launched longest-first (the last tile of a chunk sees the most keys) so the
+tail of the launch is short work; head blocks of one KV group are neighbours in launch
+order, so their shared K/V tiles hit in L2.
+
+Split-KV (flash-decoding style): when heads x tiles x sequences would leave the GPU
+underused and the contexts are long (a short chunk over a long cached prefix), each tile's
+key range [0, last query position] is cut into `num_splits` ranges (a multiple of BLOCK_N
+each) processed by separate programs. Each writes its unnormalised partial output, its
+running max (log2 domain) and its sum; a split past the tile's range writes max -inf and sum
+0. A second kernel merges the splits of each (token, head) by log-sum-exp. The split count
+is chosen on the host from shapes only (`block_tables.shape[1]`, `max_seqlen_q`, the batch
+and the device), so there is no device-to-host sync and a captured launch stays valid; the
+partial buffers come from the torch allocator (a graph capture takes them from its pool).
+
+K/V rows are gathered through the block table. How the table is read is a launch setting
+(`kv_lookup`): "tile" (the page holds the whole BLOCK_N tile: one lookup per tile, any page
+that is a multiple of BLOCK_N), "page" (BLOCK_N spans whole pages: one lookup per page, the
+tile loaded as [pages, page, head_dim] and viewed as [BLOCK_N, head_dim]), or "row" (one
+lookup per key row: any page size, including ones that do not divide the tile).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.decode_attention import _multiprocessor_count
+
 _LOG2E = 1.4426950408889634
+
+# Split-KV: fewest keys a split should cover (below this the merge costs more than it
+# saves), and the most splits of one tile.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+_KV_LOOKUPS = {"row": 0, "page": 1, "tile": 2}
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# `tl.range(..., warp_specialize=...)` exists from Triton 3.4 (documented for Blackwell).
+HAS_WARP_SPECIALIZE = _triton_version() >= (3, 4)
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    bt_row,
+    head_off,
+    cache_stride_block,
+    cache_stride_off,
+    tile,
+    kv_end,
+    offs_n,
+    offs_d,
+    d_mask,
+    MASKED: tl.constexpr,
+    PAD_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_LOOKUP: tl.constexpr,
+):
+    """The [BLOCK_N, BLOCK_D] tile of keys (or values) at positions tile..tile+BLOCK_N-1 of
+    one KV head; positions at or past kv_end read as zeros when MASKED."""
+    # One return at the end (no early returns: every Triton version compiles this form).
+    if KV_LOOKUP == 1:
+        # Whole pages: one block-table entry per page, a 3-D gather viewed as 2-D.
+        NUM_PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+        offs_p = tl.arange(0, PAGE_SIZE)
+        page = tile // PAGE_SIZE + tl.arange(0, NUM_PAGES)
+        if MASKED:
+            block = tl.load(bt_row + page, mask=page * PAGE_SIZE < kv_end, other=0)
+        else:
+            block = tl.load(bt_row + page)
+        base = block.to(tl.int64) * cache_stride_block + head_off
+        ptrs = (
+            cache_ptr
+            + base[:, None, None]
+            + (offs_p * cache_stride_off)[None, :, None]
+            + offs_d[None, None, :]
+        )
+        if MASKED:
+            pos = (page * PAGE_SIZE)[:, None] + offs_p[None, :]
+            mask = (pos < kv_end)[:, :, None] & d_mask[None, None, :]
+            kv3 = tl.load(ptrs, mask=mask, other=0.0)
+        elif PAD_D:
+            kv3 = tl.load(ptrs, mask=d_mask[None, None, :], other=0.0)
+        else:
+            kv3 = tl.load(ptrs)
+        kv = tl.reshape(kv3, (BLOCK_N, BLOCK_D))
+    else:
+        pos = tile + offs_n
+        if KV_LOOKUP == 2:
+            # The tile lies inside one page (tiles start at multiples of BLOCK_N, which
+            # divides the page): one scalar lookup.
+            block = tl.load(bt_row + tile // PAGE_SIZE).to(tl.int64)
+            rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
+        else:
+            if MASKED:
+                block = tl.load(bt_row + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
+            else:
+                block = tl.load(bt_row + pos // PAGE_SIZE)
+            rows = block.to(tl.int64) * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
+        ptrs = cache_ptr + (rows + head_off)[:, None] + offs_d[None, :]
+        if MASKED:
+            kv = tl.load(ptrs, mask=(pos < kv_end)[:, None] & d_mask[None, :], other=0.0)
+        elif PAD_D:
+            kv = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+        else:
+            kv = tl.load(ptrs)
+    return kv
 
 
 @triton.jit
@@ -39,51 +150,123 @@ def _attend_tile(
     offs_d,
     d_mask,
     CAUSAL: tl.constexpr,
+    PAD_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_LOOKUP: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    pos = tile + offs_n
-    if CAUSAL:
-        valid = pos < kv_end
-        block = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_mask = valid[:, None] & d_mask[None, :]
-    else:
-        block = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)
-        kv_mask = d_mask[None, :]
-    rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off + head_off
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv_tile(
+        k_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
+        offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+    )  # fmt: skip
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
     if CAUSAL:
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # A row whose keys so far are all masked keeps m = -inf; exp2(-inf - -inf) would be NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if IEEE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        pos = tile + offs_n
+        s = tl.where(pos[None, :] <= q_pos[:, None], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row whose keys so far are all masked keeps m = -inf; exp2(-inf - -inf) is NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+        # Every key is visible to every row (padding rows have q = 0): m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(
+        v_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
+        offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+    )  # fmt: skip
+    acc = acc * alpha[:, None]
+    if IEEE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
 
 
 @triton.jit
+def _sweep_keys(
+    lo,
+    hi,
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    head_off,
+    cache_stride_block,
+    cache_stride_off,
+    q_pos,
+    kv_end,
+    scale_log2,
+    offs_n,
+    offs_d,
+    d_mask,
+    CAUSAL: tl.constexpr,
+    PAD_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_LOOKUP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """Tiles lo, lo + BLOCK_N, ... below hi. LOOP_STAGES > 0 pipelines the loop with
+    `tl.range(num_stages=...)` (every load of the loop, the block-table reads included);
+    WARP_SPEC asks for automatic warp specialization (Triton >= 3.4)."""
+    if WARP_SPEC:
+        for tile in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
+                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                KV_LOOKUP, IEEE_DOT,
+            )  # fmt: skip
+    elif LOOP_STAGES > 0:
+        for tile in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
+                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                KV_LOOKUP, IEEE_DOT,
+            )  # fmt: skip
+    else:
+        for tile in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
+                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+                KV_LOOKUP, IEEE_DOT,
+            )  # fmt: skip
+    return acc, m_i, l_i
+
+
+# Lengths that change every step are not specialised on (each value class would compile anew).
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     cu_seqlens_ptr,
     seq_lens_ptr,
     block_tables_ptr,
     scale_log2,
+    num_splits,
+    num_tokens,
     q_stride_t,
     q_stride_h,
     out_stride_t,
@@ -92,112 +275,400 @@ def _prefill_kernel(
     cache_stride_off,
     cache_stride_h,
     bt_stride_b,
-    GROUP: tl.constexpr,
+    group,  # query heads per KV head; a runtime value, so models share compiled kernels
+    HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    KV_LOOKUP: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest tiles first
+    BLOCK_Q: tl.constexpr = BLOCK_M // HEADS_PER_PROG
+    head_block = tl.program_id(0)
+    num_heads = tl.num_programs(0) * HEADS_PER_PROG
+    if SPLIT:
+        split = tl.program_id(1) % num_splits
+        tile_id = tl.program_id(1) // num_splits
+        num_tiles = tl.num_programs(1) // num_splits
+    else:
+        split = 0
+        tile_id = tl.program_id(1)
+        num_tiles = tl.num_programs(1)
+    m_block = num_tiles - 1 - tile_id  # longest tiles first
     seq = tl.program_id(2)
 
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    m0 = m_block * BLOCK_M
+    m0 = m_block * BLOCK_Q
     if m0 < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         first_pos = seq_len - q_len  # absolute position of the chunk's first query
 
-        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        m_mask = offs_m < q_len
+        qi = m0 + offs_m // HEADS_PER_PROG  # query index within the chunk
+        heads = head_block * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
+        m_mask = qi < q_len
         d_mask = offs_d < HEAD_DIM
-        q_pos = first_pos + offs_m
+        q_pos = first_pos + qi
+        tokens = (q_start + qi).to(tl.int64)
 
-        tokens = (q_start + offs_m).to(tl.int64)
-        q_ptrs = q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q_ptrs = q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h
+        q = tl.load(q_ptrs + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
-        head_off = (head // GROUP).to(tl.int64) * cache_stride_h
+        head_off = ((head_block * HEADS_PER_PROG) // group).to(tl.int64) * cache_stride_h
+        kv_end = first_pos + tl.minimum(q_len, m0 + BLOCK_Q)  # last query's position + 1
         # Keys before first_pos + m0 precede every query of the tile: no mask needed.
         unmasked_end = ((first_pos + m0) // BLOCK_N) * BLOCK_N
-        kv_end = first_pos + tl.minimum(q_len, m0 + BLOCK_M)  # last query's position + 1
-        for tile in range(0, unmasked_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q,
-                acc,
-                m_i,
-                l_i,
-                k_cache_ptr,
-                v_cache_ptr,
-                bt_row,
-                head_off,
-                cache_stride_block,
-                cache_stride_off,
-                tile,
-                q_pos,
-                kv_end,
-                scale_log2,
-                offs_n,
-                offs_d,
-                d_mask,
-                False,
-                PAGE_SIZE,
-                IEEE_DOT,
-            )
-        for tile in range(unmasked_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
-                q,
-                acc,
-                m_i,
-                l_i,
-                k_cache_ptr,
-                v_cache_ptr,
-                bt_row,
-                head_off,
-                cache_stride_block,
-                cache_stride_off,
-                tile,
-                q_pos,
-                kv_end,
-                scale_log2,
-                offs_n,
-                offs_d,
-                d_mask,
-                True,
-                PAGE_SIZE,
-                IEEE_DOT,
-            )
+        if SPLIT:
+            # This split's share of [0, kv_end), cut at multiples of BLOCK_N.
+            per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            start = split * per_split
+            end = tl.minimum(kv_end, start + per_split)
+        else:
+            start = 0
+            end = kv_end
+        PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+        acc, m_i, l_i = _sweep_keys(
+            start, tl.minimum(end, unmasked_end), q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
+            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_end, scale_log2,
+            offs_n, offs_d, d_mask, False, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+            LOOP_STAGES, WARP_SPEC, IEEE_DOT,
+        )  # fmt: skip
+        acc, m_i, l_i = _sweep_keys(
+            tl.maximum(start, unmasked_end), end, q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
+            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_end, scale_log2,
+            offs_n, offs_d, d_mask, True, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+            LOOP_STAGES, WARP_SPEC, IEEE_DOT,
+        )  # fmt: skip
 
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        store_mask = m_mask[:, None] & d_mask[None, :]
+        if SPLIT:
+            # Partial buffers: max and sum [num_splits, T, num_heads], acc [..., HEAD_DIM].
+            # A split past the tile's keys stores max -inf and sum 0 (its acc is not read).
+            row = (split * num_tokens + tokens) * num_heads + heads
+            tl.store(part_max_ptr + row, m_i, mask=m_mask)
+            tl.store(part_sum_ptr + row, l_i, mask=m_mask)
+            acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(acc_ptrs, acc, mask=store_mask)
+        else:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_ptrs = out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h
+            tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-def prefill_config(head_dim: int) -> dict[str, int]:
-    """Tile sizes and launch settings by head_dim and vendor.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _prefill_merge_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    cu_seqlens_ptr,
+    num_seqs,
+    num_splits,
+    out_stride_t,
+    out_stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (token, head): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
+    Rows past the last chunk (padding tokens) are left as they are, as the unsplit kernel
+    leaves them."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    num_tokens = tl.num_programs(0)
+    num_heads = tl.num_programs(1)
+    if token < tl.load(cu_seqlens_ptr + num_seqs):
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        row = (offs_s.to(tl.int64) * num_tokens + token) * num_heads + head
+        m = tl.load(part_max_ptr + row, mask=offs_s < num_splits, other=float("-inf"))
+        live = m > float("-inf")  # split 0 always is: key 0 is visible to every query
+        l_part = tl.load(part_sum_ptr + row, mask=live, other=0.0)
+        acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+        acc = tl.load(acc_ptrs, mask=live[:, None] & d_mask[None, :], other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(live, tl.exp2(m - m_max), 0.0)
+        total = tl.sum(l_part * w, axis=0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        o_ptrs = out_ptr + token.to(tl.int64) * out_stride_t + head * out_stride_h + offs_d
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
-    head_dim 128 on an H200 (bf16, one 8k prompt, `kernels_bench.py --sweep`): 128x64
-    tiles, 4 warps, 3 stages ran at ~370 TFLOP/s; 8 warps ~300, 128x128 ~350, 64x64 ~330.
-    head_dim 256 halves both tiles to keep K, V and the accumulator within shared memory
-    and registers.
-    """
-    block_d = triton.next_power_of_2(head_dim)
-    is_hip = torch.version.hip is not None
-    if block_d <= 128:
-        if is_hip:  # MI300: 64-wide wavefronts; its pipeliner wants 2 stages
-            return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2}
-        return {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+# -- launch settings -----------------------------------------------------------------------------
+
+# Defaults by (vendor, head_dim bucket): "cuda" or "hip"; buckets 128 (head_dim <= 128) and
+# 256. `kv_lookup` "auto" takes "tile" when the page is a multiple of BLOCK_N, "row"
+# otherwise. An entry's "short_chunks" dict overrides it for launches whose chunks are all at
+# most SHORT_CHUNK_TOKENS long (W3's 64 new tokens over a long cached prefix: one query tile
+# per chunk, split-KV, bandwidth-bound). Retune from `benchmarks/kernels_bench.py --sweep
+# prefill` (PREFILL_CANDIDATES for long prompts, its W3 rows for short chunks).
+#
+# Compiled for sm_90 (Triton 3.9, no GPU): BLOCK_M 128 with 4 warps holds a 128 x head_dim
+# fp32 accumulator in one warpgroup and spills (~250 bytes of stack at head_dim 128); 8 warps
+# do not; K/V gathers are pipelined with cp.async (num_stages - 1 buffers).
+#
+# H200, bf16, one 8k prompt, 32 q / 8 KV heads, head_dim 128 (before this table): 128x64
+# tiles, 4 warps, 3 stages ran at ~370 TFLOP/s; 8 warps ~300, 128x128 ~350, 64x64 ~330.
+# head_dim 256 halves both tiles to keep K, V and the accumulator within shared memory and
+# registers. MI300 (64-wide wavefronts): its stream pipeliner wants 2 stages.
+SHORT_CHUNK_TOKENS = 128
+
+PREFILL_DEFAULTS: dict[tuple[str, int], dict] = {
+    ("cuda", 128): dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    ("cuda", 256): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
+    ("hip", 128): dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
+    ("hip", 256): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
+}
+
+# Candidates the sweep times against SDPA, by head_dim bucket. Each is a set of keyword
+# overrides of `paged_attention_prefill`; the name is what the sweep prints.
+PREFILL_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
+    128: [
+        ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+        ("128x64w4s2", dict(block_m=128, block_n=64, num_warps=4, num_stages=2)),
+        ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+        ("128x64w8s4", dict(block_m=128, block_n=64, num_warps=8, num_stages=4)),
+        ("128x128w8s2", dict(block_m=128, block_n=128, num_warps=8, num_stages=2)),
+        ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+        ("128x32w4s4", dict(block_m=128, block_n=32, num_warps=4, num_stages=4)),
+        ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+        ("64x128w4s2", dict(block_m=64, block_n=128, num_warps=4, num_stages=2)),
+        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+        ("256x64w8s2", dict(block_m=256, block_n=64, num_warps=8, num_stages=2)),
+        ("128x64w4s3-page", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                                 kv_lookup="page")),
+        ("128x128w8s3-page", dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                                  kv_lookup="page")),
+        ("128x64w4s3-range3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                                   loop_stages=3)),
+        ("128x128w8s3-range3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                                    loop_stages=3)),
+        ("128x64w4s3-gqa2", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                                 heads_per_program=2)),
+        ("128x64w8s3-gqa2", dict(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                                 heads_per_program=2)),
+    ],
+    256: [
+        ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
+        ("64x32w4s3", dict(block_m=64, block_n=32, num_warps=4, num_stages=3)),
+        ("64x64w4s2", dict(block_m=64, block_n=64, num_warps=4, num_stages=2)),
+        ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
+        ("64x64w8s3", dict(block_m=64, block_n=64, num_warps=8, num_stages=3)),
+        ("128x32w8s2", dict(block_m=128, block_n=32, num_warps=8, num_stages=2)),
+        ("128x64w8s2", dict(block_m=128, block_n=64, num_warps=8, num_stages=2)),
+        ("64x32w4s2-page", dict(block_m=64, block_n=32, num_warps=4, num_stages=2,
+                                kv_lookup="page")),
+    ],
+}  # fmt: skip
+
+# Whole-config candidates for short chunks (W3's step), timed by the sweep with automatic
+# splits; the winner goes into PREFILL_DEFAULTS[...]["short_chunks"].
+SHORT_CHUNK_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
+    128: [
+        ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+        ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
+        ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
+        ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
+        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
+    ],
+    256: [
+        ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
+        ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
+    ],
+}  # fmt: skip
+
+
+def _head_dim_bucket(head_dim: int) -> int:
+    return 128 if triton.next_power_of_2(head_dim) <= 128 else 256
+
+
+def prefill_config(head_dim: int, max_seqlen_q: int | None = None) -> dict:
+    """The default launch settings for this head_dim on this vendor's GPUs (a copy), for a
+    launch whose chunks are at most max_seqlen_q long (None: long prompts)."""
+    short = max_seqlen_q is not None and max_seqlen_q <= SHORT_CHUNK_TOKENS
+    return dict(_defaults(head_dim, torch.version.hip is not None, short))
+
+
+@functools.lru_cache(maxsize=32)
+def _defaults(head_dim: int, hip: bool, short: bool) -> dict:
+    """The launch path's settings: the entry for this head_dim and vendor, with its
+    "short_chunks" overrides applied when every chunk is short; looked up once, shared."""
+    entry = PREFILL_DEFAULTS[("hip" if hip else "cuda", _head_dim_bucket(head_dim))]
+    config = {k: v for k, v in entry.items() if k != "short_chunks"}
+    if short:
+        config.update(entry.get("short_chunks", {}))
+    return config
+
+
+def choose_kv_lookup(page_size: int, block_n: int) -> str:
+    """The "tile" lookup when a tile never straddles pages (the page is a multiple of BLOCK_N), else
+    "row" (one lookup per key row works for every page size)."""
+    return "tile" if page_size % block_n == 0 else "row"
+
+
+def choose_heads_per_program(group: int, block_m: int, max_seqlen_q: int) -> int:
+    """Query heads of one KV group per program: enough that a short chunk fills the BLOCK_M
+    rows (64 queries x 2 heads = 128), never more than the largest power of two dividing
+    the group. Long chunks fill the rows with queries alone: 1."""
+    pow2_divisor = group & -group
+    rows_per_head = min(block_m, triton.next_power_of_2(max(1, max_seqlen_q)))
+    return max(1, min(pow2_divisor, block_m // rows_per_head))
+
+
+def choose_prefill_splits(
+    programs: int, max_context: int, block_n: int, num_multiprocessors: int
+) -> int:
+    """Split-KV count for a prefill launch, from host-known shapes only: as many splits as
+    keep the launch within one program per multiprocessor (a BLOCK_M-row program holds
+    most of a multiprocessor's shared memory, and one per multiprocessor streams K/V at
+    full rate), each covering at least _MIN_TOKENS_PER_SPLIT keys of the longest possible
+    context (`block_tables.shape[1] * page_size`)."""
+    wanted = num_multiprocessors // max(1, programs)
+    useful = max_context // max(_MIN_TOKENS_PER_SPLIT, block_n)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_launch(
+    block_m: int, block_n: int, heads_per_program: int, group: int, page_size: int, lookup: str
+) -> None:
+    if lookup not in _KV_LOOKUPS:
+        raise ValueError(f"kv_lookup={lookup!r}: expected one of {sorted(_KV_LOOKUPS)} or auto")
+    for name, v in (("block_m", block_m), ("block_n", block_n)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}={v}: must be a power of two >= 16")
+    hpp = heads_per_program
+    if hpp < 1 or hpp & (hpp - 1) or group % hpp or block_m % hpp:
+        raise ValueError(
+            f"heads_per_program={hpp}: must be a power of two dividing the GQA group ({group}) "
+            f"and block_m ({block_m})"
+        )
+    if lookup == "page" and block_n % page_size:
+        raise ValueError(f"kv_lookup='page' needs block_n ({block_n}) to span whole pages "
+                         f"({page_size})")  # fmt: skip
+    if lookup == "tile" and page_size % block_n:
+        raise ValueError(f"kv_lookup='tile' needs the page ({page_size}) to be a multiple of "
+                         f"block_n ({block_n})")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Every setting of one prefill launch, as `plan_prefill_launch` resolved it."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    heads_per_program: int
+    kv_lookup: str
+    loop_stages: int
+    warp_specialize: bool
+    num_tiles: int  # query tiles per chunk (BLOCK_M // heads_per_program queries each)
+    num_splits: int
+
+
+def plan_prefill_launch(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    batch: int,
+    max_seqlen_q: int,
+    max_context: int,
+    num_multiprocessors: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    heads_per_program: int | None = None,
+    kv_lookup: str | None = None,
+    loop_stages: int | None = None,
+    warp_specialize: bool | None = None,
+) -> PrefillLaunch:
+    """The launch for these shapes: the defaults for head_dim and vendor (their short-chunk
+    overrides when every chunk is at most SHORT_CHUNK_TOKENS), then each given override, then
+    the automatic choices (heads per program, block-table lookup, splits). Host values only:
+    no tensor is read, so the same shapes always give the same launch. Raises ValueError for
+    settings the kernel cannot run."""
+    return _plan(
+        num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q, max_context,
+        num_multiprocessors, block_m, block_n, num_warps, num_stages, num_splits,
+        heads_per_program, kv_lookup, loop_stages, warp_specialize,
+        torch.version.hip is not None,
+    )  # fmt: skip
+
+
+# Every layer of a step plans the same launch: cached, positional (the forward calls it once
+# per attention layer, so it costs a dict lookup instead of ~5 us of Python).
+@functools.lru_cache(maxsize=1024)
+def _plan(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    batch: int,
+    max_seqlen_q: int,
+    max_context: int,
+    num_multiprocessors: int,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    num_splits: int | None,
+    heads_per_program: int | None,
+    kv_lookup: str | None,
+    loop_stages: int | None,
+    warp_specialize: bool | None,
+    hip: bool,
+) -> PrefillLaunch:
+    config = _defaults(head_dim, torch.version.hip is not None, max_seqlen_q <= SHORT_CHUNK_TOKENS)
+    block_m = block_m or config["block_m"]
+    block_n = block_n or config["block_n"]
+    group = num_heads // num_kv_heads
+    hpp = heads_per_program or config.get("heads_per_program")
+    hpp = hpp or choose_heads_per_program(group, block_m, max_seqlen_q)
+    lookup = kv_lookup or config.get("kv_lookup", "auto")
+    if lookup == "auto":
+        lookup = choose_kv_lookup(page_size, block_n)
+    _check_launch(block_m, block_n, hpp, group, page_size, lookup)
+    if warp_specialize is None:
+        warp_specialize = config.get("warp_specialize", False)
+    if warp_specialize and not HAS_WARP_SPECIALIZE:
+        raise ValueError(f"warp_specialize needs Triton >= 3.4 (this is {triton.__version__})")
+    num_tiles = triton.cdiv(max_seqlen_q, block_m // hpp)
+    if num_splits is None:
+        programs = (num_heads // hpp) * num_tiles * batch
+        num_splits = choose_prefill_splits(programs, max_context, block_n, num_multiprocessors)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}: must be >= 1")
+    return PrefillLaunch(
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
+        heads_per_program=hpp,
+        kv_lookup=lookup,
+        loop_stages=config.get("loop_stages", 0) if loop_stages is None else loop_stages,
+        warp_specialize=bool(warp_specialize),
+        num_tiles=num_tiles,
+        num_splits=num_splits,
+    )
 
 
 def paged_attention_prefill(
@@ -215,11 +686,16 @@ def paged_attention_prefill(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
+    heads_per_program: int | None = None,
+    kv_lookup: str | None = None,
+    loop_stages: int | None = None,
+    warp_specialize: bool | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.paged_attention_prefill`. The keyword-only arguments override
-    the tuned launch settings (tests use small tiles to cross tile boundaries on small
-    shapes; the benchmark sweeps them)."""
-    _, num_heads, head_dim = q.shape
+    the tuned launch settings and the automatic choices (tests use small tiles and forced
+    splits on small shapes; the benchmark sweeps them)."""
+    num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q and the caches need a contiguous head_dim; caches share strides")
@@ -228,38 +704,85 @@ def paged_attention_prefill(
     elif out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
     batch = seq_lens.shape[0]
-    if batch == 0 or max_seqlen_q <= 0 or q.shape[0] == 0:
+    if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
 
-    config = prefill_config(head_dim)
-    block_m = block_m or config["block_m"]
-    block_n = block_n or config["block_n"]
-    grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), batch)
+    plan = _plan(
+        num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q,
+        block_tables.shape[1] * page_size, _multiprocessor_count(q.device), block_m, block_n,
+        num_warps, num_stages, num_splits, heads_per_program, kv_lookup, loop_stages,
+        warp_specialize, torch.version.hip is not None,
+    )  # fmt: skip
+    num_splits, hpp = plan.num_splits, plan.heads_per_program
+    split = num_splits > 1
+    if split:
+        # fp32 max and sum [num_splits, T, num_heads] and acc [..., head_dim], carved out of
+        # one allocation (each part 128-byte aligned: pointer alignment is part of a compiled
+        # kernel's specialisation); every real (token, head) row of every split is written
+        # by the split kernel.
+        rows = num_splits * num_tokens * num_heads
+        acc_len, row_len = -(-rows * head_dim // 32) * 32, -(-rows // 32) * 32
+        parts = torch.empty(acc_len + 2 * row_len, dtype=torch.float32, device=q.device)
+        part_acc = parts[:acc_len]
+        part_max = parts[acc_len : acc_len + row_len]
+        part_sum = parts[acc_len + row_len :]
+    else:
+        part_acc = part_max = part_sum = out  # unused by the unsplit path
+
+    block_d = triton.next_power_of_2(head_dim)
+    q_strides, out_strides, cache_strides = q.stride(), out.stride(), k_cache.stride()
+    grid = (num_heads // hpp, plan.num_tiles * num_splits, batch)
     _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
         out,
+        part_acc,
+        part_max,
+        part_sum,
         cu_seqlens_q,
         seq_lens,
         block_tables,
         scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        num_splits,
+        num_tokens,
+        q_strides[0],
+        q_strides[1],
+        out_strides[0],
+        out_strides[1],
+        cache_strides[0],
+        cache_strides[1],
+        cache_strides[2],
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads,
+        num_heads // num_kv_heads,
+        HEADS_PER_PROG=hpp,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=block_d,
+        SPLIT=split,
+        KV_LOOKUP=_KV_LOOKUPS[plan.kv_lookup],
+        LOOP_STAGES=plan.loop_stages,
+        WARP_SPEC=plan.warp_specialize,
         IEEE_DOT=q.dtype == torch.float32,
-        num_warps=num_warps or config["num_warps"],
-        num_stages=num_stages or config["num_stages"],
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
+    if split:
+        _prefill_merge_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            cu_seqlens_q,
+            batch,
+            num_splits,
+            out_strides[0],
+            out_strides[1],
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 128 else 2,
+        )
     return out

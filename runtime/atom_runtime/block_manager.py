@@ -7,6 +7,8 @@ follow-up turn reuses both), and frees the table. It never touches tensors.
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from atom_runtime.block_hash import hash_token_blocks
@@ -70,7 +72,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, tail first, so the head of a shared prefix is evicted last."""
         self.pool.free(seq.block_table[::-1])
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_hashed_blocks = 0
 
     def publish_computed_blocks(self, seq: Sequence) -> None:

@@ -1,6 +1,8 @@
-"""Device and dtype names from the config, and the host -> device copy every step uses."""
+"""Device and dtype names from the config, and the host -> device copies every step uses."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,3 +38,50 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+# Offsets of the arrays packed by `to_device_many`: 16 bytes covers every dtype's alignment.
+_PACK_ALIGN = 16
+
+
+def to_device_many(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several host arrays on `device` with one copy, no host sync: packed into one pinned
+    staging buffer, copied asynchronously, and viewed back as tensors of their dtypes and
+    shapes (views into one device buffer). One pinned allocation and one copy per step instead
+    of one of each per array. On the CPU the arrays come back as they are, uncopied."""
+    if device.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, total = pack_layout(arrays)
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    pack_into(staging.numpy(), arrays, offsets)
+    return unpack_views(staging.to(device, non_blocking=True), arrays, offsets)
+
+
+def pack_layout(arrays: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Byte offset of each array in the packed buffer (aligned), and the buffer's size."""
+    offsets, at = [], 0
+    for a in arrays:
+        offsets.append(at)
+        at += -(-a.nbytes // _PACK_ALIGN) * _PACK_ALIGN
+    return offsets, max(at, _PACK_ALIGN)
+
+
+def pack_into(buffer: np.ndarray, arrays: Sequence[np.ndarray], offsets: list[int]) -> None:
+    """Copy each (contiguous) array's bytes into the uint8 `buffer` at its offset."""
+    for a, at in zip(arrays, offsets, strict=True):
+        buffer[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+
+
+def unpack_views(
+    buffer: torch.Tensor, arrays: Sequence[np.ndarray], offsets: list[int]
+) -> list[torch.Tensor]:
+    """The packed arrays as typed, shaped views of the uint8 tensor `buffer`."""
+    return [
+        buffer[at : at + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+        for a, at in zip(arrays, offsets, strict=True)
+    ]
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype

@@ -22,7 +22,7 @@ import torch
 
 from atom_runtime.config import EngineConfig
 from atom_runtime.cuda_graphs import DecodeGraphs, default_capture_sizes
-from atom_runtime.device import resolve_device, resolve_dtype, to_device
+from atom_runtime.device import resolve_device, resolve_dtype, to_device, to_device_many
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.engine.protocol import StepInputs
 from atom_runtime.forward_context import (
@@ -332,26 +332,40 @@ class ModelRunner:
                 return logits[to_device(rows, self.device)] if len(rows) else None
         dev = self.device
         decode_only = inputs.decode_only
+        host = {
+            "slot_mapping": inputs.slot_mapping,
+            "block_tables": inputs.block_tables,
+            "seq_lens": inputs.seq_lens,
+            "cu_seqlens_q": inputs.cu_seqlens_q,
+            "input_ids": inputs.input_ids,
+            "positions": inputs.positions,
+            "sample_rows": inputs.sample_rows,
+        }
+        if inputs.state_slots is not None:
+            host["state_slots"] = inputs.state_slots
+            host["has_initial_state"] = inputs.has_initial_state
+        # One pinned staging buffer and one copy for the whole step (device.to_device_many).
+        d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
         meta = AttentionMetadata(
-            slot_mapping=to_device(inputs.slot_mapping, dev),
-            block_tables=to_device(inputs.block_tables, dev),
-            seq_lens=to_device(inputs.seq_lens, dev),
+            slot_mapping=d["slot_mapping"],
+            block_tables=d["block_tables"],
+            seq_lens=d["seq_lens"],
             decode_only=decode_only,
-            cu_seqlens_q=None if decode_only else to_device(inputs.cu_seqlens_q, dev),
+            cu_seqlens_q=None if decode_only else d["cu_seqlens_q"],
             max_seqlen_q=inputs.max_seqlen_q,
         )
-        input_ids = to_device(inputs.input_ids, dev)
+        input_ids = d["input_ids"]
         if inputs.pending_sources is not None:
             self._fill_pending(input_ids, inputs.pending_sources)
-        positions = to_device(inputs.positions, dev)
-        rows = to_device(inputs.sample_rows, dev)
+        positions = d["positions"]
+        rows = d["sample_rows"]
         set_attention_metadata(meta)
         if inputs.state_slots is not None:
             set_state_metadata(
                 StateMetadata(
-                    query_start_loc=to_device(inputs.cu_seqlens_q, dev),
-                    slot_ids=to_device(inputs.state_slots, dev),
-                    has_initial_state=to_device(inputs.has_initial_state, dev),
+                    query_start_loc=d["cu_seqlens_q"],
+                    slot_ids=d["state_slots"],
+                    has_initial_state=d["has_initial_state"],
                 )
             )
         try:
@@ -393,10 +407,10 @@ class ModelRunner:
             end = start + n
             ids_parts.append(np.frombuffer(seq.token_ids, dtype=np.int32)[start:end])
             pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            table = np.frombuffer(seq.block_table, dtype=np.int32)  # a view, no copy
             tables[i, : len(table)] = table
             pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slot_parts.append(table[pos // bs].astype(np.int64) * bs + pos % bs)
             seq_lens.append(end)
             q_lens.append(n)
             offset += n
@@ -466,7 +480,7 @@ class ModelRunner:
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos, strict=True)]
         tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+            tables[i, : len(s.block_table)] = np.frombuffer(s.block_table, dtype=np.int32)
         rows = [i for i, (s, p) in enumerate(zip(seqs, pos, strict=True)) if p + 1 == s.num_tokens]
         positions = np.array(pos, dtype=np.int64)
         inputs = StepInputs(

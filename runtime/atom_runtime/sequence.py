@@ -52,7 +52,9 @@ class Sequence:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (reported as cached_tokens).
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        # Block ids, grown by the block manager: an array, so the model runner copies a row
+        # into its step's table as one buffer copy instead of converting a list per step.
+        self.block_table = array("i")
         # Hybrid models: state slots held while resident ([0] committed, then scratch).
         self.state_slots: list[int] = []
         # Chained hashes of this sequence's full blocks, computed once each, in order.

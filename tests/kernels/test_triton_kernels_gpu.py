@@ -83,6 +83,111 @@ def test_prefill_realistic_shapes(kernels, dtype, head_dim):
     torch.testing.assert_close(got, want, **tol)
 
 
+def _prefill_args(shapes, *, num_heads, num_kv_heads, head_dim, dtype, seed, block_size=16):
+    seq_lens = [p + c for p, c in shapes]
+    q_lens = [c for _, c in shapes]
+    case = _cuda_case(
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype).cuda()
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    return (q, case.k_cache, case.v_cache, cu, lens, case.block_tables, head_dim**-0.5,
+            max(q_lens))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(16, 8, 128), (32, 8, 128), (16, 4, 256)]
+)
+def test_prefill_split_kv_over_long_cached_prefixes(kernels, dtype, num_heads, num_kv_heads,
+                                                    head_dim):  # fmt: skip
+    """W3's shape (64 new tokens over 8,000 cached) and a mixed batch of very different
+    lengths: automatic, forced and no splits all match the reference."""
+    mod = kernels["prefill_attention"]
+    for shapes in ([(8000, 64)], [(8000, 64), (3001, 37), (0, 64), (100, 1), (517, 300)]):
+        args = _prefill_args(shapes, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, dtype=dtype, seed=60)  # fmt: skip
+        want = reference.paged_attention_prefill(*args)
+        for splits in (None, 1, 5, 16, 32):
+            got = mod.paged_attention_prefill(*args, num_splits=splits)
+            torch.testing.assert_close(got, want, **BF16_TOL)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_candidates_compile_and_match_reference(kernels, head_dim):
+    """Every launch setting the sweep may pick gives the reference's answer (a candidate
+    that does not fit the device's shared memory is skipped, as the sweep skips it)."""
+    from triton.runtime.errors import OutOfResources
+
+    mod = kernels["prefill_attention"]
+    args = _prefill_args([(0, 1000), (517, 300), (8000, 64)], num_heads=16, num_kv_heads=4,
+                         head_dim=head_dim, dtype=torch.bfloat16, seed=62)  # fmt: skip
+    want = reference.paged_attention_prefill(*args)
+    for name, launch in mod.PREFILL_CANDIDATES[head_dim]:
+        if launch.get("warp_specialize") and not mod.HAS_WARP_SPECIALIZE:
+            continue
+        try:
+            got = mod.paged_attention_prefill(*args, **launch)
+        except OutOfResources:
+            continue
+        torch.testing.assert_close(got, want, **BF16_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_prefill_split_replays_in_a_cuda_graph_with_new_lengths(kernels, monkeypatch):
+    """The split count comes from shapes only: a split prefill captured once stays correct
+    when lengths, chunk offsets and block tables change in place between replays."""
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+    ops.refresh_backend()
+    shapes = [(4000, 64), (1000, 64)]
+    q, k_cache, v_cache, cu, lens, tables, scale, max_q = _prefill_args(
+        shapes, num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=64
+    )
+    assert (
+        kernels["prefill_attention"].choose_prefill_splits(
+            16, tables.shape[1] * 16, 64, torch.cuda.get_device_properties(0).multi_processor_count
+        )
+        > 1
+    )
+    static_tables = tables.clone()
+    out = torch.empty_like(q)
+
+    def step():
+        ops.paged_attention_prefill(q, k_cache, v_cache, cu, lens, static_tables, scale, max_q,
+                                    out)  # fmt: skip
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    stored = [4064, 1064]  # tokens each sequence's blocks hold
+    for new in ([(4000, 64), (1000, 64)], [(64, 64), (2000, 3)], [(1000, 28), (100, 60)]):
+        # Rows swap block tables on the second round: sequence i now reads the other's blocks.
+        swap = new[0][0] == 64
+        static_tables.copy_(tables.roll(1, 0) if swap else tables)
+        room = stored[::-1] if swap else stored
+        new_lens = [min(p + c, r) for (p, c), r in zip(new, room, strict=True)]
+        q_lens = [c for _, c in new]
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        cu.copy_(torch.tensor([0, q_lens[0], q_lens[0] + q_lens[1]], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.paged_attention_prefill(q, k_cache, v_cache, cu, lens, static_tables,
+                                                 scale, max_q)  # fmt: skip
+        n = sum(q_lens)
+        torch.testing.assert_close(out[:n], want[:n], **BF16_TOL)
+
+
 @pytest.mark.parametrize("head_dim", [96, 256])
 def test_decode_other_head_dims(kernels, head_dim):
     seq_lens = [1, 700, 33, 0, 2048]

@@ -154,6 +154,8 @@ def test_abort_frees_every_block(llm):
     [
         ([], {}, "prompt"),
         ([10**9], {}, "prompt"),
+        ([5, -1], {}, "prompt"),
+        ([5, 2**40], {}, "prompt"),  # past int32: the prompt's array conversion overflows
         (list(range(1, 1100)), {}, "prompt"),
         ([1, 2], {"max_tokens": 5000}, "max_tokens"),
         ([1, 2], {"stop_token_ids": [3, 10**6]}, "stop_token_ids"),

@@ -140,3 +140,33 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
             assert len(common) >= 3, pick
             for token in common:
                 assert got[token] == pytest.approx(want[token], abs=0.08), pick
+
+
+def test_short_chunk_over_a_cached_prefix_matches_a_full_prefill(tiny_models):
+    """W3 in miniature on the GPU: a 30-token suffix over a cached 900-token prefix runs as
+    one short chunk with split-KV attention (few programs, a long context); its greedy tokens
+    equal those of the same prompt prefilled whole with caching off (fp32)."""
+    from atom_kernels import prefill_attention
+
+    prefix = _prompts(11, [900])[0]
+    suffixes = _prompts(12, [30, 30])
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=4)
+    cached = LLM(str(tiny_models["qwen2"]), enable_prefix_caching=True, **kw)
+    cold = LLM(str(tiny_models["qwen2"]), enable_prefix_caching=False, **kw)
+    _greedy(cached, [prefix + suffixes[0]], 1)  # computes and publishes the prefix
+    prompt = prefix + suffixes[1]
+    got = _greedy(cached, [prompt], 8)
+    assert cached.engine.scheduler.prefix_hits >= 896  # the prefix's full blocks
+    cfg = cached.engine.model_config
+    plan = prefill_attention.plan_prefill_launch(
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        page_size=cached.config.block_size,
+        batch=1,
+        max_seqlen_q=len(prompt) - 896,
+        max_context=-(-len(prompt) // cached.config.block_size) * cached.config.block_size,
+        num_multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count,
+    )
+    assert plan.num_splits > 1, "the cached step should take the split-KV path"
+    assert got == _greedy(cold, [prompt], 8)

@@ -5,6 +5,8 @@ protocol type is refused instead of pickled."""
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from atom_runtime.engine.protocol import (
     WorkerHello,
     WorkerReady,
     WorkerResult,
+    check_token_ids,
     decoder,
     encoder,
 )
@@ -89,3 +92,18 @@ def test_anything_else_is_refused_not_pickled():
 
     with pytest.raises(NotImplementedError, match="cannot put a Opaque on the wire"):
         encoder().encode(WorkerResult(1, 1, Opaque()))
+
+
+@pytest.mark.parametrize("ids", [[3, 7, 10, 4, -2], [0, 9, 10], [-1, 5, 100]])
+def test_check_token_ids_names_the_first_bad_id_for_lists_and_arrays(ids):
+    """The array fast path (one numpy pass) and the id-by-id walk over a list raise the same
+    error, naming the first id outside [0, vocab)."""
+    first_bad = next(t for t in ids if not 0 <= t < 10)
+    for form in (ids, array("i", ids)):
+        with pytest.raises(ValueError, match=rf"^prompt: token id {first_bad} is outside"):
+            check_token_ids("prompt", form, 10)
+
+
+def test_check_token_ids_accepts_ids_in_range():
+    for form in ([0, 9, 3], array("i", [0, 9, 3]), array("i")):
+        check_token_ids("prompt", form, 10)

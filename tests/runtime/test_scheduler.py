@@ -69,7 +69,7 @@ def test_preemption_takes_the_tail_and_requeues_it_at_the_head():
     batch = s.schedule()  # a needs a third block: b (the tail) is preempted
     assert batch.num_preempted == 1
     assert b.status is SequenceStatus.WAITING and s.waiting[0] is b
-    assert b.num_computed_tokens == 0 and b.block_table == []
+    assert b.num_computed_tokens == 0 and len(b.block_table) == 0
     assert batch.seqs == [a]
 
 

@@ -15,6 +15,7 @@ Sockets to external parties (KV events, kv_events/) speak their own, fixed forma
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,13 @@ from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:
-    """ValueError naming `field` for the first id outside [0, vocab_size)."""
+    """ValueError naming `field` for the first id outside [0, vocab_size). An `array("i")`
+    (a prompt the engine has converted) is checked in one numpy pass (2 us for 8k ids, against
+    ~150 us id by id); the id-by-id walk then only runs to name the bad id."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        view = np.frombuffer(ids, dtype=np.int32)
+        if view.size == 0 or (view.min() >= 0 and view.max() < vocab_size):
+            return
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
