@@ -1,6 +1,12 @@
 """Frontend bookkeeping shared by `LLM` and the API server: fan-out of `n`, incremental
 detokenization, stop strings, and the vLLM-shaped RequestOutput.
 
+Each request's state (`RequestState`, one `SequenceText` per choice) is updated in place as the
+engine's outputs arrive. The API server streams from that live state, reading only what is new
+since its last chunk (a slow reader finds several steps' worth at once); `RequestState.output()`
+takes the vLLM-shaped snapshot `LLM` returns, once per finished request. Nothing is copied per
+token.
+
 Stop strings live here, not in the engine core: only text knows them. When one matches, the
 request is finished here and its id is handed back so the caller aborts it in the engine.
 """
@@ -85,11 +91,16 @@ class SequenceText:
         return self.finish_reason is not None
 
     @property
+    def streamable_len(self) -> int:
+        """How much of `text` is safe to show now: the tail that could still begin a stop string
+        is held back until the completion finishes."""
+        if self.finish_reason is not None or not self.hold:
+            return len(self.text)
+        return max(0, len(self.text) - self.hold)
+
+    @property
     def streamable_text(self) -> str:
-        """Text safe to show now: the tail that could still begin a stop string is held back."""
-        if self.finished or not self.hold:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.hold)]
+        return self.text[: self.streamable_len]
 
     def append(self, out: EngineOutput) -> bool:
         """Add one engine output. Returns True when a stop string finished this completion."""
@@ -133,7 +144,7 @@ class SequenceText:
         want = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
-            text=self.text if self.finished else self.streamable_text,
+            text=self.streamable_text,
             token_ids=self.token_ids.tolist(),
             cumulative_logprob=float(sum(self.logprobs)) if want else None,
             logprobs=list(self.top) if want else None,
@@ -159,6 +170,8 @@ class RequestState:
             child_id(request_id, i, params.n): SequenceText(i, params, tokenizer)
             for i in range(params.n)
         }
+        self.sequences = list(self.children.values())  # in choice order
+        self.num_unfinished = params.n
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -168,14 +181,19 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.children.values())
+        return not self.num_unfinished
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.sequences)
 
     def output(self) -> RequestOutput:
+        """A snapshot, shaped as vLLM's RequestOutput (copies every token so far)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.completion() for c in self.children.values()],
+            outputs=[c.completion() for c in self.sequences],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=dataclasses.replace(self.metrics),
@@ -250,12 +268,10 @@ class OutputProcessor:
             )
         return out
 
-    def process(
-        self, outputs: list[EngineOutput], finished_only: bool = False
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply engine outputs. Returns the updated requests' outputs (only the finished ones with
-        `finished_only`, which spares an offline batch from copying every request each step) and
-        the engine request ids that a stop string finished (to abort in the engine)."""
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestState], list[str]]:
+        """Apply engine outputs. Returns the requests they updated (live: read them now, or take
+        `output()`; a finished one is no longer tracked here) and the engine request ids that a
+        stop string finished (to abort in the engine)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         now = time.time()
@@ -273,19 +289,14 @@ class OutputProcessor:
             state.note_times(out, now)
             if child.append(out) and out.finish_reason is None:
                 to_abort.append(out.request_id)
-            if child.finished:
+            if child.finish_reason is not None:
                 del self._parent[out.request_id]
-                if state.finished:
+                state.num_unfinished -= 1
+                if not state.num_unfinished:
                     state.metrics.finished_time = now
+                    del self.requests[parent]
             touched[parent] = state
-        results = []
-        for rid, state in touched.items():
-            if state.finished:
-                results.append(state.output())
-                del self.requests[rid]
-            elif not finished_only:
-                results.append(state.output())
-        return results, to_abort
+        return list(touched.values()), to_abort
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its engine request ids to abort."""

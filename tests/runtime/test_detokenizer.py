@@ -64,7 +64,7 @@ def test_processor_reports_stop_string_request_for_abort(tok):
         results += outs
         to_abort += ab
     assert to_abort == ["r1"]
-    assert results[-1].finished and results[-1].outputs[0].text == "ab "
+    assert results[-1].finished and results[-1].output().outputs[0].text == "ab "
     assert "r1" not in proc.requests
 
 

@@ -1,0 +1,99 @@
+"""The streaming output path without a server: the byte templates of text-only chunks are exactly
+the dict-built events, a request's stream hands out its live state once per change (a slow
+reader gets several steps at once), and merging several runs hands out every run's finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from atom_runtime.engine.core_client import RequestStream
+from atom_runtime.engine.protocol import EngineOutput
+from atom_runtime.output_processor import OutputProcessor
+from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.server import responses as R
+from atom_runtime.server.runs import Run, merged
+
+TEXTS = ["", "plain", ' quote " and \\ backslash', "tab\tnewline\n\x01", "é漢字😀", "\u2028"]
+
+
+def _dict_event(rid, created, model, chat, choices) -> bytes:
+    built = []
+    for index, text, reason, stop in choices:
+        if chat:
+            delta = {"content": text} if text else {}
+            built.append(R.chat_delta_choice(index, delta, reason, stop, None))
+        else:
+            built.append(R.completion_choice(index, text, reason, stop, None))
+    return R.sse_event(R.completion_body(rid, created, model, built, None, chunk=True, chat=chat))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    "finish", [(None, None), ("length", None), ("stop", "END\n"), ("stop", 151645)]
+)
+def test_text_chunks_are_byte_for_byte_the_dict_events(chat, finish):
+    rid, created, model = "cmpl-\"x\"", 1700000000, "org/model ü"
+    chunks = R.TextChunks(rid, created, model, chat)
+    for text in TEXTS:
+        one = [(0, text, *finish)]
+        assert chunks.event(one) == _dict_event(rid, created, model, chat, one)
+    several = [(i, t, *finish) for i, t in enumerate(TEXTS)]
+    assert chunks.event(several) == _dict_event(rid, created, model, chat, several)
+
+
+def _run(proc: OutputProcessor, rid: str, index: int, n: int = 1) -> Run:
+    proc.add_request(rid, None, [1, 2, 3], SamplingParams(max_tokens=8, n=n))
+    return Run(rid, "api", index, RequestStream(proc.requests[rid]), 3, 0.0, 0.0)
+
+
+def _feed(proc: OutputProcessor, runs: dict[str, Run], outputs: list[EngineOutput]) -> None:
+    """What the engine client's reader does with one message."""
+    updated, _ = proc.process(outputs)
+    for state in updated:
+        runs[state.request_id].stream.put()
+
+
+def test_a_slow_reader_gets_every_step_since_it_last_looked_at_once():
+    async def go():
+        proc = OutputProcessor(None)
+        run = _run(proc, "r", 0)
+        for token in (5, 6, 7):
+            _feed(proc, {"r": run}, [EngineOutput("r", [token])])
+        state = await run.next()
+        assert list(state.sequences[0].token_ids) == [5, 6, 7] and not run.finished
+        waiting = asyncio.ensure_future(run.next())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing new: the reader waits
+        _feed(proc, {"r": run}, [EngineOutput("r", [8], finish_reason="length")])
+        state = await waiting
+        assert list(state.sequences[0].token_ids) == [5, 6, 7, 8] and run.finished
+
+    asyncio.run(go())
+
+
+def test_merging_runs_hands_out_each_runs_finish_even_when_both_end_in_one_step():
+    async def go():
+        proc = OutputProcessor(None)
+        runs = {"p-0": _run(proc, "p-0", 0), "p-1": _run(proc, "p-1", 1)}
+        seen: list[tuple[int, list[int], bool]] = []
+
+        async def read():
+            async for run, state in merged(list(runs.values())):
+                c = state.sequences[0]
+                seen.append((run.prompt_index, list(c.token_ids), c.finish_reason is not None))
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0)
+        _feed(proc, runs, [EngineOutput("p-0", [1]), EngineOutput("p-1", [2])])
+        for _ in range(10):  # until the reader has taken both unfinished states
+            await asyncio.sleep(0)
+        assert sorted(seen) == [(0, [1], False), (1, [2], False)]
+        last = [EngineOutput("p-0", [3], finish_reason="length")]
+        _feed(proc, runs, [*last, EngineOutput("p-1", [4], finish_reason="length")])
+        await asyncio.wait_for(reader, 10)
+        for index, final in ((0, [1, 3]), (1, [2, 4])):
+            assert (index, final, True) in seen
+
+    asyncio.run(go())
