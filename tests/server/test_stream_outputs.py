@@ -34,7 +34,7 @@ def _dict_event(rid, created, model, chat, choices) -> bytes:
     "finish", [(None, None), ("length", None), ("stop", "END\n"), ("stop", 151645)]
 )
 def test_text_chunks_are_byte_for_byte_the_dict_events(chat, finish):
-    rid, created, model = "cmpl-\"x\"", 1700000000, "org/model ü"
+    rid, created, model = 'cmpl-"x"', 1700000000, "org/model ü"
     chunks = R.TextChunks(rid, created, model, chat)
     for text in TEXTS:
         one = [(0, text, *finish)]
