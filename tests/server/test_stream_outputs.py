@@ -97,3 +97,14 @@ def test_merging_runs_hands_out_each_runs_finish_even_when_both_end_in_one_step(
             assert (index, final, True) in seen
 
     asyncio.run(go())
+
+
+def test_the_server_runs_on_uvloop_when_it_is_installed():
+    from atom_runtime.server.api_server import run_event_loop
+
+    uvloop = pytest.importorskip("uvloop")
+
+    async def loop_type():
+        return type(asyncio.get_running_loop())
+
+    assert run_event_loop(loop_type()) is uvloop.Loop
