@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from atom_runtime.engine.core_client import RequestStream
-from atom_runtime.engine.protocol import EngineOutput
+from atom_runtime.engine.protocol import RequestUpdate, StepOutputs
 from atom_runtime.output_processor import OutputProcessor
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
@@ -48,9 +48,13 @@ def _run(proc: OutputProcessor, rid: str, index: int, n: int = 1) -> Run:
     return Run(rid, "api", index, RequestStream(proc.requests[rid]), 3, 0.0, 0.0)
 
 
-def _feed(proc: OutputProcessor, runs: dict[str, Run], outputs: list[EngineOutput]) -> None:
-    """What the engine client's reader does with one message."""
-    updated, _ = proc.process(outputs)
+def _feed(proc: OutputProcessor, runs: dict[str, Run], rows, finished=()) -> None:
+    """What the engine client's reader does with one message: (request id, token) rows, then
+    the finish (length) of the requests in `finished`."""
+    updates = [RequestUpdate(rid, finish_reason="length") for rid in finished]
+    updated, _ = proc.process(
+        StepOutputs([r for r, _ in rows], [t for _, t in rows], updates=updates)
+    )
     for state in updated:
         runs[state.request_id].stream.put()
 
@@ -60,13 +64,13 @@ def test_a_slow_reader_gets_every_step_since_it_last_looked_at_once():
         proc = OutputProcessor(None)
         run = _run(proc, "r", 0)
         for token in (5, 6, 7):
-            _feed(proc, {"r": run}, [EngineOutput("r", [token])])
+            _feed(proc, {"r": run}, [("r", token)])
         state = await run.next()
         assert list(state.sequences[0].token_ids) == [5, 6, 7] and not run.finished
         waiting = asyncio.ensure_future(run.next())
         await asyncio.sleep(0)
         assert not waiting.done()  # nothing new: the reader waits
-        _feed(proc, {"r": run}, [EngineOutput("r", [8], finish_reason="length")])
+        _feed(proc, {"r": run}, [("r", 8)], finished=["r"])
         state = await waiting
         assert list(state.sequences[0].token_ids) == [5, 6, 7, 8] and run.finished
 
@@ -86,12 +90,11 @@ def test_merging_runs_hands_out_each_runs_finish_even_when_both_end_in_one_step(
 
         reader = asyncio.ensure_future(read())
         await asyncio.sleep(0)
-        _feed(proc, runs, [EngineOutput("p-0", [1]), EngineOutput("p-1", [2])])
+        _feed(proc, runs, [("p-0", 1), ("p-1", 2)])
         for _ in range(10):  # until the reader has taken both unfinished states
             await asyncio.sleep(0)
         assert sorted(seen) == [(0, [1], False), (1, [2], False)]
-        last = [EngineOutput("p-0", [3], finish_reason="length")]
-        _feed(proc, runs, [*last, EngineOutput("p-1", [4], finish_reason="length")])
+        _feed(proc, runs, [("p-0", 3), ("p-1", 4)], finished=["p-0", "p-1"])
         await asyncio.wait_for(reader, 10)
         for index, final in ((0, [1, 3]), (1, [2, 4])):
             assert (index, final, True) in seen
@@ -108,3 +111,37 @@ def test_the_server_runs_on_uvloop_when_it_is_installed():
         return type(asyncio.get_running_loop())
 
     assert run_event_loop(loop_type()) is uvloop.Loop
+
+
+def test_a_steps_columns_reach_each_request_as_its_own_tokens_logprobs_and_finish():
+    """One message for the whole step: after the msgpack round trip each request gets its own
+    tokens in order, its logprobs (only the request that asked for them keeps any), its
+    once-only facts and its finish, exactly as the engine sampled them."""
+    from atom_runtime.engine.protocol import EngineMessage, EngineStats, Outputs, decoder, encoder
+
+    proc = OutputProcessor(None)
+    proc.add_request("a", None, [1, 2, 3], SamplingParams(max_tokens=8, logprobs=1))
+    proc.add_request("b", None, [4], SamplingParams(max_tokens=8))
+    step = StepOutputs(
+        request_ids=["a", "b", "a"],
+        token_ids=[10, 20, 11],
+        logprobs=[-0.5, -0.25, -1.5],
+        top_ids=[[12], [], [13]],
+        top_logprobs=[[-0.75], [], [-2.0]],
+        updates=[
+            RequestUpdate("a", num_prompt_tokens=3, num_cached_tokens=2, first_token_time=5.0),
+            RequestUpdate("b", finish_reason="stop", stop_reason=20, kv_transfer_params={"x": 1}),
+        ],
+    )
+    stats = EngineStats(1, 0, 0.5, 64, 16, 10, 4, 0, 10, 3)
+    wire = decoder(EngineMessage).decode(encoder().encode(Outputs(step, stats)))
+    assert wire.outputs == step
+    updated, to_abort = proc.process(wire.outputs)
+    assert to_abort == [] and [s.request_id for s in updated] == ["a", "b"]
+    a, b = (s.output() for s in updated)
+    assert a.outputs[0].token_ids == [10, 11] and not a.finished
+    assert a.outputs[0].logprobs == [{10: -0.5, 12: -0.75}, {11: -1.5, 13: -2.0}]
+    assert (a.num_cached_tokens, a.metrics.first_token_time) == (2, 5.0)
+    assert b.outputs[0].token_ids == [20] and b.outputs[0].logprobs is None
+    assert (b.finished, b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (True, "stop", 20)
+    assert b.kv_transfer_params == {"x": 1} and "b" not in proc.requests
