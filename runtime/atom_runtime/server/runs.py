@@ -63,13 +63,8 @@ class Run:
 
 
 async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, RequestState]]:
-    """Each run's state whenever it changed, until every run's finished state was handed
-    out (one run: no helper tasks)."""
-    if len(runs) == 1:
-        run = runs[0]
-        while not run.finished:
-            yield run, await run.next()
-        return
+    """Each run's state whenever it changed (one helper task per run), until every run's
+    finished state was handed out."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(run: Run) -> None:

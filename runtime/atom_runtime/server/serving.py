@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
@@ -278,51 +278,26 @@ class OpenAIServing:
 
     async def _stream(self, runs: list[Run], shape: _Shape) -> AsyncIterator[bytes]:
         aborted = True
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already sent
-        done: set[int] = set()
-        n = shape.params.n
-        plain = R.TextChunks(shape.request_id, shape.created, shape.model, shape.chat)
-        text_only = shape.text_only
+        chunk = self._chunker(shape)
         try:
             if shape.chat:
                 role = [
                     R.chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None, None)
-                    for i in range(n)
+                    for i in range(shape.params.n)
                 ]
                 yield R.sse_event(shape.body(role, None))
-            async with contextlib.aclosing(merged(runs)) as updates:
-                async for run, state in updates:
-                    choices = []
-                    for c in state.sequences:
-                        index = run.prompt_index * n + c.index
-                        if index in done:
-                            continue
-                        first = index not in sent  # a choice's first chunk carries the echo
-                        chars, ntok = sent.get(index, (0, 0))
-                        upto = (
-                            c.streamable_len
-                            if shape.tools is None
-                            else shape.tools.streamable(c.streamable_text)
-                        )
-                        num_tokens = len(c.token_ids)
-                        if upto == chars and num_tokens == ntok and c.finish_reason is None:
-                            continue
-                        text = c.text[chars:upto]
-                        sent[index] = (chars + len(text), num_tokens)
-                        if c.finish_reason is not None:
-                            done.add(index)
-                        if text_only:
-                            choices.append((index, text, c.finish_reason, c.stop_reason))
-                            continue
-                        choice = self._chunk_choice(shape, index, c, text, ntok, chars, run)
-                        if first:
-                            choice = self._echoed(shape, run, state, choice)
-                        choices.append(choice)
-                    if choices:
-                        if text_only:
-                            yield plain.event(choices)
-                        else:
-                            yield R.sse_event(shape.body(choices, None))
+            if len(runs) == 1:  # the usual case, without merged()'s helper tasks
+                run = runs[0]
+                while not run.finished:
+                    event = chunk(run, await run.next())
+                    if event is not None:
+                        yield event
+            else:
+                async with contextlib.aclosing(merged(runs)) as updates:
+                    async for run, state in updates:
+                        event = chunk(run, state)
+                        if event is not None:
+                            yield event
             if shape.include_usage:
                 yield R.sse_event(shape.body([], _usage(runs)))
             aborted = False
@@ -335,6 +310,50 @@ class OpenAIServing:
         finally:
             self._finish(runs, aborted)
         yield R.SSE_DONE
+
+    def _chunker(self, shape: _Shape) -> Callable[[Run, RequestState], bytes | None]:
+        """The function that turns a run's live state into the stream's next SSE event: what is
+        new in each choice since the last event (None when nothing is)."""
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already sent
+        done: set[int] = set()
+        n = shape.params.n
+        plain = R.TextChunks(shape.request_id, shape.created, shape.model, shape.chat)
+        text_only = shape.text_only
+
+        def chunk(run: Run, state: RequestState) -> bytes | None:
+            choices = []
+            for c in state.sequences:
+                index = run.prompt_index * n + c.index
+                if index in done:
+                    continue
+                first = index not in sent  # a choice's first chunk carries the echo
+                chars, ntok = sent.get(index, (0, 0))
+                upto = (
+                    c.streamable_len
+                    if shape.tools is None
+                    else shape.tools.streamable(c.streamable_text)
+                )
+                num_tokens = len(c.token_ids)
+                if upto == chars and num_tokens == ntok and c.finish_reason is None:
+                    continue
+                text = c.text[chars:upto]
+                sent[index] = (chars + len(text), num_tokens)
+                if c.finish_reason is not None:
+                    done.add(index)
+                if text_only:
+                    choices.append((index, text, c.finish_reason, c.stop_reason))
+                    continue
+                choice = self._chunk_choice(shape, index, c, text, ntok, chars, run)
+                if first:
+                    choice = self._echoed(shape, run, state, choice)
+                choices.append(choice)
+            if not choices:
+                return None
+            if text_only:
+                return plain.event(choices)
+            return R.sse_event(shape.body(choices, None))
+
+        return chunk
 
     def _echo(self, text: str | None, ids: list[int]) -> tuple[str, list[int], int]:
         """What `echo` puts in front of a prompt's choices: its text, its ids, and the length
