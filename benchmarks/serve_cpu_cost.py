@@ -5,8 +5,9 @@ Starts `atom serve` (dummy weights) on 127.0.0.1 as a subprocess, sends W1-shape
 once (lengths uniform in [--input-len-min, --input-len-max], --output-len tokens each, greedy,
 EOS ignored, streaming `/v1/completions` with usage), and reads each server process's CPU time
 from /proc before and after the run: on a shared machine that is the robust figure, wall time
-is not (the client runs in this process and competes for the same cores). The server is
-stopped in a `finally`.
+is not (the client competes for the same cores; `--client-procs` spreads it over several
+processes, so that on a big machine it does not cap the rate). The server is stopped in a
+`finally`.
 
     # CPU box: a tiny model makes the engine fast enough that the API server's cost dominates
     OMP_NUM_THREADS=1 python benchmarks/serve_cpu_cost.py --tiny --offline
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -237,7 +239,8 @@ async def nonstream_request(client, url: str, body: dict, sample) -> bsc.Request
     return out
 
 
-async def run_load(base: str, model: str, samples, args) -> list[bsc.RequestOutput]:
+async def run_load(base: str, model: str, samples, args, go=None) -> list[bsc.RequestOutput]:
+    """Send every sample at once (after `go` is set, when given) and wait for all answers."""
     url = base + "/v1/completions"
     limits = httpx.Limits(max_connections=len(samples), max_keepalive_connections=len(samples))
     timeout = httpx.Timeout(args.request_timeout, connect=60.0)
@@ -250,7 +253,46 @@ async def run_load(base: str, model: str, samples, args) -> list[bsc.RequestOutp
                 b.update(n=args.n, temperature=1.0, seed=0)
             return b
 
+        if go is not None:
+            await asyncio.to_thread(go.wait)
         return await asyncio.gather(*(send(client, url, body(s), s) for s in samples))
+
+
+def _client_process(base: str, model: str, samples, args, ready, go, results) -> None:
+    ready.set()
+    results.put(asyncio.run(run_load(base, model, samples, args, go)))
+
+
+def timed_load(base: str, model: str, samples, args, pids: list[int]):
+    """The load, from `--client-procs` processes (at saturation one Python client needs most of a
+    core, ~27 us a chunk: it must not be what caps the rate). Returns the outputs, the wall
+    time and each of `pids`' CPU seconds, all measured from the moment every client is ready."""
+    procs = []
+    if args.client_procs > 1:
+        ctx = mp.get_context("spawn")
+        go, results = ctx.Event(), ctx.Queue()
+        shards = [samples[i :: args.client_procs] for i in range(args.client_procs)]
+        ready = [ctx.Event() for _ in shards]
+        procs = [
+            ctx.Process(target=_client_process, args=(base, model, shard, args, r, go, results))
+            for shard, r in zip(shards, ready, strict=True)
+        ]
+        for proc in procs:
+            proc.start()
+        for r in ready:
+            r.wait()
+        time.sleep(1.0)  # their event loops are up and waiting for `go`
+    cpu0 = [cpu_seconds(pid) for pid in pids]
+    t0 = time.perf_counter()
+    if procs:
+        go.set()
+        outs = [o for _ in procs for o in results.get()]
+        for proc in procs:
+            proc.join()
+    else:
+        outs = asyncio.run(run_load(base, model, samples, args))
+    wall = time.perf_counter() - t0
+    return outs, wall, [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0, strict=True)]
 
 
 def pct(values: list[float], p: float) -> float:
@@ -273,11 +315,7 @@ def serve_run(args: argparse.Namespace, model: Path, prompts: list[list[int]]) -
         samples = [bsd.SampleRequest(p, len(p), args.output_len) for p in prompts]
         if args.py_spy:
             spies = start_py_spy(args.py_spy, {"api_server": proc.pid, "engine_core": core})
-        api0, core0 = cpu_seconds(proc.pid), cpu_seconds(core)
-        t0 = time.perf_counter()
-        outs = asyncio.run(run_load(base, name, samples, args))
-        wall = time.perf_counter() - t0
-        api_cpu, core_cpu = cpu_seconds(proc.pid) - api0, cpu_seconds(core) - core0
+        outs, wall, (api_cpu, core_cpu) = timed_load(base, name, samples, args, [proc.pid, core])
     finally:
         for spy in spies:
             spy.send_signal(signal.SIGINT)
@@ -417,6 +455,13 @@ def main() -> int:
         action="append",
         default=[],
         help="an extra `atom serve` argument (repeat; e.g. --serve-arg=--dtype=float32)",
+    )
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="client processes the requests are shared among (default: a quarter of the cores, "
+        "at most 4)",
     )
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)

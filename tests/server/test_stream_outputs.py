@@ -1,6 +1,8 @@
-"""The streaming output path without a server: the byte templates of text-only chunks are exactly
-the dict-built events, a request's stream hands out its live state once per change (a slow
-reader gets several steps at once), and merging several runs hands out every run's finish."""
+"""The output path without a server: a step's columns reach each request as its own tokens,
+logprobs and finish after the msgpack round trip; the byte templates of text-only chunks are
+exactly the dict-built events; a request's stream hands out its live state once per change (a
+slow reader gets several steps at once); merging several runs hands out every run's finish; the
+server runs on uvloop when it is installed."""
 
 from __future__ import annotations
 
