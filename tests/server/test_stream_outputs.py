@@ -147,3 +147,30 @@ def test_a_steps_columns_reach_each_request_as_its_own_tokens_logprobs_and_finis
     assert b.outputs[0].token_ids == [20] and b.outputs[0].logprobs is None
     assert (b.finished, b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (True, "stop", 20)
     assert b.kv_transfer_params == {"x": 1} and "b" not in proc.requests
+
+
+def test_a_non_streamed_reader_wakes_for_its_first_token_and_its_finish_only():
+    async def go():
+        proc = OutputProcessor(None)
+        run = _run(proc, "r", 0)
+        wakes = []
+        get = run.stream.get
+
+        async def counted():
+            state = await get()
+            wakes.append(list(state.sequences[0].token_ids))
+            return state
+
+        run.stream.get = counted
+        final = asyncio.ensure_future(run.final())
+        await asyncio.sleep(0)
+        for token in (5, 6, 7):
+            _feed(proc, {"r": run}, [("r", token)])
+            for _ in range(3):
+                await asyncio.sleep(0)
+        _feed(proc, {"r": run}, [("r", 8)], finished=["r"])
+        state = await asyncio.wait_for(final, 10)
+        assert wakes == [[5], [5, 6, 7, 8]]  # the first token (TTFT), then the finish
+        assert state.finished and run.first_token_at is not None
+
+    asyncio.run(go())

@@ -70,6 +70,9 @@ class RequestStream:
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
+        # Set by a reader that only wants the finish from now on (a non-streamed request once
+        # its first token was seen): tokens no longer wake it, the finish and errors do.
+        self.finish_only = False
         self._news = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -77,7 +80,8 @@ class RequestStream:
     def put(self) -> None:
         """The state changed (new tokens, a finish)."""
         self._news = True
-        self._wake()
+        if not self.finish_only or self.state.finished:
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         self._error = error

@@ -57,8 +57,12 @@ class Run:
         return state
 
     async def final(self) -> RequestState:
+        """The finished state. Woken by the first token (the TTFT) and then by the finish only,
+        not once per step."""
         while not self.finished:
             await self.next()
+            if self.first_token_at is not None:
+                self.stream.finish_only = True
         return self.state
 
 
