@@ -284,13 +284,16 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
         now = time.perf_counter()
         if counters is not None and counters.pool_units:
             memory.add(counters.units_in_use / counters.pool_units)
-        for out in outputs:
+        for rid, tokens in outputs.tokens_by_request().items():
+            record = live.get(rid)
+            if record is not None:
+                if record.ttft_s is None:
+                    record.ttft_s = now - record.submitted
+                record.output_token_ids.extend(tokens)
+        for out in outputs.updates:
             record = live.get(out.request_id)
             if record is None:
                 continue
-            if out.new_token_ids and record.ttft_s is None:
-                record.ttft_s = now - record.submitted
-            record.output_token_ids.extend(out.new_token_ids)
             record.num_cached_tokens = out.num_cached_tokens
             if out.finish_reason is None:
                 continue

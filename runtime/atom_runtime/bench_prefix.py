@@ -83,9 +83,9 @@ def ttfts(engine, prompts: list[list[int]], output_len: int, at_once: bool) -> l
 
     def drive(submitted: dict[str, float]) -> None:
         while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.request_id not in out and o.new_token_ids:
-                    out[o.request_id] = time.perf_counter() - submitted[o.request_id]
+            for rid in engine.step().request_ids:
+                if rid not in out:
+                    out[rid] = time.perf_counter() - submitted[rid]
 
     groups = [list(enumerate(prompts))] if at_once else [[(i, p)] for i, p in enumerate(prompts)]
     order = []

@@ -107,12 +107,12 @@ class LLM:
         )
         try:
             while len(results) < len(request_ids):
-                outputs, to_abort = self.processor.process(self.engine.step(), finished_only=True)
+                updated, to_abort = self.processor.process(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
-                for out in outputs:
-                    if out.finished:
-                        results[out.request_id] = out
+                for state in updated:
+                    if state.finished:
+                        results[state.request_id] = state.output()
                         bar.update(1)
                 if not self.engine.has_unfinished_requests() and len(results) < len(request_ids):
                     raise RuntimeError("engine went idle with requests unfinished")

@@ -1,6 +1,12 @@
 """Frontend bookkeeping shared by `LLM` and the API server: fan-out of `n`, incremental
 detokenization, stop strings, and the vLLM-shaped RequestOutput.
 
+Each request's state (`RequestState`, one `SequenceText` per choice) is updated in place as the
+engine's outputs arrive. The API server streams from that live state, reading only what is new
+since its last chunk (a slow reader finds several steps' worth at once); `RequestState.output()`
+takes the vLLM-shaped snapshot `LLM` returns, once per finished request. Nothing is copied per
+token.
+
 Stop strings live here, not in the engine core: only text knows them. When one matches, the
 request is finished here and its id is handed back so the caller aborts it in the engine.
 """
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from atom_runtime.engine.protocol import EngineOutput, EngineRequest
+from atom_runtime.engine.protocol import EngineRequest, RequestUpdate, StepOutputs
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.tokenizer import Tokenizer
 
@@ -69,7 +75,8 @@ class SequenceText:
     def __init__(self, index: int, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
         self.index = index
         self.params = params
-        self.tokenizer = tokenizer
+        self.hf = tokenizer.hf if tokenizer is not None else None
+        self.want_logprobs = params.logprobs is not None
         self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self.text = ""
         self.token_ids = array("i")
@@ -85,31 +92,39 @@ class SequenceText:
         return self.finish_reason is not None
 
     @property
-    def streamable_text(self) -> str:
-        """Text safe to show now: the tail that could still begin a stop string is held back."""
-        if self.finished or not self.hold:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.hold)]
+    def streamable_len(self) -> int:
+        """How much of `text` is safe to show now: the tail that could still begin a stop string
+        is held back until the completion finishes."""
+        if self.finish_reason is not None or not self.hold:
+            return len(self.text)
+        return max(0, len(self.text) - self.hold)
 
-    def append(self, out: EngineOutput) -> bool:
-        """Add one engine output. Returns True when a stop string finished this completion."""
-        for i, token in enumerate(out.new_token_ids):
-            self.token_ids.append(token)
-            if out.new_logprobs is not None:
-                self.logprobs.append(out.new_logprobs[i])
-                top = {token: out.new_logprobs[i]}
-                if out.new_top_ids is not None:
-                    top.update(zip(out.new_top_ids[i], out.new_top_logprobs[i], strict=True))
-                self.top.append(top)
-            piece = self.stream.step(self.tokenizer.hf, token) if self.tokenizer else None
-            if piece:
-                before = len(self.text)
-                self.text += piece
-                if self.stop and self._check_stop(before):
-                    return True
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason
+    @property
+    def streamable_text(self) -> str:
+        return self.text[: self.streamable_len]
+
+    def append_token(
+        self,
+        token: int,
+        logprob: float = 0.0,
+        top_ids: list[int] | None = None,
+        top_logprobs: list[float] | None = None,
+    ) -> bool:
+        """Add one sampled token (with its logprob and alternatives when this completion asked
+        for logprobs). Returns True when a stop string finished this completion."""
+        self.token_ids.append(token)
+        if self.want_logprobs:
+            self.logprobs.append(logprob)
+            top = {token: logprob}
+            if top_ids:
+                top.update(zip(top_ids, top_logprobs, strict=True))
+            self.top.append(top)
+        piece = self.stream.step(self.hf, token) if self.hf is not None else None
+        if piece:
+            before = len(self.text)
+            self.text += piece
+            if self.stop and self._check_stop(before):
+                return True
         return False
 
     def _check_stop(self, new_from: int) -> bool:
@@ -133,7 +148,7 @@ class SequenceText:
         want = self.params.logprobs is not None
         return CompletionOutput(
             index=self.index,
-            text=self.text if self.finished else self.streamable_text,
+            text=self.streamable_text,
             token_ids=self.token_ids.tolist(),
             cumulative_logprob=float(sum(self.logprobs)) if want else None,
             logprobs=list(self.top) if want else None,
@@ -159,6 +174,8 @@ class RequestState:
             child_id(request_id, i, params.n): SequenceText(i, params, tokenizer)
             for i in range(params.n)
         }
+        self.sequences = list(self.children.values())  # in choice order
+        self.num_unfinished = params.n
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict | None = None
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -168,14 +185,19 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.children.values())
+        return not self.num_unfinished
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.sequences)
 
     def output(self) -> RequestOutput:
+        """A snapshot, shaped as vLLM's RequestOutput (copies every token so far)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.completion() for c in self.children.values()],
+            outputs=[c.completion() for c in self.sequences],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=dataclasses.replace(self.metrics),
@@ -184,19 +206,22 @@ class RequestState:
             prompt_logprob_ranks=self.prompt_logprob_ranks,
         )
 
-    def note_times(self, out: EngineOutput, now: float) -> None:
-        """Take the engine's first-scheduled and first-token times (the earliest of the n
-        children) and, when `out` brings tokens, `now` as the last token's arrival."""
+    def take_update(self, update: RequestUpdate) -> None:
+        """The engine's once-per-request facts: cache hit, returned kv_transfer_params, prompt
+        logprobs, first-scheduled and first-token times (the earliest of the n children)."""
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        if update.kv_transfer_params is not None:
+            self.kv_transfer_params = update.kv_transfer_params
+        if update.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.take_prompt_logprobs(update)
         m = self.metrics
-        if out.first_scheduled_time is not None and m.first_scheduled_time is None:
-            m.first_scheduled_time = out.first_scheduled_time
-            m.time_in_queue = out.first_scheduled_time - m.arrival_time
-        if out.first_token_time is not None and m.first_token_time is None:
-            m.first_token_time = out.first_token_time
-        if out.new_token_ids:
-            m.last_token_time = now
+        if update.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = update.first_scheduled_time
+            m.time_in_queue = update.first_scheduled_time - m.arrival_time
+        if update.first_token_time is not None and m.first_token_time is None:
+            m.first_token_time = update.first_token_time
 
-    def take_prompt_logprobs(self, out: EngineOutput) -> None:
+    def take_prompt_logprobs(self, out: RequestUpdate) -> None:
         ids = self.prompt_token_ids
         entries: list[dict[int, float] | None] = [None]
         for i, lp in enumerate(out.prompt_logprobs):
@@ -250,42 +275,64 @@ class OutputProcessor:
             )
         return out
 
-    def process(
-        self, outputs: list[EngineOutput], finished_only: bool = False
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply engine outputs. Returns the updated requests' outputs (only the finished ones with
-        `finished_only`, which spares an offline batch from copying every request each step) and
-        the engine request ids that a stop string finished (to abort in the engine)."""
+    def process(self, outputs: StepOutputs) -> tuple[list[RequestState], list[str]]:
+        """Apply what the engine sent: its token rows, then its updates. Returns the requests
+        they changed (live: read them now, or take `output()`; a finished one is no longer
+        tracked here) and the engine request ids that a stop string finished (to abort in the
+        engine, unless the engine finished them in the same message)."""
         touched: dict[str, RequestState] = {}
-        to_abort: list[str] = []
+        stopped: list[str] = []
         now = time.time()
-        for out in outputs:
-            parent = self._parent.get(out.request_id)
+        parents, requests = self._parent, self.requests
+        logprobs = outputs.logprobs
+        for row, (cid, token) in enumerate(
+            zip(outputs.request_ids, outputs.token_ids, strict=True)
+        ):
+            parent = parents.get(cid)
             if parent is None:
                 continue  # already finished here (e.g. a stop string), engine still catching up
-            state = self.requests[parent]
-            child = state.children[out.request_id]
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if out.kv_transfer_params is not None:
-                state.kv_transfer_params = out.kv_transfer_params
-            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.take_prompt_logprobs(out)
-            state.note_times(out, now)
-            if child.append(out) and out.finish_reason is None:
-                to_abort.append(out.request_id)
-            if child.finished:
-                del self._parent[out.request_id]
-                if state.finished:
-                    state.metrics.finished_time = now
+            state = requests[parent]
+            child = state.children[cid]
+            if child.finish_reason is not None:
+                continue  # a stop string ended it at an earlier row of this message
+            if logprobs is None:
+                hit = child.append_token(token)
+            else:
+                top_ids, top_lps = outputs.top_ids[row], outputs.top_logprobs[row]
+                hit = child.append_token(token, logprobs[row], top_ids, top_lps)
+            state.metrics.last_token_time = now
             touched[parent] = state
-        results = []
-        for rid, state in touched.items():
-            if state.finished:
-                results.append(state.output())
-                del self.requests[rid]
-            elif not finished_only:
-                results.append(state.output())
-        return results, to_abort
+            if hit:
+                stopped.append(cid)
+        engine_finished = set()
+        for update in outputs.updates:
+            cid = update.request_id
+            parent = parents.get(cid)
+            if parent is None:
+                continue
+            state = requests[parent]
+            state.take_update(update)
+            if update.finish_reason is not None:
+                engine_finished.add(cid)
+                child = state.children[cid]
+                if child.finish_reason is None:  # else a stop string came first: it stands
+                    child.finish_reason = update.finish_reason
+                    child.stop_reason = update.stop_reason
+                self._finish_child(state, cid, now)
+            touched[parent] = state
+        to_abort = []
+        for cid in stopped:
+            if cid not in engine_finished:
+                to_abort.append(cid)
+                self._finish_child(requests[parents[cid]], cid, now)
+        return list(touched.values()), to_abort
+
+    def _finish_child(self, state: RequestState, cid: str, now: float) -> None:
+        del self._parent[cid]
+        state.num_unfinished -= 1
+        if not state.num_unfinished:
+            state.metrics.finished_time = now
+            del self.requests[state.request_id]
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its engine request ids to abort."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atom_runtime.block_manager import BlockManager
-from atom_runtime.engine.protocol import EngineOutput
+from atom_runtime.engine.protocol import RequestUpdate, StepOutputs
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
@@ -338,15 +338,20 @@ class Scheduler:
 
     def update_from_output(
         self, batch: ScheduledBatch, output: StepOutput | None
-    ) -> tuple[list[EngineOutput], list[Sequence]]:
+    ) -> tuple[StepOutputs, list[Sequence]]:
         """Apply a completed step: fill in its sampled tokens, check stops, publish the blocks it
         computed and free the sequences that finished. Sequences finished since the step was
         launched (an abort, or a stop found by the step before) are skipped: their row was
-        wasted. Returns the step's outputs and the sequences it finished."""
+        wasted. Returns the step's outputs (a row per token; an update with each sequence's
+        first token and with its finish) and the sequences it finished."""
         live = [seq for seq in batch.seqs if not seq.is_finished]
-        outputs = []
+        outputs = StepOutputs()
         if output is not None:
             now = time.time()
+            ids, tokens, updates = outputs.request_ids, outputs.token_ids, outputs.updates
+            with_logprobs = output.logprobs is not None
+            if with_logprobs:
+                outputs.logprobs, outputs.top_ids, outputs.top_logprobs = [], [], []
             for row, seq in enumerate(output.samplers):
                 if seq.is_finished:
                     continue
@@ -354,20 +359,22 @@ class Scheduler:
                 seq.resolve_pending(token)
                 if seq.matcher is not None:
                     seq.matcher.consume_token(token)
-                if seq.first_token_time is None:
+                first = seq.first_token_time is None
+                if first:
                     seq.first_token_time = now
                 check_stop(seq, token, self.eos_token_ids, self.max_model_len)
                 if seq.is_finished and self.on_finish is not None:
                     self.on_finish(seq)
-                out = engine_output(seq, [token])
-                want = seq.sampling_params.logprobs
-                if want is not None:
-                    out.new_logprobs = [output.logprobs[row]]
-                    if want > 0:
-                        out.new_top_ids = [output.top_ids[row][:want]]
-                        out.new_top_logprobs = [output.top_logprobs[row][:want]]
-                outputs.append(out)
-                self.generation_tokens += 1
+                ids.append(seq.request_id)
+                tokens.append(token)
+                if with_logprobs:
+                    want = seq.sampling_params.logprobs
+                    outputs.logprobs.append(output.logprobs[row])
+                    outputs.top_ids.append(output.top_ids[row][:want] if want else [])
+                    outputs.top_logprobs.append(output.top_logprobs[row][:want] if want else [])
+                if first or seq.is_finished:
+                    updates.append(request_update(seq, with_token=True))
+            self.generation_tokens += len(tokens)
         finished = self._finish_step(live)
         self.batch_done(batch)
         return outputs, finished
@@ -456,12 +463,12 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: list[int], max_model_le
         seq.finish(FinishReason.LENGTH)
 
 
-def engine_output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
-    """What the frontend hears about `seq` this step: its new tokens, its finish once finished,
-    and with its first token the prompt's logprobs when it asked for them."""
-    out = EngineOutput(
+def request_update(seq: Sequence, with_token: bool) -> RequestUpdate:
+    """What the frontend hears about `seq` besides its tokens: its prompt and timestamps, its
+    finish once finished, and with its first token (`with_token`) the prompt's logprobs when it
+    asked for them."""
+    out = RequestUpdate(
         request_id=seq.request_id,
-        new_token_ids=new_token_ids,
         finish_reason=seq.finish_reason.value if seq.finish_reason else None,
         stop_reason=seq.stop_reason,
         num_prompt_tokens=seq.num_prompt_tokens,
@@ -471,7 +478,7 @@ def engine_output(seq: Sequence, new_token_ids: list[int]) -> EngineOutput:
         num_preemptions=seq.num_preemptions,
         kv_transfer_params=seq.kv_transfer_params if seq.finish_reason else None,
     )
-    if seq.sampling_params.prompt_logprobs is not None and new_token_ids and not seq.prompt_lp_sent:
+    if seq.sampling_params.prompt_logprobs is not None and with_token and not seq.prompt_lp_sent:
         seq.prompt_lp_sent = True
         out.prompt_logprobs = [lp for lp, _, _, _ in seq.prompt_lp]
         out.prompt_top_ids = [ids for _, ids, _, _ in seq.prompt_lp]

@@ -102,10 +102,11 @@ def test_a_request_needing_its_history_skips_steps_instead_of_stalling_the_batch
     steps = 0
     while on.engine.has_unfinished_requests():
         steps += 1
-        for out in on.engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                finished_at[out.request_id] = steps
+        out = on.engine.step()
+        for rid, new in out.tokens_by_request().items():
+            tokens.setdefault(rid, []).extend(new)
+        for rid in out.finished():
+            finished_at[rid] = steps
     assert finished_at["plain"] <= 14  # one token a step, one step behind
     assert finished_at["hist"] >= 2 * 12 - 2  # one token every other step
     want = off.generate(
@@ -121,16 +122,16 @@ def test_one_step_stays_in_flight_and_outputs_come_one_step_later(engines):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for llm in engines:
         llm.engine.add_request(EngineRequest("late", PROMPTS[0], params))
-    assert len(off.engine.step()) == 1  # prefill samples the first token at once
-    assert on.engine.step() == []  # ... which async reads back during the next step
+    assert off.engine.step().token_ids != []  # prefill samples the first token at once
+    assert not on.engine.step()  # ... which async reads back during the next step
     assert on.engine._in_flight is not None
     got, want = [], []
     while on.engine.has_unfinished_requests():
-        got += on.engine.step()
+        got.append(on.engine.step())
     while off.engine.has_unfinished_requests():
-        want += off.engine.step()
-    assert [o.new_token_ids for o in got] == [[t] for t in _tokens(off, params)]
-    assert len(want) == 2 and got[-1].finish_reason == "length"
+        want.append(off.engine.step())
+    assert [o.token_ids for o in got] == [[t] for t in _tokens(off, params)]
+    assert len(want) == 2 and got[-1].finished()["late"].finish_reason == "length"
 
 
 def _tokens(llm, params):
@@ -168,15 +169,16 @@ def test_abort_while_in_flight(engines):
     engine = on.engine
     engine.add_request(EngineRequest("keep", PROMPTS[1], params))
     engine.add_request(EngineRequest("drop", PROMPTS[3], params))
-    outputs = engine.step() + engine.step() + engine.step()
+    outputs = [engine.step(), engine.step(), engine.step()]
     assert engine._in_flight is not None
     aborted = engine.abort_requests(["drop"])
-    assert [o.finish_reason for o in aborted] == ["abort"]
+    assert [(o.request_id, o.finish_reason) for o in aborted] == [("drop", "abort")]
     later = []
     while engine.has_unfinished_requests():
-        later += engine.step()
-    assert {o.request_id for o in later} == {"keep"}  # nothing more for the aborted request
-    kept = [t for o in outputs + later if o.request_id == "keep" for t in o.new_token_ids]
+        later.append(engine.step())
+    # Nothing more for the aborted request.
+    assert {rid for o in later for rid in [*o.request_ids, *o.finished()]} == {"keep"}
+    kept = [t for o in outputs + later for t in o.tokens_by_request().get("keep", [])]
     assert kept == _run(off, [PROMPTS[1]], params)[0][0]
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     # Aborting everything leaves nothing that counts as unfinished.

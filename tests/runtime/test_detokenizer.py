@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom_runtime.engine.protocol import EngineOutput
+from atom_runtime.engine.protocol import StepOutputs
 from atom_runtime.models.loader import default_model_path
 from atom_runtime.output_processor import OutputProcessor, SequenceText
 from atom_runtime.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ def _feed(tok, text, params):
     shown = []
     ids = tok.encode(text)
     for t in ids:
-        stopped = seq.append(EngineOutput("r", [t]))
+        stopped = seq.append_token(t)
         shown.append(seq.streamable_text)
         if stopped:
             break
@@ -60,11 +60,11 @@ def test_processor_reports_stop_string_request_for_abort(tok):
     [req] = proc.add_request("r1", None, [1, 2], SamplingParams(stop=["cd"], max_tokens=50))
     results, to_abort = [], []
     for t in tok.encode("ab cd ef"):
-        outs, ab = proc.process([EngineOutput(req.request_id, [t])])
+        outs, ab = proc.process(StepOutputs([req.request_id], [t]))
         results += outs
         to_abort += ab
     assert to_abort == ["r1"]
-    assert results[-1].finished and results[-1].outputs[0].text == "ab "
+    assert results[-1].finished and results[-1].output().outputs[0].text == "ab "
     assert "r1" not in proc.requests
 
 

@@ -118,11 +118,16 @@ def test_a_step_output_fills_tokens_stops_and_frees_finished_sequences():
     for seq in (stop, eos, length):
         s.add(seq)
     batch, outs, finished = _run_step(s, tokens=[5, 6, EOS])
-    assert [o.new_token_ids for o in outs] == [[5], [6], [EOS]]
-    assert finished == [] and all(o.finish_reason is None for o in outs)
-    assert outs[0].first_scheduled_time is not None and outs[0].first_token_time is not None
+    assert (outs.request_ids, outs.token_ids) == (["stop", "eos", "length"], [5, 6, EOS])
+    # Each first token brings the request's once-only facts; none is finished yet.
+    assert [o.request_id for o in outs.updates] == ["stop", "eos", "length"]
+    assert finished == [] and all(o.finish_reason is None for o in outs.updates)
+    first = outs.updates[0]
+    assert first.first_scheduled_time is not None and first.first_token_time is not None
+    assert first.num_prompt_tokens == 3
     _, outs, finished = _run_step(s, tokens=[42, EOS, 3])
-    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in outs] == [
+    assert outs.token_ids == [42, EOS, 3]
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in outs.updates] == [
         ("stop", "stop", 42),  # a stop token id: its id is the stop reason
         ("eos", "stop", None),  # EOS is no user stop token
         ("length", "length", None),  # max_tokens reached (EOS ignored on the way)
@@ -139,14 +144,14 @@ def test_min_tokens_and_the_context_length_decide_stops():
     early = Sequence("early", [1, 2], SamplingParams(max_tokens=None, min_tokens=2))
     s.add(early)
     _, outs, _ = _run_step(s, tokens=[EOS])
-    assert outs[0].finish_reason is None  # EOS before min_tokens does not stop
+    assert outs.updates[0].finish_reason is None  # EOS before min_tokens does not stop
     _, outs, _ = _run_step(s, tokens=[EOS])
-    assert outs[0].finish_reason == "stop"
+    assert outs.finished()["early"].finish_reason == "stop"
     long = Sequence("long", [1, 2, 3, 4], SamplingParams(max_tokens=None, ignore_eos=True))
     s.add(long)
     _run_step(s, tokens=[10])
     _, outs, finished = _run_step(s, tokens=[11])
-    assert (outs[0].finish_reason, finished) == ("length", [long])  # 6 tokens: the context
+    assert (outs.finished()["long"].finish_reason, finished) == ("length", [long])  # 6 tokens
     assert long.num_tokens == 6
 
 
@@ -171,5 +176,5 @@ def test_a_sequence_finished_while_its_step_was_in_flight_is_skipped():
     assert finished == [a] and a.finish_reason is FinishReason.STOP
     assert list(a.output_token_ids) == [10, 42] and a.num_pending == 0
     outs, finished = s.update_from_output(third, StepOutput([a, b], [77, 13]))
-    assert [o.request_id for o in outs] == ["b"] and finished == []
+    assert outs.request_ids == ["b"] and not outs.updates and finished == []
     assert list(b.output_token_ids) == [11, 12, 13] and b.num_pending == 0

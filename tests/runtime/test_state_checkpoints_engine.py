@@ -323,9 +323,9 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(
             engine.abort_requests([live.pop(rng.randrange(len(live)))])
         elif r < 0.40:
             ck.store.reclaim(rng.randint(1, 6))
-        for out in engine.step():
-            if out.finish_reason is not None and out.request_id in live:
-                live.remove(out.request_id)
+        for rid in engine.step().finished():
+            if rid in live:
+                live.remove(rid)
         check()
         for seq in engine.scheduler.running:  # follow-up turns extend what ran
             if seq.num_tokens - seq.num_pending > 40 and rng.random() < 0.2:

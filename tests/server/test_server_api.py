@@ -473,3 +473,30 @@ def test_tokenize_detokenize_version_health(server):
     assert r.status_code == 200 and r.json() == {"prompt": "Hello world"}
     assert httpx.get(f"{server.url}/version").json() == {"version": "0.1.0"}
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_a_stream_of_several_prompts_and_choices_with_logprobs_adds_up_to_the_answer(
+    client, model_name
+):
+    """Chunks built from each request's live state, several prompts merged: per choice, the
+    streamed text, logprob tokens and text offsets add up to the non-streamed answer, and every
+    choice gets its finish."""
+    ask = dict(model=model_name, prompt=[PROMPT, "A second prompt"], n=2, max_tokens=6)
+    ask.update(logprobs=2, **GREEDY)
+    whole = client.completions.create(**ask)
+    text: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    offsets: dict[int, list[int]] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.completions.create(**ask, stream=True):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert sorted(text) == [0, 1, 2, 3] and finish == {i: "length" for i in range(4)}
+    for c in whole.choices:
+        assert text[c.index] == c.text
+        assert tokens[c.index] == c.logprobs.tokens
+        assert offsets[c.index] == c.logprobs.text_offset

@@ -12,11 +12,12 @@ from atom_runtime.engine.protocol import (
     AddRequests,
     ClientMessage,
     EngineMessage,
-    EngineOutput,
     EngineReady,
     EngineRequest,
     EngineStats,
     Outputs,
+    RequestUpdate,
+    StepOutputs,
     decoder,
     encoder,
 )
@@ -117,10 +118,11 @@ def test_requests_to_sampling_params():
 
 def test_socket_messages_round_trip_as_msgpack():
     stats = EngineStats(1, 2, 0.5, 64, 16, 10, 4, 0, 10, 3)
-    out = EngineOutput("r", [1, 2], finish_reason="length", num_prompt_tokens=3)
+    update = RequestUpdate("r", finish_reason="length", num_prompt_tokens=3)
+    out = StepOutputs(["r", "r"], [1, 2], [0.5, -1.0], [[7], [8]], [[-0.1], [-2.0]], [update])
     for msg in (
         AddRequests(7, [EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))]),
-        Outputs([out], stats),
+        Outputs(out, stats),
         EngineReady("/m", [2], 1024, "cpu", 64, 16, 49152, stats),
     ):
         data = encoder().encode(msg)

@@ -32,9 +32,10 @@ from atom_runtime.block_manager import BlockManager
 from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.protocol import (
-    EngineOutput,
     EngineRequest,
     EngineStats,
+    RequestUpdate,
+    StepOutputs,
     check_token_ids,
 )
 from atom_runtime.executor import make_executor
@@ -43,7 +44,7 @@ from atom_runtime.kv_transfer import make_transfer_agent
 from atom_runtime.layers.sampler import SamplerOutput
 from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, engine_output
+from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, request_update
 from atom_runtime.sequence import Sequence
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
@@ -216,13 +217,13 @@ class EngineCore:
         if not parked:  # a parked request enters the scheduler once its KV pull is over
             self.scheduler.add(seq)
 
-    def abort_requests(self, request_ids) -> list[EngineOutput]:
+    def abort_requests(self, request_ids) -> list[RequestUpdate]:
         ids = set(request_ids)
         aborted = self.scheduler.abort(ids)
         if self.kv_transfer is not None:
             aborted += self.kv_transfer.abort(ids)
         self.executor.release(seq.request_id for seq in aborted)
-        return [engine_output(seq, []) for seq in aborted]
+        return [request_update(seq, with_token=False) for seq in aborted]
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight counts while it holds a live sequence (not once all were aborted).
@@ -240,8 +241,8 @@ class EngineCore:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def step(self) -> list[EngineOutput]:
-        outputs = []
+    def step(self) -> StepOutputs:
+        outputs = StepOutputs()
         if self.kv_transfer is not None:
             for seq in self.kv_transfer.poll():
                 self.scheduler.add(seq)
@@ -260,10 +261,10 @@ class EngineCore:
             self.executor.copy_state(batch.state_copy)
             self.scheduler.batch_done(batch)
         if self._in_flight is not None:
-            outputs += self._complete(self._in_flight)
+            outputs = self._complete(self._in_flight)
         self._in_flight = launched
         if launched is not None and not self.async_scheduling:
-            outputs += self._complete(launched)
+            outputs = self._complete(launched)  # nothing was in flight: the only outputs
             self._in_flight = None
         self.publisher.publish(self.pool.drain_events())
         self.publisher.raise_if_failed()
@@ -276,7 +277,7 @@ class EngineCore:
         self.scheduler.commit(batch, samplers)
         return _InFlight.start(batch, samplers, sampled)
 
-    def _complete(self, step: _InFlight) -> list[EngineOutput]:
+    def _complete(self, step: _InFlight) -> StepOutputs:
         """Read a launched step's samples back and hand them to the scheduler."""
         outputs, finished = self.scheduler.update_from_output(step.batch, step.wait())
         self.executor.release(seq.request_id for seq in finished)

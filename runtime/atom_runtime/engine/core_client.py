@@ -1,8 +1,9 @@
 """The API server's side of the EngineCore process: spawn it, talk to it, notice when it dies.
 
 One reader task receives every engine message. Step outputs go through the shared
-OutputProcessor (n fan-out, detokenization, stop strings) and the resulting RequestOutputs are
-handed to per-request `RequestStream`s; stop-string finishes are aborted in the engine. The
+OutputProcessor (n fan-out, detokenization, stop strings), which updates each request's live
+state in place; the request's `RequestStream` is then woken, and its reader takes what is new
+(no per-step snapshot is built). Stop-string finishes are aborted in the engine. The
 process sentinel is watched on the event loop: when the engine core dies, every open stream
 fails with EngineDeadError at once and `on_death` runs.
 
@@ -49,7 +50,7 @@ from atom_runtime.engine.protocol import (
     decoder,
     encoder,
 )
-from atom_runtime.output_processor import OutputProcessor, RequestOutput
+from atom_runtime.output_processor import OutputProcessor, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -63,33 +64,46 @@ class EngineStartupError(RuntimeError):
 
 
 class RequestStream:
-    """The latest RequestOutput of one request. Outputs are cumulative (full text and tokens so
-    far), so a slow reader skips intermediate ones instead of queueing them."""
+    """Wakes the reader of one request when the engine brought it something. The request's state
+    (`RequestState`) is live, updated in place by the output reader, so a reader that falls
+    behind finds several steps' worth at once (one chunk) instead of a queue of them."""
 
-    def __init__(self) -> None:
-        # Engine-side wall-clock time (time.time) the request was first scheduled: queue time.
-        self.first_scheduled_time: float | None = None
-        self._latest: RequestOutput | None = None
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+        # Set by a reader that only wants the finish from now on (a non-streamed request once
+        # its first token was seen): tokens no longer wake it, the finish and errors do.
+        self.finish_only = False
+        self._news = False
         self._error: BaseException | None = None
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None
 
-    def put(self, output: RequestOutput) -> None:
-        self._latest = output
-        self._event.set()
+    def put(self) -> None:
+        """The state changed (new tokens, a finish)."""
+        self._news = True
+        if not self.finish_only or self.state.finished:
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
-        self._event.set()
+        self._wake()
 
-    async def get(self) -> RequestOutput:
-        await self._event.wait()
-        self._event.clear()
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestState:
+        """The state, once it has changed since the last call (at once if it already has)."""
+        if not self._news and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if self._error is not None:
             raise self._error
-        out, self._latest = self._latest, None
-        if out is None:
-            raise RuntimeError("RequestStream woke with nothing to deliver")
-        return out
+        self._news = False
+        return self.state
 
 
 class EngineCoreClient:
@@ -113,7 +127,6 @@ class EngineCoreClient:
         self.death_reason = "the engine core process died"
         self.last_heard = time.monotonic()
         self.on_death: Callable[[], None] | None = None
-        self.on_outputs: Callable[[Outputs, list[RequestOutput]], None] | None = None
         self._ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._closing = False
@@ -248,7 +261,7 @@ class EngineCoreClient:
         reqs: list[EngineRequest] = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, kv_transfer_params
         )
-        stream = RequestStream()
+        stream = RequestStream(self.processor.requests[request_id])
         self.streams[request_id] = stream
         try:
             result: AddResult = await self._call(AddRequests(0, reqs))
@@ -346,17 +359,14 @@ class EngineCoreClient:
         self.stats = msg.stats
         if not msg.outputs:
             return
-        results, to_abort = self.processor.process(msg.outputs)
+        updated, to_abort = self.processor.process(msg.outputs)
         if to_abort:
             with contextlib.suppress(EngineDeadError):
                 self._send(AbortRequests(to_abort))
-        for out in results:
-            stream = self.streams.get(out.request_id)
+        streams = self.streams
+        for state in updated:
+            stream = streams.get(state.request_id)
             if stream is not None:
-                if stream.first_scheduled_time is None:
-                    stream.first_scheduled_time = out.metrics.first_scheduled_time
-                stream.put(out)
-                if out.finished:
-                    del self.streams[out.request_id]
-        if self.on_outputs is not None:
-            self.on_outputs(msg, results)
+                stream.put()
+                if state.finished:
+                    del streams[state.request_id]

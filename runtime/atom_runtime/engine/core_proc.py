@@ -27,11 +27,12 @@ from atom_runtime.engine.protocol import (
     AddRequests,
     AddResult,
     ClientMessage,
-    EngineOutput,
     EngineReady,
     Outputs,
+    RequestUpdate,
     Shutdown,
     StartupFailed,
+    StepOutputs,
     UtilityCall,
     UtilityResult,
     decoder,
@@ -141,13 +142,14 @@ class EngineLoop:
         while self.running:
             busy = self.engine.has_unfinished_requests()
             timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
-            pending: list[EngineOutput] = []
+            aborted: list[RequestUpdate] = []
             if self.poller.poll(timeout_ms):
-                pending += self._drain_inbox()
+                aborted = self._drain_inbox()
             if not self.running:
                 break
-            if self.engine.has_unfinished_requests():
-                pending += self.engine.step()
+            pending = self.engine.step() if self.engine.has_unfinished_requests() else StepOutputs()
+            if aborted:  # aborted before the step: it has no row of theirs
+                pending.updates[:0] = aborted
             now = time.monotonic()
             if pending or now - last_sent >= HEARTBEAT_S:
                 self._send(Outputs(pending, self.engine.stats()))
@@ -157,8 +159,8 @@ class EngineLoop:
                     break
         self._abort_all()
 
-    def _drain_inbox(self) -> list[EngineOutput]:
-        aborted: list[EngineOutput] = []
+    def _drain_inbox(self) -> list[RequestUpdate]:
+        aborted: list[RequestUpdate] = []
         for msg in receive_waiting(self.inbox, self.decoder):
             if isinstance(msg, AddRequests):
                 self._send(self._add(msg))

@@ -51,14 +51,12 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: dict | None = None
 
 
-class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request: new tokens, and the finish if it finished."""
+class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The facts about one request that come once, not with every token: sent with its first
+    token (prompt size, prefix-cache hit, engine timestamps, prompt logprobs when asked for) and
+    when it finishes (why; its kv_transfer_params), an abort included."""
 
     request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float] | None = None
-    new_top_ids: list[list[int]] | None = None
-    new_top_logprobs: list[list[float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
@@ -67,15 +65,47 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # The request's kv_transfer_params, returned with its final output: a KV-transfer producer's
-    # say where the prompt's blocks wait for a pull (kv_transfer/agent.py); otherwise the engine
+    # The request's kv_transfer_params, returned with its finish: a KV-transfer producer's say
+    # where the prompt's blocks wait for a pull (kv_transfer/agent.py); otherwise the engine
     # hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
     kv_transfer_params: dict | None = None
-    # prompt_logprobs, with the first output: per prompt token from the second on.
+    # prompt_logprobs, with the first token: per prompt token from the second on.
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
     prompt_ranks: list[int] | None = None  # each prompt token's rank among the vocabulary
+
+
+class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine produced since its last message, as columns: row i is token `token_ids[i]`
+    of request `request_ids[i]` (a request's rows in the order sampled), with its logprob and
+    top alternatives when any request of the step asked for logprobs (a row of a request that
+    asked for none holds the sampled token's logprob and no alternatives). Then `updates`, the
+    once-per-request facts, which apply after the rows (a finish comes after its last token).
+    One list per column instead of one object per request per token: building, encoding,
+    decoding and reading a step's outputs costs a few list operations per token."""
+
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    updates: list[RequestUpdate] = []
+
+    def __len__(self) -> int:
+        """How many tokens and updates this holds (0: nothing happened)."""
+        return len(self.token_ids) + len(self.updates)
+
+    def tokens_by_request(self) -> dict[str, list[int]]:
+        """Each request's new tokens, in order (requests with an update but no token: absent)."""
+        out: dict[str, list[int]] = {}
+        for rid, token in zip(self.request_ids, self.token_ids, strict=True):
+            out.setdefault(rid, []).append(token)
+        return out
+
+    def finished(self) -> dict[str, RequestUpdate]:
+        """The updates that finish a request, by request id."""
+        return {u.request_id: u for u in self.updates if u.finish_reason is not None}
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -152,7 +182,7 @@ class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     """One step's outputs (empty for a heartbeat) and the engine's stats after it."""
 
-    outputs: list[EngineOutput]
+    outputs: StepOutputs
     stats: EngineStats
 
 

@@ -84,10 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from atom_runtime.engine.core_proc import HEARTBEAT_S, LOG_FORMAT
-    from atom_runtime.server.api_server import ServerConfig, serve
+    from atom_runtime.server.api_server import ServerConfig, run_event_loop, serve
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not 0 < args.port < 65536:
@@ -132,4 +130,4 @@ def run(args: argparse.Namespace) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         enable_debug_endpoints=args.enable_debug_endpoints,
     )
-    return asyncio.run(serve(config, engine_config))
+    return run_event_loop(serve(config, engine_config))

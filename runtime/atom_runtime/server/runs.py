@@ -1,14 +1,16 @@
-"""One API request in flight: a `Run` per prompt (its engine stream and timings), the `_Shape`
-every chunk of its response shares, and `RequestCut`, how a shutdown ends it."""
+"""One API request in flight: a `Run` per prompt (its engine stream and timings), `merged` (the
+states of several runs as they change), the `_Shape` every chunk of its response shares, and
+`RequestCut`, how a shutdown ends it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from atom_runtime.engine.core_client import RequestStream
-from atom_runtime.output_processor import RequestOutput
+from atom_runtime.engine.core_client import EngineDeadError, RequestStream
+from atom_runtime.output_processor import RequestState
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.tools import ToolPlan
@@ -27,7 +29,10 @@ def _retrieve(task: asyncio.Future) -> None:
 
 @dataclass
 class Run:
-    """One prompt of an API request, as submitted to the engine (its n choices together)."""
+    """One prompt of an API request, as submitted to the engine (its n choices together). Its
+    state is live (updated by the engine client's reader); `finished` turns True once the
+    reader of this run has been handed the finished state, not merely when the engine got
+    there, so a stream never stops before its last chunk."""
 
     request_id: str
     api_request_id: str  # the HTTP request's id (request_id is it, or it + "-<prompt index>")
@@ -37,27 +42,59 @@ class Run:
     arrival: float  # time.monotonic() when the HTTP request arrived
     arrival_wall: float  # time.time() then, to compare with the engine's timestamps
     first_token_at: float | None = None
-    last: RequestOutput | None = None
+    finished: bool = False
 
-    async def next(self) -> RequestOutput:
-        out = await self.stream.get()
-        if self.first_token_at is None and any(c.token_ids for c in out.outputs):
+    @property
+    def state(self) -> RequestState:
+        return self.stream.state
+
+    async def next(self) -> RequestState:
+        """The state once it changed: read what is new before awaiting again."""
+        state = await self.stream.get()
+        if self.first_token_at is None and state.num_output_tokens:
             self.first_token_at = time.monotonic()
-        self.last = out
-        return out
+        self.finished = state.finished
+        return state
 
-    async def final(self) -> RequestOutput:
-        while self.last is None or not self.last.finished:
+    async def final(self) -> RequestState:
+        """The finished state. Woken by the first token (the TTFT) and then by the finish only,
+        not once per step."""
+        while not self.finished:
             await self.next()
-        return self.last
+            if self.first_token_at is not None:
+                self.stream.finish_only = True
+        return self.state
 
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finished
 
-    @property
-    def num_output_tokens(self) -> int:
-        return 0 if self.last is None else sum(len(c.token_ids) for c in self.last.outputs)
+async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, RequestState]]:
+    """Each run's state whenever it changed (one helper task per run), until every run's
+    finished state was handed out."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run) -> None:
+        try:
+            while not run.finished:
+                queue.put_nowait((run, await run.next()))
+        except (EngineDeadError, RequestCut) as e:
+            queue.put_nowait((run, e))
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    for task in tasks:
+        task.add_done_callback(_retrieve)
+    open_runs = set(range(len(runs)))
+    try:
+        while open_runs:
+            run, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            # The state is live: read now, a finished one is complete whichever item it is.
+            done = item.finished
+            yield run, item
+            if done:
+                open_runs.discard(run.prompt_index)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass
@@ -74,6 +111,17 @@ class _Shape:
     called: set[int] = field(default_factory=set)  # choices whose named call has begun
     echo: list[tuple[str, list[int], int]] | None = None  # per prompt, with `echo`: _echo()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for: how many top ones
+
+    @property
+    def text_only(self) -> bool:
+        """Chunks carry text alone (no logprobs, echo, prompt logprobs or tool calls): they can
+        come from byte templates (responses.TextChunks)."""
+        return (
+            self.params.logprobs is None
+            and (self.tools is None or self.tools.mode == "none")
+            and self.echo is None
+            and self.prompt_logprobs is None
+        )
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:
         return R.completion_body(

@@ -19,14 +19,14 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError
-from atom_runtime.output_processor import RequestOutput
+from atom_runtime.output_processor import RequestState, SequenceText
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
@@ -46,7 +46,7 @@ from atom_runtime.server.request_io import (
     json_response,
     parse_body,
 )
-from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape
+from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape, merged
 from atom_runtime.server.tools import named_call_delta, plan_tools
 from atom_runtime.tokenizer import Tokenizer
 
@@ -159,14 +159,12 @@ class OpenAIServing:
         outs = await self._collect(request, runs)
         choices = []
         for run, out in zip(runs, outs, strict=True):
-            for c in out.outputs:
+            for c in out.sequences:
                 index = run.prompt_index * params.n + c.index
-                choice = self._chunk_choice(shape, index, c, c.text, c.token_ids, 0, 0, run)
+                choice = self._chunk_choice(shape, index, c, c.text, 0, 0, run)
                 choices.append(self._echoed(shape, run, out, choice))
         return json_response(
-            R.completion_body(
-                rid, shape.created, model, choices, _usage(runs, outs), _kv_transfer(outs)
-            )
+            R.completion_body(rid, shape.created, model, choices, _usage(runs), _kv_transfer(outs))
         )
 
     async def chat(self, request: Request) -> Response:
@@ -200,15 +198,15 @@ class OpenAIServing:
         outs = await self._collect(request, runs)
         choices = []
         shape.prompt_logprobs = req.prompt_logprobs
-        for c in outs[0].outputs:
+        for c in outs[0].sequences:
             lp = None
             if params.logprobs is not None:
-                lp = R.chat_logprobs(c.token_ids, c.logprobs, params.logprobs, self.token_text)
+                lp = R.chat_logprobs(c.token_ids, c.top, params.logprobs, self.token_text)
             content, calls = tools.parse(c.text) if c.finish_reason else (c.text, [])
             reason = tools.finish_reason(calls, c.finish_reason)
             choices.append(R.chat_choice(c.index, content, reason, c.stop_reason, lp, calls))
         body = R.completion_body(
-            rid, shape.created, model, choices, _usage(runs, outs), _kv_transfer(outs), chat=True
+            rid, shape.created, model, choices, _usage(runs), _kv_transfer(outs), chat=True
         )
         if req.prompt_logprobs is not None:  # vLLM puts a chat's at the top level
             body["prompt_logprobs"] = self._prompt_logprobs(shape, prompt_ids, outs[0])
@@ -248,7 +246,7 @@ class OpenAIServing:
                 run.stream.fail(RequestCut(self._cut_reason))
         return runs
 
-    async def _collect(self, request: Request, runs: list[Run]) -> list[RequestOutput]:
+    async def _collect(self, request: Request, runs: list[Run]) -> list[RequestState]:
         """Every run's final output; gives up (and aborts) if the client disconnects, and answers
         503 if the engine dies or the shutdown grace period ends first."""
         finals = [asyncio.ensure_future(run.final()) for run in runs]
@@ -278,39 +276,9 @@ class OpenAIServing:
                 task.cancel()
             self._finish(runs, aborted)
 
-    async def _merged(self, runs: list[Run]) -> AsyncIterator[tuple[Run, RequestOutput]]:
-        """Outputs of all runs as they come (one run: no helper tasks)."""
-        if len(runs) == 1:
-            run = runs[0]
-            while not run.finished:
-                yield run, await run.next()
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(run: Run) -> None:
-            try:
-                while not run.finished:
-                    queue.put_nowait((run, await run.next()))
-            except (EngineDeadError, RequestCut) as e:
-                queue.put_nowait((run, e))
-
-        tasks = [asyncio.ensure_future(pump(run)) for run in runs]
-        for task in tasks:
-            task.add_done_callback(_retrieve)
-        try:
-            while not all(run.finished for run in runs):
-                run, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield run, item
-        finally:
-            for task in tasks:
-                task.cancel()
-
     async def _stream(self, runs: list[Run], shape: _Shape) -> AsyncIterator[bytes]:
         aborted = True
-        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already sent
-        done: set[int] = set()
+        chunk = self._chunker(shape)
         try:
             if shape.chat:
                 role = [
@@ -318,33 +286,20 @@ class OpenAIServing:
                     for i in range(shape.params.n)
                 ]
                 yield R.sse_event(shape.body(role, None))
-            async with contextlib.aclosing(self._merged(runs)) as outputs:
-                async for run, out in outputs:
-                    choices = []
-                    for c in out.outputs:
-                        index = run.prompt_index * shape.params.n + c.index
-                        if index in done:
-                            continue
-                        chars, ntok = sent.get(index, (0, 0))
-                        upto = (
-                            len(c.text) if shape.tools is None else shape.tools.streamable(c.text)
-                        )
-                        text, new_ids = c.text[chars:upto], c.token_ids[ntok:]
-                        if not text and not new_ids and c.finish_reason is None:
-                            continue
-                        choice = self._chunk_choice(
-                            shape, index, c, text, new_ids, ntok, chars, run
-                        )
-                        if index not in sent:  # a choice's first chunk carries the echo
-                            choice = self._echoed(shape, run, out, choice)
-                        choices.append(choice)
-                        sent[index] = (chars + len(text), len(c.token_ids))
-                        if c.finish_reason is not None:
-                            done.add(index)
-                    if choices:
-                        yield R.sse_event(shape.body(choices, None))
+            if len(runs) == 1:  # the usual case, without merged()'s helper tasks
+                run = runs[0]
+                while not run.finished:
+                    event = chunk(run, await run.next())
+                    if event is not None:
+                        yield event
+            else:
+                async with contextlib.aclosing(merged(runs)) as updates:
+                    async for run, state in updates:
+                        event = chunk(run, state)
+                        if event is not None:
+                            yield event
             if shape.include_usage:
-                yield R.sse_event(shape.body([], _usage(runs, [run.last for run in runs])))
+                yield R.sse_event(shape.body([], _usage(runs)))
             aborted = False
         except EngineDeadError:
             yield R.sse_event(
@@ -356,13 +311,57 @@ class OpenAIServing:
             self._finish(runs, aborted)
         yield R.SSE_DONE
 
+    def _chunker(self, shape: _Shape) -> Callable[[Run, RequestState], bytes | None]:
+        """The function that turns a run's live state into the stream's next SSE event: what is
+        new in each choice since the last event (None when nothing is)."""
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already sent
+        done: set[int] = set()
+        n = shape.params.n
+        plain = R.TextChunks(shape.request_id, shape.created, shape.model, shape.chat)
+        text_only = shape.text_only
+
+        def chunk(run: Run, state: RequestState) -> bytes | None:
+            choices = []
+            for c in state.sequences:
+                index = run.prompt_index * n + c.index
+                if index in done:
+                    continue
+                first = index not in sent  # a choice's first chunk carries the echo
+                chars, ntok = sent.get(index, (0, 0))
+                upto = (
+                    c.streamable_len
+                    if shape.tools is None
+                    else shape.tools.streamable(c.streamable_text)
+                )
+                num_tokens = len(c.token_ids)
+                if upto == chars and num_tokens == ntok and c.finish_reason is None:
+                    continue
+                text = c.text[chars:upto]
+                sent[index] = (chars + len(text), num_tokens)
+                if c.finish_reason is not None:
+                    done.add(index)
+                if text_only:
+                    choices.append((index, text, c.finish_reason, c.stop_reason))
+                    continue
+                choice = self._chunk_choice(shape, index, c, text, ntok, chars, run)
+                if first:
+                    choice = self._echoed(shape, run, state, choice)
+                choices.append(choice)
+            if not choices:
+                return None
+            if text_only:
+                return plain.event(choices)
+            return R.sse_event(shape.body(choices, None))
+
+        return chunk
+
     def _echo(self, text: str | None, ids: list[int]) -> tuple[str, list[int], int]:
         """What `echo` puts in front of a prompt's choices: its text, its ids, and the length
         of its tokens' text (where the output's text offsets start)."""
         prompt = text if text is not None else self.tokenizer.decode(ids)
         return prompt, ids, sum(len(self.token_text(t)) for t in ids)
 
-    def _prompt_logprobs(self, shape, ids: list[int], out: RequestOutput) -> list | None:
+    def _prompt_logprobs(self, shape, ids: list[int], out: RequestState) -> list | None:
         """vLLM's `prompt_logprobs` of a prompt, when the request asked for them."""
         k = shape.prompt_logprobs
         if k is None or out.prompt_logprobs is None:
@@ -371,7 +370,7 @@ class OpenAIServing:
             ids, out.prompt_logprobs, out.prompt_logprob_ranks, k, self.token_text
         )
 
-    def _echoed(self, shape, run: Run, out: RequestOutput, choice: dict) -> dict:
+    def _echoed(self, shape, run: Run, out: RequestState, choice: dict) -> dict:
         """A completion choice (or its first chunk) with the prompt in front, its logprobs too,
         and vLLM's prompt_logprobs when asked for."""
         if shape.prompt_logprobs is not None:
@@ -387,12 +386,17 @@ class OpenAIServing:
             )
         return choice
 
-    def _chunk_choice(self, shape, index, c, text, new_ids, ntok, chars, run) -> dict:
+    def _chunk_choice(
+        self, shape, index: int, c: SequenceText, text: str, ntok: int, chars: int, run: Run
+    ) -> dict:
+        """One choice of a chunk (or of the whole answer, from ntok = chars = 0): `text` and the
+        tokens from `ntok` on, with their logprobs when asked for."""
         k = shape.params.logprobs
+        new_ids = c.token_ids[ntok:]
         if shape.chat:
             lp = None
             if k is not None:
-                lp = R.chat_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text)
+                lp = R.chat_logprobs(new_ids, c.top[ntok:], k, self.token_text)
             delta = {"content": text} if text else {}
             reason = c.finish_reason
             if shape.tools is not None and shape.tools.mode == "named":
@@ -416,7 +420,7 @@ class OpenAIServing:
         lp = None
         if k is not None:
             base = 0 if shape.echo is None else shape.echo[run.prompt_index][2]
-            lp = R.completion_logprobs(new_ids, c.logprobs[ntok:], k, self.token_text, base + chars)
+            lp = R.completion_logprobs(new_ids, c.top[ntok:], k, self.token_text, base + chars)
         return R.completion_choice(index, text, c.finish_reason, c.stop_reason, lp)
 
     def _finish(self, runs: list[Run], aborted: bool) -> None:
@@ -426,36 +430,36 @@ class OpenAIServing:
         for run in runs:
             if not run.finished:
                 self.client.abort(run.request_id)
+            state = run.state
             reason = "abort"
             if run.finished:
-                reason = run.last.outputs[0].finish_reason or "abort"
+                reason = state.sequences[0].finish_reason or "abort"
             now = time.monotonic()
             ttft = None if run.first_token_at is None else run.first_token_at - run.arrival
             queue = None
-            if run.stream.first_scheduled_time is not None:
-                queue = run.stream.first_scheduled_time - run.arrival_wall
-            self.metrics.observe_request(
-                reason, ttft, now - run.arrival, run.num_output_tokens, queue
-            )
+            scheduled = state.metrics.first_scheduled_time
+            if scheduled is not None:
+                queue = scheduled - run.arrival_wall
+            num_output_tokens = state.num_output_tokens
+            self.metrics.observe_request(reason, ttft, now - run.arrival, num_output_tokens, queue)
             if self.log_requests:
-                cached = run.last.num_cached_tokens if run.last is not None else 0
                 log.info(
                     "%s: prompt_tokens=%d cached_tokens=%d output_tokens=%d ttft=%s e2e=%.3fs "
                     "finish=%s",
                     run.request_id,
                     run.num_prompt_tokens,
-                    cached,
-                    run.num_output_tokens,
+                    state.num_cached_tokens,
+                    num_output_tokens,
                     "-" if ttft is None else f"{ttft:.3f}s",
                     now - run.arrival,
                     reason,
                 )
 
 
-def _usage(runs: list[Run], outs: list[RequestOutput]) -> dict:
+def _usage(runs: list[Run]) -> dict:
     prompt = sum(run.num_prompt_tokens for run in runs)
-    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    cached = sum(out.num_cached_tokens for out in outs)
+    completion = sum(run.state.num_output_tokens for run in runs)
+    cached = sum(run.state.num_cached_tokens for run in runs)
     return R.usage(prompt, completion, cached)
 
 
