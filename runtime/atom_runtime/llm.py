@@ -116,6 +116,12 @@ class LLM:
                         bar.update(1)
                 if not self.engine.has_unfinished_requests() and len(results) < len(request_ids):
                     raise RuntimeError("engine went idle with requests unfinished")
+            ck = self.engine.checkpoints
+            if ck is not None and ck.maint.needs_flush:
+                # A checkpoint copy queued for a request that just ended (its answer's last
+                # decode anchor): one more step runs it, so the engine is idle and the next
+                # call finds the checkpoint READY.
+                self.engine.step()
         finally:
             bar.close()
         return [results[rid] for rid in request_ids]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from atom_runtime.block_manager import BlockManager
 from atom_runtime.engine.protocol import RequestUpdate, StepOutputs
 from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.state.chains import CheckpointChains
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 
@@ -89,10 +90,8 @@ class Scheduler:
         self.batch_id = 0
         # (seq, position, reason, batch that reached it): boundaries staged one schedule late.
         self._deferred_boundaries: list[tuple[Sequence, int, str | None, int]] = []
-        # Request id -> its latest decode anchor (`CheckpointPlacement.decode_boundary`), which
-        # the next one supersedes; the last one stays when the request ends.
-        self._rolling_anchor: dict[str, object] = {}
-        self._superseded_by: dict[object, object] = {}  # staged decode checkpoint -> the older
+        # Which checkpoints of a conversation a newer one supersedes (`state/chains.py`).
+        self._chains = CheckpointChains()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -187,6 +186,9 @@ class Scheduler:
                     ck.placement.note_admission(seq.request_id, len(hit) * bs, num_cached)
                     if found is not None:
                         ck.maint.queue_restore(seq.request_id, seq.state_slots[0], found)
+                        self._chains.resumed(
+                            seq.request_id, found.ref, ck.store.from_decode(found.ref)
+                        )
                     # The allocation covered the uncut chunk; a cut only shortens it.
                     num_new, boundary = self._plan(seq, budget)
                 if seq.first_scheduled_time is None:
@@ -278,14 +280,7 @@ class Scheduler:
             if staged is None:
                 continue
             ck.maint.queue_store(seq.request_id, seq.state_slots[0], staged, after_batch=reached)
-            if reason in ("decode_anchor", "rung"):
-                # A decode checkpoint covers everything the sequence's previous rolling anchor
-                # did: that one goes once this one is READY (until then it is the one to find).
-                previous = self._rolling_anchor.pop(seq.request_id, None)
-                if previous is not None:
-                    self._superseded_by[staged.ref] = previous
-                if reason == "decode_anchor":
-                    self._rolling_anchor[seq.request_id] = staged.ref
+            self._chains.staged(seq.request_id, reason, staged.ref)
         flush = not batch and ck.maint.needs_flush
         ops = ck.maint.take_for_batch(b, len(batch.seqs), flush=flush)
         batch.batch_id = b
@@ -315,13 +310,9 @@ class Scheduler:
             return
         store = self.checkpoints.store
         outcome = self.checkpoints.maint.batch_done(batch.batch_id)
-        for ref in outcome.published:
-            previous = self._superseded_by.pop(ref, None)
-            if previous is not None:
-                store.supersede(previous)
-        if self._superseded_by:  # a newer anchor dropped before it was READY: keep the older
-            for ref in [r for r in self._superseded_by if store.state_of(r) is None]:
-                del self._superseded_by[ref]
+        for older in self._chains.published(outcome.published):
+            store.supersede(older)
+        self._chains.prune(lambda ref: store.state_of(ref) is not None)
         if outcome.released_slots:
             self.state_pool.give_back(outcome.released_slots)
 
@@ -421,7 +412,7 @@ class Scheduler:
             self.state_pool.free(seq)
             return
         slot = seq.state_slots[0] if seq.state_slots else None
-        self._rolling_anchor.pop(seq.request_id, None)  # its last decode anchor stays stored
+        self._chains.forget(seq.request_id)
         released = ck.maint.free_request(seq.request_id, slot)
         ck.placement.forget(seq.request_id)
         hold = {slot} if slot is not None and slot not in released else set()

@@ -252,27 +252,38 @@ def test_decode_rungs_are_stored_and_resumed_under_either_schedule(
 def test_a_follow_up_turn_resumes_where_the_previous_answer_ended(
     tiny_hybrid_models, async_scheduling
 ):
-    """Decode anchors roll: every block boundary the answer reaches replaces the request's
-    previous one, so the next turn (the answer plus a new message) resumes at its KV hit, with
-    no demand rung and no hit lost to the boundary, and gives a recompute's tokens."""
+    """Each block boundary an answer reaches replaces the request's previous decode anchor, and
+    the next turn's prompt anchor replaces the answer end it resumed from and the prompt anchor
+    before it (state/chains.py). So each follow-up (the
+    answer plus a new message) resumes at its whole KV hit, with no demand rung and nothing lost
+    to the boundary; the conversation keeps two checkpoints, its latest prompt's anchor (what
+    regenerating the last answer resumes from) and its latest answer end; the last turn gives a
+    recompute's tokens."""
     folder = str(tiny_hybrid_models["qwen3_5"])
-    kw = dict(dtype="float32", num_gpu_blocks_override=96, async_scheduling=async_scheduling)
+    kw = dict(dtype="float32", num_gpu_blocks_override=160, async_scheduling=async_scheduling)
     llm = LLM(folder, **kw)  # the default interval, -1
-    prompt = _tokens(9, 21)  # anchor at 16
-    first = _run(llm, prompt, 44)  # computed 21..64: decode anchors at 32, 48 and 64
     ck = llm.engine.checkpoints
-    follow = prompt + list(first.outputs[0].token_ids) + _tokens(10, 7)
-    resumed = _run(llm, follow, 8)
-    # The answer's last decode anchor was copied (alone, before this admission) and is READY:
-    # all of the KV hit is resumed, 64 of the 65 tokens computed.
-    assert resumed.num_cached_tokens == 64
+    # Every turn's prompt is 5 past a block boundary and its answer 44 tokens, so its last
+    # decode step reaches a boundary: that copy is still queued when the request ends, and the
+    # next admission finds it only because queued copies of ended requests run first.
+    history = _tokens(9, 21)
+    previous = 0
+    for turn in range(3):
+        out = _run(llm, history, 44)
+        computed = len(history) + 43  # the last sampled token never runs
+        assert computed % BS == 0
+        if turn:
+            assert out.num_cached_tokens == previous  # the whole KV hit
+        assert ck.store.num_ready == 2  # the latest prompt's anchor and answer end
+        previous = computed
+        history = history + list(out.outputs[0].token_ids) + _tokens(10 + turn, 20)
     assert ck.counters.hit_lost_tokens == 0 and ck.counters.demands_recorded == 0
-    # 16 (the prompt's anchor), 32 -> 48 -> 64, each superseding the one before; the follow-up
-    # (72 + 8 tokens) adds none: its anchor is 64 and its decode stops at 79.
-    assert (ck.counters.stored, ck.counters.evicted) == (4, 2)
-    assert ck.store.num_ready == 2
+    assert ck.counters.evicted == ck.counters.stored - 2
+    last_prompt = history[: -20 - 44]
     fresh = LLM(folder, state_checkpoint_interval_tokens=0, **kw)
-    assert resumed.outputs[0].token_ids == _run(fresh, follow, 8).outputs[0].token_ids
+    assert out.outputs[0].token_ids == _run(fresh, last_prompt, 44).outputs[0].token_ids
+    again = _run(llm, last_prompt, 4)  # regenerate the last answer: from that prompt's anchor
+    assert again.num_cached_tokens == len(last_prompt) // BS * BS
     _assert_idle(llm)
 
 

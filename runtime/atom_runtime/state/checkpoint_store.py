@@ -77,6 +77,7 @@ class CheckpointRecord:
         "pins",
         "demand",
         "rolling",
+        "from_decode",
         "launched_in",
     )
 
@@ -89,7 +90,8 @@ class CheckpointRecord:
         self.units: tuple[int, ...] = ()
         self.pins = 0
         self.demand = False
-        self.rolling = False  # a decode anchor: may displace only other unread decode anchors
+        self.rolling = False  # an unread decode anchor: only another decode anchor displaces it
+        self.from_decode = False  # staged as a decode anchor (kept once read, unlike rolling)
         self.launched_in: int | None = None  # the batch whose launch carries the copy
 
     @property
@@ -194,6 +196,12 @@ class StateCheckpointStore:
         rec = self._find(ref)
         return rec.state if rec is not None else None
 
+    def from_decode(self, ref: CheckpointRef) -> bool:
+        """True when ref's record was staged as a decode anchor: the end of some request's
+        answer, which the conversation's next turn moves past."""
+        rec = self._find(ref)
+        return rec is not None and rec.from_decode
+
     def pins_of(self, ref: CheckpointRef) -> int:
         """Readers pinning the record; 0 when the reference no longer names a live record."""
         rec = self._find(ref)
@@ -212,9 +220,9 @@ class StateCheckpointStore:
         """Borrow blocks for a checkpoint of the prefix ending at num_tokens (a block boundary,
         prefix_hash the chained hash of its last block). None when that prefix is already stored
         or being stored, or when there is no room (counted as dropped). demand: speculative, it
-        enters the LRU at its head. rolling (a decode anchor, speculative too): it makes room
-        only by evicting other rolling records nobody has read, so a store that is full does not
-        trade its anchors and rungs for the text being generated."""
+        enters the LRU at its head. rolling (a decode anchor): it makes room only by evicting
+        other decode anchors nobody has read, so a store that is full does not trade its anchors,
+        rungs and demand rungs for the text being generated."""
         _int("prefix_hash", prefix_hash, 0)
         _int("num_tokens", num_tokens, 1)
         if num_tokens % self.block_size:
@@ -231,8 +239,8 @@ class StateCheckpointStore:
         rec.state = CheckpointState.COPYING
         rec.prefix_hash = prefix_hash
         rec.num_tokens = num_tokens
-        rec.demand = demand or rolling
-        rec.rolling = rolling
+        rec.demand = demand
+        rec.rolling = rec.from_decode = rolling
         rec.units = tuple(self.pool.lend(self.units_per_image, rec.owner))
         self._by_hash[prefix_hash] = rec
         self._add_units(len(rec.units))
@@ -455,9 +463,9 @@ class StateCheckpointStore:
         return rec
 
     def _make_room(self, need: int, rolling_only: bool = False) -> bool:
-        """Evict unpinned READY records (LRU first; only rolling ones when rolling_only) until
-        need more units fit under the cap and above the pool watermark. Evicts nothing when even
-        evicting all of them would not do."""
+        """Evict unpinned READY records (LRU first; with rolling_only, only decode anchors no
+        reader has used) until need more units fit under the cap and above the pool watermark.
+        Evicts nothing when even evicting all of them would not do."""
 
         def short(freed: int) -> int:
             over_cap = self.units_in_use - freed + need - self.max_units
@@ -496,7 +504,7 @@ class StateCheckpointStore:
         rec.state = None
         rec.units = ()
         rec.pins = 0
-        rec.demand = rec.rolling = False
+        rec.demand = rec.rolling = rec.from_decode = False
         rec.launched_in = None
         rec.generation += 1
         self._free_indexes.append(rec.index)
