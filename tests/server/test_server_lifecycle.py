@@ -116,9 +116,11 @@ class Streamer(threading.Thread):
 
 
 def refused(url: str) -> bool:
+    """The server no longer serves url: the connection is refused, or (a shutdown racing the
+    accept, seen on a loaded machine) accepted and closed without an answer."""
     try:
         httpx.get(url, timeout=GUARD_S)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
     return False
 
