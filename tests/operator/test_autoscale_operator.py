@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
+import re
+import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -131,17 +135,27 @@ async def test_real_load_scales_the_role_up_to_its_max_and_back(cluster, operato
         await eventually(lambda: decision(cluster, "decode")["metrics"]["pods"] == "1.0")
         assert decision(cluster, "decode")["desiredReplicas"] == 1
 
-        # Five requests on an engine that runs one at a time: up to four wait.
+        # Five requests on an engine that runs one at a time: a long one runs, four wait. The
+        # engine core is frozen once its /metrics shows the four waiting, so every scrape the
+        # operator makes sees them, however fast or slow this machine is.
         body = {"model": engine_model(engine), "prompt": "hello", "max_tokens": 48,
                 "ignore_eos": True}  # fmt: skip
-        load = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(5)]
+        post = client.post
+        load = [asyncio.create_task(post("/v1/completions", json={**body, "max_tokens": 900}))]
+        await scrape_until(client, lambda g: g["atom:requests_running"] == 1)
+        load += [asyncio.create_task(post("/v1/completions", json=body)) for _ in range(4)]
+        core = engine.engine_pid()
         try:
+            await scrape_until(client, lambda g: g["atom:requests_waiting"] == 4)
+            os.kill(core, signal.SIGSTOP)
             await eventually(lambda: replicas(cluster, "chat-decode") == 2, timeout=60)
             await eventually(lambda: decision(cluster, "decode")["currentReplicas"] == 2)
             assert decision(cluster, "decode")["lastScaleTime"]
+            await eventually(lambda: condition(cluster, "ScalingLimited")["status"] == "True")
             # The new pod is still Pending (no GPU yet, say): it is not scraped.
             await add_pod(cluster, "chat-decode-5d8f-b2", "decode", engine.port, ready=False)
         finally:
+            os.kill(core, signal.SIGCONT)
             answers = await asyncio.gather(*load)
         assert [a.status_code for a in answers] == [200] * 5
 
@@ -164,6 +178,19 @@ async def test_real_load_scales_the_role_up_to_its_max_and_back(cluster, operato
     writes = [w for w in cluster.writes() if w.url.path.endswith("/deployments/chat-decode")]
     assert [w.url.query.get("fieldManager") for w in writes if b"replicas" in (w.body or b"")] == [
         "atom-operator-autoscaler", "atom-operator-autoscaler"]  # fmt: skip
+
+
+async def scrape_until(client: httpx.AsyncClient, check) -> None:
+    """Read the engine's /metrics until `check(gauges)` holds (120 s: a deadlock guard)."""
+    deadline = time.monotonic() + 120
+    while True:
+        text = (await client.get("/metrics")).text
+        found = re.finditer(r"^(atom:\S+) (\S+)$", text, re.M)
+        gauges = {m.group(1): float(m.group(2)) for m in found}
+        if check(gauges):
+            return
+        assert time.monotonic() < deadline, f"engine gauges never matched: {gauges}"
+        await asyncio.sleep(0.02)
 
 
 def engine_model(engine) -> str:
