@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from atom_runtime.layers.attention import PagedAttention
-from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -19,6 +18,7 @@ from atom_runtime.layers.linear import (
 )
 from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding
+from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
 
 
@@ -114,79 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         return mlp.down_proj(h), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class LlamaForCausalLM(nn.Module):
-    # checkpoint name fragment -> (our parameter fragment, shard id)
-    stacked_params = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        layers = (LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        super().__init__(cfg, DecoderTrunk(cfg, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def load_weights(self, weights) -> set[str]:
-        """Copy (name, tensor) pairs in Hugging Face naming into this model's (possibly fused,
-        sharded) parameters. Returns the names of the parameters that were loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            for fragment, (target, shard_id) in self.stacked_params.items():
-                if f".{fragment}." in name:
-                    target_name = name.replace(f".{fragment}.", f".{target}.")
-                    param = params[target_name]
-                    param.weight_loader(param, tensor, shard_id)
-                    loaded.add(target_name)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                param = params[name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(
-                            f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit "
-                            f"{tuple(param.shape)}"
-                        )
-                    param.data.copy_(tensor)
-                else:
-                    loader(param, tensor)
-                loaded.add(name)
-        return loaded

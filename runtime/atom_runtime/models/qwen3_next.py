@@ -37,7 +37,6 @@ from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
 from atom_runtime.forward_context import get_state_metadata
 from atom_runtime.layers.attention import PagedAttention
-from atom_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_runtime.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -48,6 +47,7 @@ from atom_runtime.layers.linear import (
 from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding
 from atom_runtime.layers.weights import copy_weight
+from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
 
 
@@ -323,48 +323,21 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class HybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 # Checkpoint prefixes a text-only engine drops: the vision tower and the multi-token-prediction
 # head of the Qwen3.5 / Qwen3-Next releases.
 _SKIPPED = ("model.visual.", "mtp.", "model.mtp.", "visual.")
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     """Qwen3.5 (`qwen3_5`, `qwen3_5_text`), Qwen3.5-MoE (`qwen3_5_moe`, `qwen3_5_moe_text`) and
     Qwen3-Next (`qwen3_next`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
         if not cfg.is_hybrid:
             raise ValueError(f"model_type {cfg.model_type!r} is not a hybrid model")
-        self.config = cfg
-        self.model = HybridModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        layers = (HybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, DecoderTrunk(cfg, layers, norm))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
@@ -372,70 +345,29 @@ class Qwen3NextForCausalLM(nn.Module):
     def state_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
 
-    def load_weights(self, weights) -> set[str]:
-        """Copy (name, tensor) pairs in Hugging Face naming into this model's parameters;
-        returns the names of the parameters loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model.") :]
-            if name.startswith(_SKIPPED) or "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target = self._load_special(name, tensor, modules)
-            if target is not None:
-                loaded.add(target)
-                continue
-            for src, (dst, shard) in _STACKED.items():
-                if f".{src}." in name:
-                    target = name.replace(f".{src}.", f".{dst}.")
-                    if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                    params[target].weight_loader(params[target], tensor, shard)
-                    loaded.add(target)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                param = params[name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    copy_weight(param.data, tensor)
-                else:
-                    loader(param, tensor)
-                loaded.add(name)
-        return loaded
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        if name.startswith(_SKIPPED):
+            return None
+        return super().checkpoint_name(name)
 
-    def _load_special(self, name: str, tensor, modules) -> str | None:
-        """GDN projections, the conv weight and MoE experts: their own loaders. Returns the
-        parameter name loaded, or None when `name` is an ordinary tensor."""
+    def load_special(self, name: str, tensor) -> str | None:
+        """GDN projections, the conv weight and MoE experts: their own loaders."""
         m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
         if m and m.group(2).startswith("in_proj"):
-            modules[f"{m.group(1)}.linear_attn"].load_projection(m.group(2), tensor)
+            self.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
             return f"{m.group(1)}.linear_attn.in_proj.weight"
         if m and m.group(2) == "conv1d":
-            gdn = modules[f"{m.group(1)}.linear_attn"]
+            gdn = self.get_submodule(f"{m.group(1)}.linear_attn")
             gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
             return f"{m.group(1)}.linear_attn.conv_weight"
         m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
         if m:
-            moe = modules.get(m.group(1))
+            moe = self.get_submodule(m.group(1))
             if not isinstance(moe, SparseMoE):
                 raise ValueError(f"checkpoint tensor {name!r}: layer has no experts here")
             moe.load_experts(m.group(2), tensor)
             which = "w2" if "down_proj" in m.group(2) else "w13"
             return f"{m.group(1)}.{which}"
         return None
-
-
-# checkpoint name fragment -> (our parameter fragment, shard id)
-_STACKED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
