@@ -38,6 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--input-len", type=int, default=128)
     lat.add_argument("--output-len", type=int, default=256)
     lat.add_argument("--iters", type=int, default=3)
+    lat.add_argument(
+        "--peer-cache",
+        choices=["auto", "static", "dynamic"],
+        default="auto",
+        help="the peer's KV cache: static (compiled decode, transformers' fastest single "
+        "stream) or dynamic (its default); auto: static, but dynamic for hybrid models, whose "
+        "static-cache compile did not finish in minutes on the H200",
+    )
     for p in (tp, lat):
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
@@ -187,14 +195,17 @@ def _run_offline(args: argparse.Namespace) -> int:
         )
         print(f"atom  W2: {min(ms):.3f} ms/token (runs: {', '.join(f'{m:.3f}' for m in ms)})")
         if args.peer == "transformers":
+            cache = args.peer_cache
+            if cache == "auto":
+                cache = "dynamic" if llm.engine.model_config.is_hybrid else "static"
             llm.shutdown()
             del llm
             _free()
-            peer = peer_latency(llm_model_path(config), prompt, args.output_len)
+            peer = peer_latency(llm_model_path(config), prompt, args.output_len, cache)
             result["peer"] = peer
             result["ratio"] = peer["ms_per_token"] / result["ms_per_token"]
             print(
-                f"peer W2: {peer['ms_per_token']:.3f} ms/token (static cache, compiled); "
+                f"peer W2: {peer['ms_per_token']:.3f} ms/token ({peer['system']}); "
                 f"peer/atom = {result['ratio']:.2f}x"
             )
     if args.output_json:
@@ -279,14 +290,18 @@ def peer_throughput(path, prompts, output_len: int, batch_size: int) -> dict:
     }
 
 
-def peer_latency(path, prompt: list[int], output_len: int) -> dict:
-    """transformers' fastest single-stream path: a static cache with compiled decode."""
+def peer_latency(path, prompt: list[int], output_len: int, cache: str = "static") -> dict:
+    """transformers single-stream decode: `cache="static"` is its fastest path (a static cache
+    with compiled decode), "dynamic" its default cache, eager."""
     import torch
 
+    if cache not in ("static", "dynamic"):
+        raise ValueError(f"cache must be 'static' or 'dynamic', got {cache!r}")
     model = _peer_model(path)
     dev = next(model.parameters()).device
-    # With a static cache, transformers compiles the decode step itself (its CompileConfig).
-    model.generation_config.cache_implementation = "static"
+    if cache == "static":
+        # With a static cache, transformers compiles the decode step itself (its CompileConfig).
+        model.generation_config.cache_implementation = "static"
     ids = torch.tensor([prompt], device=dev)
 
     def timed(n: int) -> float:
@@ -308,8 +323,10 @@ def peer_latency(path, prompt: list[int], output_len: int) -> dict:
         timed(output_len)
     full = min(timed(output_len) for _ in range(3))
     one = min(timed(1) for _ in range(3))
+    system = "static cache, compiled decode" if cache == "static" else "dynamic cache, eager"
     return {
-        "system": "transformers generate, static cache (compiled decode)",
+        "system": f"transformers generate, {system}",
+        "cache": cache,
         "ms_per_token": (full - one) / (output_len - 1) * 1000,
     }
 

@@ -81,3 +81,19 @@ def test_bad_input_is_one_clear_line(tiny_models, tmp_path):
     proc = atom("prefix", "--model", str(tiny_models["llama"]), "--prefix-len", "5000")
     assert proc.returncode == 1
     assert "exceed the engine's context" in proc.stderr
+
+
+@no_gpu
+def test_latency_peer_of_a_hybrid_model_uses_the_dynamic_cache(tiny_hybrid_models, tmp_path):
+    """--peer-cache auto: transformers' static-cache compile of a hybrid model did not finish in
+    minutes on the H200, so a hybrid model's peer runs its default (dynamic) cache."""
+    out = tmp_path / "w2.json"
+    proc = atom(
+        *("latency", "--model", str(tiny_hybrid_models["qwen3_5"]), "--input-len", "8"),
+        *("--output-len", "4", "--iters", "1", "--peer", "transformers"),
+        *("--output-json", str(out)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    peer = json.loads(out.read_text())["peer"]
+    assert peer["cache"] == "dynamic" and peer["ms_per_token"] > 0
+    assert "peer W2:" in proc.stdout and "dynamic cache, eager" in proc.stdout
