@@ -133,6 +133,7 @@ def test_the_decode_pod_pulls_only_the_blocks_it_lacks(pd, model_name):
     prefill, decode, router = pd
     shared = prompt_ids(5, 96)  # 6 blocks
     first = {"model": model_name, "prompt": shared + [7] * 40, "max_tokens": 1, "temperature": 0}
+    known0 = router.backends()["decode"][0]["cached_blocks"]
     httpx.post(f"{decode.url}/v1/completions", json=first, timeout=60).raise_for_status()
     hit0 = decode.metric("atom:kv_transfer_blocks_local_hit_total")
     got0 = decode.metric("atom:kv_transfer_blocks_received_total")
@@ -143,8 +144,9 @@ def test_the_decode_pod_pulls_only_the_blocks_it_lacks(pd, model_name):
     assert decode.metric("atom:kv_transfer_blocks_local_hit_total") - hit0 == 6
     assert decode.metric("atom:kv_transfer_blocks_received_total") - got0 == 4
     # Once the decode pod's KV events say it holds the whole prompt, remote prefill no longer
-    # pays: the router lets the decode pod run it.
-    _wait(lambda: router.backends()["decode"][0]["cached_blocks"] >= 10, what="KV events")
+    # pays: the router lets the decode pod run it. The pod stored 8 blocks computing `first`
+    # and 4 by the pull: the router hears of all 12 (pulled blocks are announced as stored).
+    _wait(lambda: router.backends()["decode"][0]["cached_blocks"] >= known0 + 12, what="KV events")
     local0 = router.metric('atom:router_decisions_total{path="local_prefill"}')
     remote0 = router.metric('atom:router_decisions_total{path="remote_prefill"}')
     again = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
