@@ -1,8 +1,9 @@
 """The operator and the runtime agree: every engine argument the operator renders for every
 example is accepted by `atom serve`'s parser and makes a valid EngineConfig, KV-events config and
 KV-transfer config (prefill produces, decode consumes), and every router argument is accepted by
-`atom router`'s parser and names Services the router can discover, so a rendered pod never dies
-on an unknown or malformed flag."""
+`atom router`'s parser and names Services the router can discover (rendered, headless, on the
+engines' port, selecting the role's engine pods), so a rendered pod never dies on an unknown or
+malformed flag and the router finds the pods it is told about."""
 
 from __future__ import annotations
 
@@ -104,6 +105,40 @@ def test_rendered_router_args_parse_as_atom_router(example):
             assert target.service and target.namespace, url
         assert [ServiceTarget.parse(u).service.rsplit("-", 1)[1] for u in config.decode_services
                 + config.prefill_services] == ["decode", "prefill"]  # fmt: skip
+        _assert_services_lead_to_the_engines(example, config.decode_services, "serve", "decode")
+        _assert_services_lead_to_the_engines(example, config.prefill_services, "serve", "prefill")
+
+
+def _assert_services_lead_to_the_engines(example: Path, urls: list[str], command: str, role: str):
+    """Each URL names a rendered headless Service (the DNS fallback needs one record per pod)
+    in the AtomDeployment's namespace, on its `http` port (the EndpointSlice watch reads that
+    port by name), selecting exactly the pods of the role's engine Deployment, whose engine
+    listens on that port."""
+    doc = next(yaml.safe_load_all(example.read_text()))
+    doc.setdefault("metadata", {}).setdefault("uid", "uid-1")
+    children = render_children(doc)
+    namespace = doc["metadata"].get("namespace", "default")
+    for url in urls:
+        target = ServiceTarget.parse(url)
+        assert target.namespace == namespace, url
+        (service,) = [c for c in children if c["kind"] == "Service"
+                      and c["metadata"]["name"] == target.service]  # fmt: skip
+        assert service["spec"]["clusterIP"] == "None", url
+        http = {p["name"]: p for p in service["spec"]["ports"]}["http"]
+        assert http["port"] == target.port, url
+        (deployment,) = [c for c in children if c["kind"] == "Deployment"
+                         and c["metadata"]["name"].endswith(f"-{role}")]  # fmt: skip
+        selector = service["spec"]["selector"].items()
+        for other in (c for c in children if c["kind"] == "Deployment"):
+            labels = other["spec"]["template"]["metadata"]["labels"]
+            selected = all(labels.get(k) == v for k, v in selector)
+            assert selected == (other is deployment), (url, other["metadata"]["name"])
+        pod = deployment["spec"]["template"]
+        (engine,) = [c for c in pod["spec"]["containers"] if c["args"][:1] == [command]]
+        serve = argparse.ArgumentParser(prog="atom serve", exit_on_error=False)
+        serve_cli.add_arguments(serve)
+        assert serve.parse_args(engine["args"][1:]).port == target.port, url
+        assert {p["name"]: p["containerPort"] for p in engine["ports"]}["http"] == target.port
 
 
 def _parse_router(args: list[str]) -> argparse.Namespace:

@@ -67,6 +67,24 @@ def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, 
     return Engine(server, kv_port, replay_port)
 
 
+def transfer_config(role: str, port: int, **extra) -> str:
+    """--kv-transfer-config for the portable connector on 127.0.0.1."""
+    return json.dumps(
+        {
+            "kv_connector": "AtomPortableConnector",
+            "kv_role": role,
+            "kv_ip": "127.0.0.1",
+            "kv_port": port,
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def prompt_ids(seed: int, n: int = 150) -> list[int]:
+    """A prompt of `n` token ids that shares no block with another seed's."""
+    return [(i * 31 + seed * 7) % 480 + 5 for i in range(n)]
+
+
 @dataclass
 class RouterProcess:
     proc: subprocess.Popen

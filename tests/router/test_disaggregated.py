@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.router.conftest import launch_engine, launch_router
+from tests.router.conftest import launch_engine, launch_router, prompt_ids, transfer_config
 from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,18 +24,6 @@ pytestmark = pytest.mark.slow
 BLOCK = 16
 PULL_TIMEOUT_S = 10
 HOLD_TIMEOUT_S = 6
-
-
-def _transfer_config(role: str, port: int, **extra) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "AtomPortableConnector",
-            "kv_role": role,
-            "kv_ip": "127.0.0.1",
-            "kv_port": port,
-            "kv_connector_extra_config": extra,
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +36,14 @@ def pd(tiny_models, tmp_path_factory):
             tmp,
             model,
             "--kv-transfer-config",
-            _transfer_config("kv_producer", free_port(), hold_timeout_s=HOLD_TIMEOUT_S),
+            transfer_config("kv_producer", free_port(), hold_timeout_s=HOLD_TIMEOUT_S),
         )
         procs.append(prefill.server)
         decode = launch_engine(
             tmp,
             model,
             "--kv-transfer-config",
-            _transfer_config("kv_consumer", free_port(), pull_timeout_s=PULL_TIMEOUT_S),
+            transfer_config("kv_consumer", free_port(), pull_timeout_s=PULL_TIMEOUT_S),
         )
         procs.append(decode.server)
         router = launch_router(
@@ -74,10 +62,6 @@ def pd(tiny_models, tmp_path_factory):
     finally:
         for p in reversed(procs):
             p.stop()
-
-
-def _prompt(seed: int, n: int = 150) -> list[int]:
-    return [(i * 31 + seed * 7) % 480 + 5 for i in range(n)]
 
 
 def _wait(cond, timeout=30.0, what="condition"):
@@ -105,7 +89,7 @@ def test_disaggregated_answers_equal_aggregated_ones(pd, model_name):
     remote0 = router.metric('atom:router_decisions_total{path="remote_prefill"}')
 
     # completions, by token ids: the prefill engine alone is the aggregated reference.
-    body = {"model": model_name, "prompt": _prompt(1), "max_tokens": 6, "temperature": 0}
+    body = {"model": model_name, "prompt": prompt_ids(1), "max_tokens": 6, "temperature": 0}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
     got = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
@@ -129,7 +113,7 @@ def test_disaggregated_answers_equal_aggregated_ones(pd, model_name):
         _stream(router.url, "/v1/chat/completions", chat2)
         == (ref2["choices"][0]["message"]["content"])
     )
-    body3 = {**body, "prompt": _prompt(3)}
+    body3 = {**body, "prompt": prompt_ids(3)}
     ref3 = httpx.post(f"{prefill.url}/v1/completions", json=body3, timeout=60).json()
     assert _stream(router.url, "/v1/completions", body3) == ref3["choices"][0]["text"]
 
@@ -147,8 +131,9 @@ def test_disaggregated_answers_equal_aggregated_ones(pd, model_name):
 
 def test_the_decode_pod_pulls_only_the_blocks_it_lacks(pd, model_name):
     prefill, decode, router = pd
-    shared = _prompt(5, 96)  # 6 blocks
+    shared = prompt_ids(5, 96)  # 6 blocks
     first = {"model": model_name, "prompt": shared + [7] * 40, "max_tokens": 1, "temperature": 0}
+    known0 = router.backends()["decode"][0]["cached_blocks"]
     httpx.post(f"{decode.url}/v1/completions", json=first, timeout=60).raise_for_status()
     hit0 = decode.metric("atom:kv_transfer_blocks_local_hit_total")
     got0 = decode.metric("atom:kv_transfer_blocks_received_total")
@@ -159,8 +144,9 @@ def test_the_decode_pod_pulls_only_the_blocks_it_lacks(pd, model_name):
     assert decode.metric("atom:kv_transfer_blocks_local_hit_total") - hit0 == 6
     assert decode.metric("atom:kv_transfer_blocks_received_total") - got0 == 4
     # Once the decode pod's KV events say it holds the whole prompt, remote prefill no longer
-    # pays: the router lets the decode pod run it.
-    _wait(lambda: router.backends()["decode"][0]["cached_blocks"] >= 10, what="KV events")
+    # pays: the router lets the decode pod run it. The pod stored 8 blocks computing `first`
+    # and 4 by the pull: the router hears of all 12 (pulled blocks are announced as stored).
+    _wait(lambda: router.backends()["decode"][0]["cached_blocks"] >= known0 + 12, what="KV events")
     local0 = router.metric('atom:router_decisions_total{path="local_prefill"}')
     remote0 = router.metric('atom:router_decisions_total{path="remote_prefill"}')
     again = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).json()
@@ -172,7 +158,7 @@ def test_the_decode_pod_pulls_only_the_blocks_it_lacks(pd, model_name):
 
 def test_a_dropped_transfer_falls_back_to_local_prefill(pd, model_name):
     prefill, decode, _ = pd
-    body = {"model": model_name, "prompt": _prompt(11), "max_tokens": 4, "temperature": 0}
+    body = {"model": model_name, "prompt": prompt_ids(11), "max_tokens": 4, "temperature": 0}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
     fb0 = decode.metric("atom:kv_transfer_fallbacks_total")
     # A producer address where nobody answers: the pull times out.
@@ -192,7 +178,7 @@ def test_a_dropped_transfer_falls_back_to_local_prefill(pd, model_name):
     assert decode.metric("atom:kv_transfer_fallbacks_total") == fb0
     # Matching hashes, taken from a real prefill of a prompt the decode engine has not cached (it
     # just prefilled the first one itself).
-    body = {**body, "prompt": _prompt(12)}
+    body = {**body, "prompt": prompt_ids(12)}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
     real = httpx.post(
         f"{prefill.url}/v1/completions",
@@ -223,7 +209,7 @@ def test_malformed_transfer_params_are_a_400(pd, model_name):
         f"{decode.url}/v1/completions",
         json={
             "model": model_name,
-            "prompt": _prompt(2),
+            "prompt": prompt_ids(2),
             "max_tokens": 2,
             "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "x"},
         },
@@ -245,7 +231,7 @@ def test_client_disconnect_during_a_pull_leaks_nothing(pd, model_name):
             f"{prefill.url}/v1/completions",
             json={
                 "model": model_name,
-                "prompt": _prompt(21),
+                "prompt": prompt_ids(21),
                 "max_tokens": 1,
                 "kv_transfer_params": {"do_remote_decode": True},
             },
@@ -255,7 +241,7 @@ def test_client_disconnect_during_a_pull_leaks_nothing(pd, model_name):
         body = json.dumps(
             {
                 "model": model_name,
-                "prompt": _prompt(21),
+                "prompt": prompt_ids(21),
                 "max_tokens": 4,
                 "stream": True,
                 "kv_transfer_params": stuck,
@@ -291,10 +277,11 @@ def test_client_disconnect_during_a_pull_leaks_nothing(pd, model_name):
         ctx.term()
 
 
-def test_prefill_engine_killed_mid_transfer_is_answered_by_fallback(pd, model_name):
-    """Runs last in this module: it kills the prefill engine."""
+def test_prefill_engine_killed_before_the_pull_is_answered_by_fallback(pd, model_name):
+    """Runs last in this module: it kills the prefill engine. (Killed while the payload moves:
+    test_disaggregated_faults.py.)"""
     prefill, decode, router = pd
-    body = {"model": model_name, "prompt": _prompt(31), "max_tokens": 4, "temperature": 0}
+    body = {"model": model_name, "prompt": prompt_ids(31), "max_tokens": 4, "temperature": 0}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
     params = httpx.post(
         f"{prefill.url}/v1/completions",
@@ -314,7 +301,7 @@ def test_prefill_engine_killed_mid_transfer_is_answered_by_fallback(pd, model_na
     assert decode.metric("atom:kv_transfer_fallbacks_total") == fb0 + 1
     # Through the router: the dead prefill pod is ejected, the decode pod prefills itself.
     for seed in (33, 34):  # prompts the decode pod does not hold: remote prefill would pay
-        body2 = {**body, "prompt": _prompt(seed)}
+        body2 = {**body, "prompt": prompt_ids(seed)}
         r = httpx.post(f"{router.url}/v1/completions", json=body2, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4

@@ -37,8 +37,12 @@ from atom_runtime.router.discovery import (
 )
 from atom_runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from atom_runtime.router.relay import FORWARDED_HEADERS, RETRYABLE_STATUS, BackendRelay
+from atom_runtime.server.request_io import wait_disconnect
 
 log = logging.getLogger(__name__)
+
+# Counted for a client that left before its answer began (nginx's code; nothing is sent).
+CLIENT_CLOSED_REQUEST = 499
 
 
 def rank_backends(
@@ -188,8 +192,12 @@ class Router(BackendRelay):
                 out[pod] = blocks * size
         return out
 
-    async def prompt_tokens(self, path: str, body: dict, backends: list[Backend]) -> list[int]:
-        """The prompt's token ids, asked of a decode pod (it owns the tokenizer and template)."""
+    async def prompt_tokens(
+        self, path: str, body: dict, backends: list[Backend], headers: dict
+    ) -> list[int]:
+        """The prompt's token ids, asked of a decode pod (it owns the tokenizer and template)
+        with the client's headers: an engine run with --api-key answers /tokenize only to the
+        client's key, and without the ids nothing is scored and nothing is disaggregated."""
         if path == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
@@ -205,7 +213,7 @@ class Router(BackendRelay):
             request["model"] = body["model"]
         for backend in backends[:2]:
             try:
-                r = await self.client.post(f"{backend.url}/tokenize", json=request)
+                r = await self.client.post(f"{backend.url}/tokenize", json=request, headers=headers)
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
@@ -229,7 +237,7 @@ class Router(BackendRelay):
         single = body.get("n") in (None, 1) and body.get("kv_transfer_params") is None
         tokens: list[int] = []
         if c.policy == "kv-aware" and (len(decode) > 1 or (c.disaggregated and single)):
-            tokens = await self.prompt_tokens(path, body, decode)
+            tokens = await self.prompt_tokens(path, body, decode, headers)
         matched = self.matched_tokens(decode, tokens) if tokens else {}
         order = self._rotate(decode)
         if c.policy == "kv-aware":
@@ -322,10 +330,29 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="atom router", lifespan=lifespan)
 
     async def routed(request: Request, route: str) -> Response:
+        # Until the first byte is relayed nothing else notices a client that leaves (a remote
+        # prefill, a pull, a whole non-streamed answer may be under way): watch for it, and
+        # cancel the work, which closes the pods' requests so that they abort too.
+        await request.body()  # read first: the watch takes the rest of the receive channel
+        work = asyncio.ensure_future(router.handle(request, route))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            response = await router.handle(request, route)
-        except RouterError as e:
-            response = e.response()
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait((work,))
+        if work.cancelled():
+            response = Response(status_code=CLIENT_CLOSED_REQUEST)
+        else:
+            try:
+                response = work.result()
+            except RouterError as e:
+                response = e.response()
         router.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 

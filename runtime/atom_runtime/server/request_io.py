@@ -36,7 +36,9 @@ def _sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
     )
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
+    """Return once the HTTP client has gone. Read the body first: this takes every later message
+    of the request's receive channel."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":

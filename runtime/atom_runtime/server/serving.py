@@ -42,9 +42,9 @@ from atom_runtime.server.protocol import ChatCompletionRequest, CompletionReques
 from atom_runtime.server.request_io import (
     ClientGone,
     _sse,
-    _wait_disconnect,
     json_response,
     parse_body,
+    wait_disconnect,
 )
 from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape, merged
 from atom_runtime.server.tools import named_call_delta, plan_tools
@@ -250,7 +250,7 @@ class OpenAIServing:
         """Every run's final output; gives up (and aborts) if the client disconnects, and answers
         503 if the engine dies or the shutdown grace period ends first."""
         finals = [asyncio.ensure_future(run.final()) for run in runs]
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         aborted = True
         try:
             pending = set(finals)

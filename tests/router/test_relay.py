@@ -1,0 +1,202 @@
+"""`atom router`'s relay against engine look-alikes whose failures come on cue: a pod that fails
+before the first byte is ejected and the request answered by the next pod; after the first byte
+nothing is retried (the stream ends with an error event); a client that leaves before its answer
+began closes the pod's request; the client's key reaches /tokenize; per-backend latency and
+retries are in /metrics. The router is a real process; the look-alikes serve real HTTP on
+127.0.0.1 from threads of the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.router.conftest import launch_router
+from tests.server.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+METRICS = (
+    "atom:requests_running 0\natom:requests_waiting 0\natom:kv_cache_usage_ratio 0\n"
+    'atom:cache_config_info{block_size="16",num_gpu_blocks="256"} 1\n'
+)
+TOKENS = [11, 12, 13, 14, 15]
+
+
+class FakeEngine:
+    """Healthy and idle by its /health and /metrics; answers completions as `mode` says:
+    ok (a completion naming this pod), unavailable (503), cut (one SSE event, then the
+    connection drops), hold (no answer until the client leaves). /tokenize wants `key`."""
+
+    def __init__(self, mode: str, key: str | None = None) -> None:
+        self.mode, self.key = mode, key
+        self.completions = 0
+        self.disconnected = threading.Event()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = Starlette(
+            routes=[
+                Route("/health", lambda r: Response(), methods=["GET"]),
+                Route("/metrics", lambda r: PlainTextResponse(METRICS), methods=["GET"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/v1/completions", self._complete, methods=["POST"]),
+            ]
+        )
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake engine did not start"
+            time.sleep(0.02)
+
+    async def _tokenize(self, request: Request) -> Response:
+        if self.key is not None and request.headers.get("authorization") != f"Bearer {self.key}":
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        return JSONResponse({"tokens": TOKENS, "count": len(TOKENS)})
+
+    async def _complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.completions += 1
+        if self.mode == "unavailable":
+            return JSONResponse({"error": {"message": "loading"}}, status_code=503)
+        if self.mode == "hold":
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return Response(status_code=499)
+        event = {"choices": [{"index": 0, "text": f"from {self.port}"}]}
+        if self.mode == "ok" and not body.get("stream"):
+            return JSONResponse(event)
+
+        async def events():
+            yield f"data: {json.dumps(event)}\n\n".encode()
+            if self.mode == "cut":
+                await asyncio.sleep(0.2)
+                raise ConnectionResetError("the pod died mid-stream")
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """fakes(*modes, router_args=...) -> (engines, router); everything stopped afterwards."""
+    started: list = []
+
+    def make(*modes: str, key: str | None = None, args: tuple[str, ...] = ()):
+        engines = [FakeEngine(mode, key) for mode in modes]
+        started.extend(engines)
+        backends = [arg for e in engines for arg in ("--backend", e.url)]
+        router = launch_router(tmp_path, *backends, "--kv-events-port", "0", *args)
+        started.append(router)
+        router.wait_backends("decode", len(engines))
+        return engines, router
+
+    yield make
+    for thing in reversed(started):
+        thing.stop()
+
+
+def _latency_count(router, backend: str) -> float:
+    name = f'atom:router_backend_request_seconds_count{{backend="{backend}",role="decode"}}'
+    try:
+        return router.metric(name)
+    except KeyError:  # never observed
+        return 0.0
+
+
+def test_a_pod_failing_before_the_first_byte_is_retried_on_the_next(fakes):
+    (bad, good), router = fakes("unavailable", "ok", args=("--policy", "round-robin"))
+    answered = 0
+    for _ in range(20):  # round-robin puts the failing pod first every other request
+        r = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == f"from {good.port}"
+        answered += 1
+        if bad.completions >= 2:
+            break
+        time.sleep(0.4)  # a probe re-admits the ejected pod
+    assert bad.completions >= 2
+    assert router.metric('atom:router_fallbacks_total{reason="retry"}') == bad.completions
+    # Ejected by each failure, so re-admitted by a probe in between.
+    assert router.metric('atom:router_ejections_total{role="decode"}') == bad.completions
+    # Per-backend latency: one observation per answer relayed, none for the failed attempts.
+    assert _latency_count(router, good.url) == answered
+    assert _latency_count(router, bad.url) == 0
+
+
+def test_nothing_is_retried_after_the_first_byte(fakes):
+    (cut, good), router = fakes("cut", "ok", args=("--policy", "round-robin"))
+    for _ in range(20):
+        before = good.completions
+        with httpx.stream(
+            "POST", f"{router.url}/v1/completions", json={"prompt": "x", "stream": True}
+        ) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        if cut.completions:
+            break
+        time.sleep(0.4)
+    assert cut.completions == 1
+    # The cut pod's first event reached the client, then an error event and the end marker;
+    # the other pod was not asked again.
+    assert json.loads(events[0][6:])["choices"][0]["text"] == f"from {cut.port}"
+    assert json.loads(events[1][6:])["error"]["type"] == "service_unavailable"
+    assert events[2:] == ["data: [DONE]"]
+    assert good.completions == before
+    assert router.metric('atom:router_fallbacks_total{reason="retry"}') == 0
+    assert router.backends()["decode"][0]["healthy"] is False  # ejected by the cut
+
+
+def test_a_client_leaving_before_its_answer_began_closes_the_pods_request(fakes):
+    (held,), router = fakes("hold")
+    body = json.dumps({"prompt": "x", "max_tokens": 500}).encode()
+    conn = socket.create_connection(("127.0.0.1", router.port))
+    conn.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    deadline = time.monotonic() + 30
+    while held.completions == 0:
+        assert time.monotonic() < deadline, "the request never reached the pod"
+        time.sleep(0.02)
+    conn.close()
+    assert held.disconnected.wait(10), "the pod's request stayed open after the client left"
+    deadline = time.monotonic() + 10
+    while router.backends()["decode"][0]["in_flight"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert router.metric('atom:router_requests_total{code="499",route="/v1/completions"}') == 1
+    assert router.backends()["decode"][0]["healthy"] is True  # a client leaving is no pod fault
+
+
+def test_the_clients_key_reaches_tokenize(fakes):
+    """Engines run with --api-key answer /tokenize only to the client's key: without it the
+    router could score nothing (no KV-aware choice, no remote prefill)."""
+    engines, router = fakes("ok", "ok", key="k-123")
+    r = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"prompt": "x"},
+        headers={"Authorization": "Bearer k-123"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert router.metric("atom:router_prompt_tokens_total") == len(TOKENS)
