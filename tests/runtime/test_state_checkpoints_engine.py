@@ -358,6 +358,27 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(
     assert c.evicted > 0
 
 
+def test_pipeline_parallelism_is_refused_at_start_up(tiny_hybrid_models, monkeypatch):
+    """Before anything loads, naming the field, and saying why a hybrid model's state needs
+    every layer in one stage."""
+    import atom_runtime.llm
+
+    def no_engine(config):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(atom_runtime.llm, "EngineCore", no_engine)
+    hybrid = str(tiny_hybrid_models["qwen3_5"])
+    with pytest.raises(ValueError, match="^pipeline_parallel_size: must be 1, got 2: ") as info:
+        LLM(hybrid, pipeline_parallel_size=2)
+    assert "pipeline parallelism is not supported" in str(info.value)
+    assert "is a hybrid model, and its state slots and checkpoints need every layer in one " in (
+        str(info.value)
+    )
+    with pytest.raises(ValueError, match="^pipeline_parallel_size: must be 1, got 0: ") as info:
+        LLM(None, pipeline_parallel_size=0)  # the default model: Llama family, no state
+    assert "hybrid" not in str(info.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_restore_matches_recompute_on_gpu_in_bf16(tiny_hybrid_models, enforce_eager):
