@@ -358,6 +358,43 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(
     assert c.evicted > 0
 
 
+@pytest.mark.parametrize(
+    ("async_scheduling", "budget", "resumed"),
+    [(False, None, 0), (True, None, 0), (True, 256, 32)],
+    ids=["sync-one-chunk", "async-one-chunk", "async-chunked"],
+)
+def test_a_request_that_cannot_run_beside_its_checkpoint_is_warned_about_not_hung(
+    tiny_hybrid_models, caplog, async_scheduling, budget, resumed
+):
+    """A 992-token prompt in a 64-block pool whose first 32 tokens have a READY checkpoint (3
+    blocks). In one chunk its 62 blocks cannot fit beside the image it would pin until the
+    restore has run, and waiting for blocks that only its own pin holds would never end: it is
+    warned about at arrival and recomputes its prefix instead. Cut into chunks it fits while the
+    pin lasts, and resumes."""
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.engine
+    shared = _tokens(11, 40)
+    _run(llm, shared, 1)  # its prompt-end anchor, at 32, is READY
+    assert engine.checkpoints.store.num_ready == 1
+    with caplog.at_level("WARNING", logger="atom_runtime.state.placement"):
+        engine.add_request(EngineRequest("long", shared + _tokens(12, 952), _greedy(2)))
+    assert "request long: its 63 KV blocks leave no room for a state checkpoint" in caplog.text
+    seq = engine.scheduler.requests["long"]
+    for _ in range(40):  # a deadlock guard: 18 steps at most are needed
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert seq.is_finished and seq.num_output_tokens == 2
+    assert seq.num_cached_tokens == resumed
+    _assert_idle(llm)
+
+
 def test_pipeline_parallelism_is_refused_at_start_up(tiny_hybrid_models, monkeypatch):
     """Before anything loads, naming the field, and saying why a hybrid model's state needs
     every layer in one stage."""
