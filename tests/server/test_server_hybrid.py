@@ -75,3 +75,38 @@ def test_a_repeated_prompt_resumes_from_a_state_checkpoint(hybrid_server):
     assert _gauge(text, "atom:state_checkpoint_prefix_hit_tokens_total") >= max(cached)
     assert 0 < _gauge(text, "atom:state_checkpoint_units_ratio") <= 0.1
     assert _gauge(text, "atom:state_slots_in_use") == 0
+
+
+# Issue 15's metrics (contract 8: `atom:` prefix, counters end `_total`), one series each.
+CHECKPOINT_COUNTERS = {
+    "atom:state_checkpoints_stored": [""],
+    "atom:state_checkpoints_restored": [""],
+    "atom:state_checkpoints_dropped": [""],
+    "atom:state_checkpoints_evicted": [""],
+    "atom:state_checkpoints_orphaned": [""],
+    "atom:state_checkpoint_chunks_cut": [
+        '{reason="rung"}',
+        '{reason="anchor"}',
+        '{reason="demand"}',
+    ],
+    "atom:state_checkpoint_demands": ['{outcome="recorded"}', '{outcome="declined"}'],
+    "atom:state_checkpoint_prefix_hit_tokens": [""],
+    "atom:state_checkpoint_hit_lost_tokens": [""],
+}
+CHECKPOINT_GAUGES = ("atom:state_checkpoint_units", "atom:state_checkpoint_units_ratio")
+
+
+def test_every_state_checkpoint_metric_is_on_metrics(hybrid_server):
+    """Each counter is typed a counter and exposed only as `<name>_total` (one series per label
+    value); the units gauge and its share of the KV pool (`cache_config_info`'s blocks) are
+    there too."""
+    text = httpx.get(f"{hybrid_server.url}/metrics").text
+    for name, labels in CHECKPOINT_COUNTERS.items():
+        assert f"# TYPE {name}_total counter" in text, name
+        series = re.findall(rf"^{re.escape(name)}(\S*) \S+$", text, re.MULTILINE)
+        assert sorted(series) == sorted(f"_total{label}" for label in labels), name
+    for name in CHECKPOINT_GAUGES:
+        assert f"# TYPE {name} gauge" in text, name
+    blocks = re.search(r'^atom:cache_config_info\{.*num_gpu_blocks="(\d+)"', text, re.MULTILINE)
+    units = _gauge(text, "atom:state_checkpoint_units")
+    assert _gauge(text, "atom:state_checkpoint_units_ratio") == units / int(blocks.group(1))
