@@ -14,6 +14,8 @@
 #   kvx (the KV connector's tests with its GPU path, transfer GB/s) pdserve (disaggregated serving
 #   at two rates) hybridparity (fp32 greedy parity of the dense hybrid on the GPU)
 #   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
+#   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
+#   checkpoint copy reference on the GPU, the byte-copy kernel compiled)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
 set -uo pipefail
@@ -115,6 +117,10 @@ for stage in ${*:-tests bench kernels peer}; do
     pdserve)
       python3 benchmarks/pd_bench.py serve --modes disaggregated --model $Q3 --rates 4,16 \
         --num-requests 32 --input-len 2048 --output-len 128 --out "$OUT/json/pd_serve_kvx.json" 2>&1 | grep -v -i warn ;;
+    ckpt)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_state_copy.py 2>&1 | tail -3
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_state_checkpoints_engine.py \
+        tests/runtime/test_state_checkpoints_maintenance.py 2>&1 | tail -4 ;;
     hybridparity)
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_gpu.py -k "parity and qwen3_5 and not moe" 2>&1 | tail -3 ;;
     tracehybrid)

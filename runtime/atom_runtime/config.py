@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 
 @dataclass
@@ -25,6 +26,9 @@ class EngineConfig:
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
     tensor_parallel_size: int = 1
+    # vLLM's name, so its scripts carry over; only 1 is accepted: there is no pipeline
+    # parallelism in this runtime, and start-up refuses any other value (docs/serving.md).
+    pipeline_parallel_size: int = 1
     # Overlap the CPU half of step N+1 (scheduling, input preparation) with the GPU running step
     # N. None: on for one GPU, off on CPU (nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
@@ -81,6 +85,8 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(_pipeline_parallel_refusal(self.pipeline_parallel_size, self.model))
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling: not available with tensor_parallel_size > 1 (the sampled "
@@ -91,6 +97,43 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _pipeline_parallel_refusal(size: int, model: str | None) -> str:
+    """Why a pipeline_parallel_size other than 1 is refused, naming the field. For a hybrid model
+    the message adds what pipeline stages would break; it learns that from a local config.json
+    only (nothing is downloaded or loaded), and leaves it out when it cannot tell."""
+    message = (
+        f"pipeline_parallel_size: must be 1, got {size}: pipeline parallelism is not supported "
+        "(split a model across GPUs with --tensor-parallel-size instead)"
+    )
+    model_type = _local_hybrid_model_type(model)
+    if model_type is not None:
+        message += (
+            f"; {model_type} is a hybrid model, and its state slots and checkpoints need every "
+            "layer in one stage (a request's slot indexes the recurrent state of all its Gated "
+            "DeltaNet layers, and a checkpoint is one image of all of them, copied in one launch)"
+        )
+    return message
+
+
+def _local_hybrid_model_type(model: str | None) -> str | None:
+    """The model_type of a hybrid model given as a local folder or config.json; None otherwise
+    (not hybrid, the default model, a GGUF file (Llama family only), a hub id, unreadable)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    from atom_runtime.models.config import ModelConfig
+
+    try:
+        config = ModelConfig.from_file(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the refusal stands without the hybrid reason; loading would fail anyway
+    return config.model_type if config.is_hybrid else None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +167,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="vLLM's flag; only 1 (the default) is accepted: pipeline parallelism is not "
+        "supported, split a model across GPUs with --tensor-parallel-size",
+    )
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

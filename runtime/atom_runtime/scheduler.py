@@ -165,8 +165,11 @@ class Scheduler:
                 if ck is not None:
                     # Resume only where the recurrent state was saved: the deepest READY
                     # checkpoint at or below the KV hit, pinned before allocating (which may
-                    # reclaim checkpoints).
+                    # reclaim checkpoints). A request that cannot run beside the image it would
+                    # pin would wait for ever for blocks only its own pin holds: it recomputes.
                     found = ck.store.lookup(seq.block_hashes, len(hit))
+                    if found is not None and not self._fits_beside(seq, found.num_tokens, budget):
+                        found = None
                     if found is not None:
                         ck.store.acquire(found.ref)
                     resume = hit[: found.num_tokens // bs] if found is not None else []
@@ -238,6 +241,15 @@ class Scheduler:
         if self.checkpoints.store.reclaim(max(short, 1)) == 0:
             return False
         return bm.allocate(seq, num_new, hit)
+
+    def _fits_beside(self, seq: Sequence, resume_tokens: int, budget: int) -> bool:
+        """Whether seq's KV fits in the pool beside one checkpoint image for as long as its
+        restore pins that image: until the restore's batch has run, that is through this chunk
+        and, under async scheduling, the next one (or the first decode, +1)."""
+        bm = self.block_manager
+        reach = min(seq.num_tokens + 1, resume_tokens + budget + self.max_num_batched_tokens)
+        units = self.checkpoints.spec.units_per_image
+        return bm.blocks_needed(reach) + units <= bm.pool.num_blocks
 
     def _take_maintenance(
         self, batch: ScheduledBatch, boundaries: list[tuple[Sequence, tuple[int, str | None]]]

@@ -246,6 +246,26 @@ def test_events_one_stored_per_run_and_removed_on_eviction():
     assert all(isinstance(e, BlockRemoved) for e in removed)
 
 
+def test_lending_evicts_cached_blocks_with_the_usual_events_and_lent_blocks_stay_unhashed():
+    """State checkpoints borrow blocks through `lend`: plain free blocks first, then cached ones
+    freed longest ago first (a sequence frees its tail first), each eviction a BlockRemoved as
+    for any allocation; the lent blocks carry no hash, and taking them back stores nothing."""
+    pool = BlockPool(4, 4, enable_events=True)
+    manager = BlockManager(pool)
+    a = _seq("a", range(1, 10))  # two full blocks and one partial
+    assert manager.allocate(a, 9)
+    _compute(manager, a)
+    first, second = hash_token_blocks(list(range(1, 10)), 4)
+    manager.free(a)
+    pool.drain_events()
+    lent = pool.lend(3, owner="state-ckpt:0.0")  # two plain blocks, then the tail block
+    assert pool.drain_events() == [BlockRemoved(block_hashes=[second])]
+    assert set(pool.cached) == {first}
+    assert all(pool.blocks[b].hash is None for b in lent)
+    pool.take_back(lent)
+    assert pool.drain_events() == [] and set(pool.cached) == {first}
+
+
 def test_decode_blocks_are_hashed_so_follow_ups_reuse_generated_text():
     pool = BlockPool(8, 4)
     manager = BlockManager(pool)

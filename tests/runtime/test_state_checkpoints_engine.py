@@ -13,6 +13,7 @@ no held slot and (after a prefix-cache reset) no borrowed unit.
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.block_hash import hash_token_blocks
+from atom_runtime.block_hash import hash_block_tokens, hash_token_blocks
 from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.kv_events import BlockRemoved, BlockStored
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 from atom_runtime.state.copy_plan import StateCopyPlan
 from atom_runtime.state.maintenance import UnitCopyTable, copy_units_reference, uint8_rows
@@ -356,6 +358,119 @@ def test_random_traffic_under_a_tiny_pool_leaks_no_unit_pin_or_slot(
     assert engine.scheduler.num_preemptions > 0
     assert c.stored > 0 and c.restored > 0 and c.prefix_hit_tokens > 0
     assert c.evicted > 0
+
+
+def test_kv_events_of_attention_blocks_stay_as_without_checkpoints(tiny_hybrid_models, monkeypatch):
+    """Checkpoints change nothing in the KV events (contract 4): blocks lent to checkpoints hold
+    no hash and appear in no event; a request that resumes below its KV hit (no checkpoint at the
+    hit yet) recomputes cached blocks without storing them again; replaying the events gives the
+    pool's prefix index after every step, and every stored hash re-derives from its parent and
+    tokens (contract 1). Lending's own evictions: test_block_pool.py."""
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        dtype="float32",
+        num_gpu_blocks_override=40,  # small: cached blocks are evicted
+        state_checkpoint_interval_tokens=512,
+        kv_events_config=json.dumps({"enable_kv_cache_events": True, "publisher": "null"}),
+    )
+    engine = llm.engine
+    events: list = []
+    publish = engine.publisher.publish
+
+    def record(batch):
+        publish(batch)
+        events.extend(batch)
+
+    monkeypatch.setattr(engine.publisher, "publish", record)
+    pool = engine.pool
+    index: set[int] = set()
+    removed = 0
+    system = _tokens(3, 40)
+    for i in range(12):
+        prompt = system + _tokens(40 + i, 30 + 7 * (i % 6))
+        engine.add_request(EngineRequest(f"r{i}", prompt, _greedy(4)))
+        while engine.has_unfinished_requests():
+            engine.step()
+            for e in events:
+                if isinstance(e, BlockStored):
+                    assert not index & set(e.block_hashes), "a cached hash was stored again"
+                    index |= set(e.block_hashes)
+                    parent = e.parent_block_hash
+                    for j, h in enumerate(e.block_hashes):
+                        parent = hash_block_tokens(parent, e.token_ids[j * BS : (j + 1) * BS])
+                        assert parent == h
+                elif isinstance(e, BlockRemoved):
+                    assert set(e.block_hashes) <= index, "removed a hash never stored"
+                    index -= set(e.block_hashes)
+                    removed += 1
+                else:
+                    raise AssertionError(f"unexpected event {e!r}")
+            events.clear()
+            assert index == set(pool.cached)
+            assert all(pool.blocks[b].hash is None for b in pool.lent)
+    assert removed  # the small pool evicts
+    c = engine.checkpoints.counters
+    # The second request hit 32 tokens of KV with no checkpoint there; the rest resumed.
+    assert c.hit_lost_tokens == 32 and c.restored >= 10 and c.stored >= 2
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "budget", "resumed"),
+    [(False, None, 0), (True, None, 0), (True, 256, 32)],
+    ids=["sync-one-chunk", "async-one-chunk", "async-chunked"],
+)
+def test_a_request_that_cannot_run_beside_its_checkpoint_is_warned_about_not_hung(
+    tiny_hybrid_models, caplog, async_scheduling, budget, resumed
+):
+    """A 992-token prompt in a 64-block pool whose first 32 tokens have a READY checkpoint (3
+    blocks). In one chunk its 62 blocks cannot fit beside the image it would pin until the
+    restore has run, and waiting for blocks that only its own pin holds would never end: it is
+    warned about at arrival and recomputes its prefix instead. Cut into chunks it fits while the
+    pin lasts, and resumes."""
+    llm = LLM(
+        str(tiny_hybrid_models["qwen3_5"]),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=budget,
+        async_scheduling=async_scheduling,
+    )
+    engine = llm.engine
+    shared = _tokens(11, 40)
+    _run(llm, shared, 1)  # its prompt-end anchor, at 32, is READY
+    assert engine.checkpoints.store.num_ready == 1
+    with caplog.at_level("WARNING", logger="atom_runtime.state.placement"):
+        engine.add_request(EngineRequest("long", shared + _tokens(12, 952), _greedy(2)))
+    assert "request long: its 63 KV blocks leave no room for a state checkpoint" in caplog.text
+    seq = engine.scheduler.requests["long"]
+    for _ in range(40):  # a deadlock guard: 18 steps at most are needed
+        engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert seq.is_finished and seq.num_output_tokens == 2
+    assert seq.num_cached_tokens == resumed
+    _assert_idle(llm)
+
+
+def test_pipeline_parallelism_is_refused_at_start_up(tiny_hybrid_models, monkeypatch):
+    """Before anything loads, naming the field, and saying why a hybrid model's state needs
+    every layer in one stage."""
+    import atom_runtime.llm
+
+    def no_engine(config):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(atom_runtime.llm, "EngineCore", no_engine)
+    hybrid = str(tiny_hybrid_models["qwen3_5"])
+    with pytest.raises(ValueError, match="^pipeline_parallel_size: must be 1, got 2: ") as info:
+        LLM(hybrid, pipeline_parallel_size=2)
+    assert "pipeline parallelism is not supported" in str(info.value)
+    assert "is a hybrid model, and its state slots and checkpoints need every layer in one " in (
+        str(info.value)
+    )
+    with pytest.raises(ValueError, match="^pipeline_parallel_size: must be 1, got 0: ") as info:
+        LLM(None, pipeline_parallel_size=0)  # the default model: Llama family, no state
+    assert "hybrid" not in str(info.value)
 
 
 @pytest.mark.gpu
