@@ -44,6 +44,9 @@ class EngineConfig:
     # decides (default on); the flag wins.
     state_checkpoint_interval_tokens: int = -1
     state_checkpoint_demand: bool | None = None
+    # The share of the KV block pool that checkpoints may borrow at most (the store evicts its
+    # least recently used records beyond it); live KV always has the first claim.
+    state_checkpoint_memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
@@ -82,6 +85,11 @@ class EngineConfig:
             raise ValueError(
                 "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
                 f"{self.state_checkpoint_interval_tokens}"
+            )
+        if not 0 < self.state_checkpoint_memory_fraction <= 1:
+            raise ValueError(
+                "state_checkpoint_memory_fraction: must be in (0, 1], got "
+                f"{self.state_checkpoint_memory_fraction}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
@@ -205,4 +213,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.state_checkpoint_demand,
         help="hybrid models: place demand checkpoint rungs (default: ATOM_STATE_CHECKPOINT_DEMAND, "
         "else on)",
+    )
+    g.add_argument(
+        "--state-checkpoint-memory-fraction",
+        type=float,
+        default=d.state_checkpoint_memory_fraction,
+        help="hybrid models: the share of the KV block pool state checkpoints may borrow at most "
+        "(default 0.1; least recently used checkpoints are evicted beyond it, and live KV "
+        "reclaims them whenever it needs the blocks)",
     )

@@ -380,5 +380,10 @@ def test_checkpoint_flags_warn_without_effect_for_non_hybrid_models(caplog):
     assert "--state-checkpoint-interval-tokens=64 has no effect" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
+        config = EngineConfig(state_checkpoint_memory_fraction=0.25)
+        _warn_checkpoint_flags(config, hybrid=False)
+    assert "--state-checkpoint-memory-fraction=0.25 has no effect" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
         _warn_checkpoint_flags(EngineConfig(), hybrid=False)
     assert caplog.text == ""

@@ -204,6 +204,30 @@ def test_demand_rungs_follow_the_environment_unless_the_flag_says(tiny_hybrid_mo
     assert on.engine.checkpoints.placement.demand_enabled
 
 
+def test_the_checkpoint_memory_fraction_caps_the_store(tiny_hybrid_models, caplog):
+    """--state-checkpoint-memory-fraction sets the share of the pool checkpoints may borrow (a
+    tenth by default); one too small for a single image says so, naming the flag."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    default = LLM(folder, dtype="float32", num_gpu_blocks_override=200)
+    assert default.engine.checkpoints.store.max_units == 20
+    wide = LLM(
+        folder, dtype="float32", num_gpu_blocks_override=200, state_checkpoint_memory_fraction=0.35
+    )
+    assert (
+        wide.engine.checkpoints.store.max_units == 70
+        and wide.engine.checkpoints.store.can_ever_store
+    )
+    with caplog.at_level("WARNING"):
+        tiny = LLM(
+            folder, dtype="float32", num_gpu_blocks_override=200,
+            state_checkpoint_memory_fraction=0.001,
+        )  # fmt: skip
+    assert not tiny.engine.checkpoints.store.can_ever_store
+    assert "--state-checkpoint-memory-fraction" in caplog.text
+    with pytest.raises(ValueError, match=r"^state_checkpoint_memory_fraction: must be in \(0, 1\]"):
+        LLM(folder, state_checkpoint_memory_fraction=0)
+
+
 def test_a_multi_turn_follow_up_resumes_at_the_previous_prompt_end(tiny_hybrid_models):
     llm = LLM(str(tiny_hybrid_models["qwen3_next"]), dtype="float32", num_gpu_blocks_override=96)
     history = _tokens(4, 37)

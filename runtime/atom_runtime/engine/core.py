@@ -99,6 +99,7 @@ class EngineCore:
                     self.executor.num_state_slots,
                     config.state_checkpoint_interval_tokens,
                     config.state_checkpoint_demand,
+                    max_units=int(self.pool.num_blocks * config.state_checkpoint_memory_fraction),
                 )
         _warn_checkpoint_flags(config, hybrid)
         self.scheduler = Scheduler(
@@ -383,6 +384,10 @@ def _warn_checkpoint_flags(config: EngineConfig, hybrid: bool) -> None:
         )
     if config.state_checkpoint_demand is False:
         flags.append("--no-state-checkpoint-demand")
+    if config.state_checkpoint_memory_fraction != EngineConfig.state_checkpoint_memory_fraction:
+        flags.append(
+            f"--state-checkpoint-memory-fraction={config.state_checkpoint_memory_fraction:g}"
+        )
     if hybrid:
         if not config.enable_prefix_caching and config.state_checkpoint_interval_tokens != 0:
             log.info("state checkpoints are off: prefix caching is disabled")

@@ -163,7 +163,8 @@ class StateCheckpointStore:
             log.warning(
                 "state checkpoints can never be stored: one image needs %d KV blocks but at most "
                 "%d may hold checkpoints (and %d must stay free of %d); prefix reuse of hybrid "
-                "models is off. Raise the pool size or the checkpoint share.",
+                "models is off. Raise the pool size (--gpu-memory-utilization) or "
+                "--state-checkpoint-memory-fraction.",
                 self.units_per_image,
                 self.max_units,
                 self.min_free_blocks,
