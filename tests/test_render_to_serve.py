@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from atom_operator.render import render_children, render_router_deployment
+from atom_operator.spec import has_router
 from atom_operator.status import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
@@ -88,23 +89,33 @@ def test_state_checkpoint_fields_render_to_the_runtime_settings(fields, interval
         assert interval == EngineConfig().state_checkpoint_interval_tokens
 
 
+def test_the_examples_cover_both_router_modes():
+    """The router test below sees a disaggregated router and an aggregated one."""
+    specs = [doc["spec"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())]
+    routed = [("prefill" in spec) for spec in specs if has_router(spec)]
+    assert sorted(set(routed)) == [False, True]
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_rendered_router_args_parse_as_atom_router(example):
-    disaggregated = any("prefill:" in line for line in example.read_text().splitlines())
+    spec = next(yaml.safe_load_all(example.read_text()))["spec"]
+    disaggregated = "prefill" in spec
     found = list(_containers(example, "router"))
-    assert bool(found) == disaggregated, example.name
+    assert bool(found) == has_router(spec), example.name
     for name, args in found:
         parser = argparse.ArgumentParser(prog="atom router", exit_on_error=False)
         router_cli.add_arguments(parser)
         parsed = parser.parse_args(args)  # raises on an unknown or malformed flag
         config = router_cli.config_from_args(parsed)
-        assert config.disaggregated, name
+        # Aggregated: --decode-service alone, so the router never tries a remote prefill.
+        assert config.disaggregated == disaggregated, name
         for url in config.decode_services + config.prefill_services:
             target = ServiceTarget.parse(url)
             # Discoverable: a <service>.<namespace>.svc name the EndpointSlice watch can follow.
             assert target.service and target.namespace, url
+        roles = ["decode", "prefill"] if disaggregated else ["decode"]
         assert [ServiceTarget.parse(u).service.rsplit("-", 1)[1] for u in config.decode_services
-                + config.prefill_services] == ["decode", "prefill"]  # fmt: skip
+                + config.prefill_services] == roles  # fmt: skip
         _assert_services_lead_to_the_engines(example, config.decode_services, "serve", "decode")
         _assert_services_lead_to_the_engines(example, config.prefill_services, "serve", "prefill")
 
@@ -147,20 +158,22 @@ def _parse_router(args: list[str]) -> argparse.Namespace:
     return parser.parse_args(args)
 
 
+@pytest.mark.parametrize("mode", [{"prefill": {}}, {"router": {"enabled": True}}],
+                         ids=["disaggregated", "aggregated-router"])  # fmt: skip
 @pytest.mark.parametrize(
     ("events", "port", "replay"),
     [({"port": 6100, "replayPort": 6101}, 6100, 6101), ({}, 5557, 5558),
      ({"enabled": False, "port": 6100, "replayPort": 6101}, None, None)],
     ids=["custom-ports", "default-ports", "disabled"],
 )  # fmt: skip
-def test_rendered_router_subscribes_where_the_engines_publish(events, port, replay):
+def test_rendered_router_subscribes_where_the_engines_publish(events, port, replay, mode):
     """The router's KV-event ports, as `atom router` parses them, are the ports the engine pods
     bind (spec.kvEvents); with KV events off the router subscribes to none."""
     body = {
         "apiVersion": "serving.atom.dev/v1alpha1",
         "kind": "AtomDeployment",
         "metadata": {"name": "pd", "namespace": "llm", "uid": "uid-1"},
-        "spec": {"accelerator": {"vendor": "cpu"}, "prefill": {}, "kvEvents": events},
+        "spec": {"accelerator": {"vendor": "cpu"}, **mode, "kvEvents": events},
     }
     router = render_router_deployment(body)
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]

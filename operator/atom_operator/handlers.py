@@ -10,9 +10,11 @@ What runs when:
 - create / resume / update (any change other than a replica count): validate and render
   every child first, then create-or-patch each one (`apply.apply_children`), delete the
   children the spec no longer renders (`apply.prune_children`), then write status with
-  `observedGeneration`. An invalid spec writes `SpecValid=False` naming the field and
-  `observedGeneration`, emits a warning event, touches no child, and fails permanently for
-  that generation (the next edit is handled afresh).
+  `observedGeneration`; when a child changed, post a warning event for each choice the spec
+  allows but that is most likely not meant (`spec.spec_warnings`: the router on with KV events
+  off). An invalid spec writes `SpecValid=False` naming the field and `observedGeneration`,
+  emits a warning event, touches no child, and fails permanently for that generation (the
+  next edit is handled afresh).
 - a change of `spec.decode.replicas` or `spec.prefill.replicas` alone: patch only
   `spec.replicas` of that role's Deployment (`apply.scale_deployment`); nothing for a role
   whose autoscaler owns the replica count. Both paths share `converge`: plan -> apply ->
@@ -54,7 +56,14 @@ import kopf
 from atom_operator import apply, autoscale, status
 from atom_operator.render import endpoint_url, label_value, render_children
 from atom_operator.schema import ENGINE_HTTP_PORT, GROUP, PLURAL, VERSION
-from atom_operator.spec import ROLES, SpecError, apply_defaults, validate_spec
+from atom_operator.spec import (
+    ROLES,
+    SpecError,
+    apply_defaults,
+    has_router,
+    spec_warnings,
+    validate_spec,
+)
 
 STATUS_INTERVAL = float(os.environ.get("ATOM_OPERATOR_STATUS_INTERVAL", "10"))
 AUTOSCALE_INTERVAL = float(os.environ.get("ATOM_OPERATOR_AUTOSCALE_INTERVAL", "10"))
@@ -357,6 +366,10 @@ async def reconcile(
         body, patch, memo, retry, role_deployments, apply_everything(namespace)
     )
     logger.info("applied: %s", ", ".join(str(r) for r in results or []))
+    if any(r.action != "unchanged" for r in results or []):
+        # Once per change that reached the cluster, not on every resume or safety-net pass.
+        for reason, message in spec_warnings(apply_defaults(_plain(body)["spec"])):
+            kopf.warn(body, reason=reason, message=message)
 
 
 def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
@@ -598,7 +611,7 @@ async def autoscale_roles(
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         demand = (
-            await scrape_router_demand(session, of_role("router")) if "prefill" in spec else None
+            await scrape_router_demand(session, of_role("router")) if has_router(spec) else None
         )
         for role in builtin_roles(spec):
             deployment = owned.get(role)

@@ -8,13 +8,14 @@ AtomDeployment when `metadata.uid` is known:
   headless Service (per-pod DNS for the router and KV-event subscribers), a PodDisruptionBudget,
   and, when the role autoscales, an autoscaling/v2 HorizontalPodAutoscaler (provider hpa) or a
   KEDA ScaledObject (provider keda); provider builtin renders nothing (the operator scales);
-- in disaggregated mode, a router Deployment running `atom router`, with its own ServiceAccount,
-  Role and RoleBinding (list/watch on the namespace's EndpointSlices, for its discovery);
+- when the router is on (spec.router.enabled: always in disaggregated mode, opt-in when
+  aggregated), a router Deployment running `atom router`, with its own ServiceAccount, Role and
+  RoleBinding (list/watch on the namespace's EndpointSlices, for its discovery);
 - a Gateway API Inference Extension InferencePool over the serving pods, when
   spec.inferencePool.enabled;
 - a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
   false);
-- the user-facing Service, in front of the decode pods or of the router.
+- the user-facing Service, in front of the router when there is one, else of the decode pods.
 
 Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
 cache, /tmp and /dev/shm) and CPU and memory requests and limits; engine pods get no service
@@ -36,6 +37,7 @@ from atom_operator.spec import (
     ROLES,
     SpecError,
     apply_defaults,
+    has_router,
     parse_model_uri,
     validate_spec,
     vendor_resource,
@@ -553,10 +555,10 @@ def render_role_service(body: dict[str, Any], role: str) -> dict[str, Any]:
 
 
 def render_service(body: dict[str, Any]) -> dict[str, Any]:
-    """The user-facing Service: decode pods (aggregated) or the router (disaggregated)."""
+    """The user-facing Service: the router when there is one, else the decode pods."""
     spec = _spec(body)
     service = spec["service"]
-    target = ROUTER if is_disaggregated(spec) else "decode"
+    target = ROUTER if has_router(spec) else "decode"
     metadata = _metadata(body, child_name(body), common_labels(body))
     if service["annotations"]:
         metadata["annotations"] = dict(service["annotations"])
@@ -724,9 +726,10 @@ def render_scaled_object(body: dict[str, Any], role: str) -> dict[str, Any] | No
 
 
 def router_args(body: dict[str, Any]) -> list[str]:
-    """`atom router` arguments: where the decode and prefill pods are (headless Services) and
-    the ports of the decode pods' KV-event PUB and replay sockets (spec.kvEvents), 0 for both
-    when KV events are disabled so the router subscribes to none."""
+    """`atom router` arguments: where the decode pods are, and the prefill pods in
+    disaggregated mode (their headless Services; an aggregated router gets --decode-service
+    alone), and the ports of the decode pods' KV-event PUB and replay sockets (spec.kvEvents),
+    0 for both when KV events are disabled so the router subscribes to none."""
     spec = _spec(body)
 
     def url(role: str) -> str:
@@ -734,12 +737,14 @@ def router_args(body: dict[str, Any]) -> list[str]:
 
     events = spec["kvEvents"]
     enabled = events["enabled"]
+    services = ["--decode-service", url("decode")]
+    if is_disaggregated(spec):
+        services += ["--prefill-service", url("prefill")]
     return [
         "router",
         "--host", "0.0.0.0",
         "--port", str(ENGINE_HTTP_PORT),
-        "--decode-service", url("decode"),
-        "--prefill-service", url("prefill"),
+        *services,
         "--kv-events-port", str(events["port"] if enabled else 0),
         "--kv-events-replay-port", str(events["replayPort"] if enabled else 0),
     ]  # fmt: skip
@@ -752,9 +757,9 @@ def router_service_account_name(body: dict[str, Any]) -> str:
 
 def render_router_rbac(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The router's ServiceAccount, a Role allowing ROUTER_RULES in the AtomDeployment's
-    namespace and the RoleBinding between them; [] in aggregated mode (no router)."""
+    namespace and the RoleBinding between them; [] when there is no router."""
     spec = _spec(body)
-    if not is_disaggregated(spec):
+    if not has_router(spec):
         return []
     name = router_service_account_name(body)
     labels = role_labels(body, ROUTER)
@@ -785,9 +790,9 @@ def render_router_rbac(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
-    """The router of disaggregated mode (`atom router`), or None in aggregated mode."""
+    """The router Deployment (`atom router`), or None when spec.router.enabled is false."""
     spec = _spec(body)
-    if not is_disaggregated(spec):
+    if not has_router(spec):
         return None
     router = spec["router"]
     labels = role_labels(body, ROUTER)

@@ -146,8 +146,9 @@ _AUTOSCALING = _obj(
             "Who scales the role.", default="builtin", enum=list(AUTOSCALING_PROVIDERS)
         ),
         "minReplicas": _int(
-            "Lower bound. 0 (builtin or keda, with a router in front, i.e. a prefill role): "
-            "scale to zero after scaleToZeroAfterSeconds idle, back up on queued demand.",
+            "Lower bound. 0 (builtin or keda, with the router in front: spec.router.enabled, "
+            "always so with a prefill role): scale to zero after scaleToZeroAfterSeconds idle, "
+            "back up on queued demand.",
             default=1,
             minimum=0,
         ),
@@ -529,7 +530,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             default={},
         ),
         "service": _obj(
-            "The user-facing Service (decode pods, or the router in disaggregated mode).",
+            "The user-facing Service (the router when there is one, else the decode pods).",
             {
                 "type": _str(
                     "Service type.",
@@ -542,8 +543,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             default={},
         ),
         "router": _obj(
-            "The router Deployment of disaggregated mode (ignored without a prefill role).",
+            "The KV-cache-aware router (`atom router`) in front of the engine pods: it sends each "
+            "request to the decode pod that caches the longest prefix of its prompt (from the "
+            "pods' KV events), weighed against load, and holds requests while decode is at zero. "
+            "Always on in disaggregated mode; opt-in for an aggregated deployment.",
             {
+                "enabled": {
+                    "type": "boolean",
+                    "description": "Run the router and point the user-facing Service at it. "
+                    "Omitted => true with a prefill role (which cannot run without it), false "
+                    "otherwise (the Service balances over the decode pods).",
+                },
                 "image": _str(
                     "Router image (tag or digest). Default: spec.engine.image.",
                     minLength=1,
@@ -587,12 +597,23 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "message": "the cpu vendor requests no device: resourceName must be empty",
                 "fieldPath": ".accelerator.resourceName",
             },
+            # Disaggregated mode cannot run without the router (it sends prompts to prefill).
+            {
+                "rule": "!has(self.prefill) || !has(self.router) || !has(self.router.enabled) "
+                "|| self.router.enabled",
+                "message": "router.enabled cannot be false with a prefill role: the router is "
+                "what sends prompts to the prefill pods and their KV to the decode pods",
+                "fieldPath": ".router.enabled",
+            },
+            # Only the router holds requests while decode has no pod. router.enabled omitted
+            # means true with a prefill role, false without (atom_operator.spec.has_router).
             {
                 "rule": "!has(self.decode) || !has(self.decode.autoscaling) "
                 "|| !has(self.decode.autoscaling.minReplicas) "
-                "|| self.decode.autoscaling.minReplicas > 0 || has(self.prefill)",
+                "|| self.decode.autoscaling.minReplicas > 0 || has(self.prefill) "
+                "|| (has(self.router) && has(self.router.enabled) && self.router.enabled)",
                 "message": "decode scales to zero only behind the router, which holds requests "
-                "meanwhile: add a prefill role or set minReplicas >= 1",
+                "meanwhile: set router.enabled (or add a prefill role) or set minReplicas >= 1",
                 "fieldPath": ".decode.autoscaling.minReplicas",
             },
             # The portable KV connector moves one engine's whole KV cache; a tensor-parallel

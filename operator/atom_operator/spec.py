@@ -44,6 +44,8 @@ DERIVED_DEFAULTS = {
     "accelerator.tolerations": "tolerate the vendor's GPU taint (Exists, NoSchedule); none for cpu",
     "accelerator.supplementalGroups": f"[{AMD_VIDEO_GID}] (video) for amd, [] otherwise",
     "kvTransfer": f"{{connector: {DEFAULT_CONNECTOR}, config: {{}}}} when prefill is present",
+    "router.enabled": "true when prefill is present (disaggregated mode needs the router), "
+    "false otherwise",
     "router.image": "spec.engine.image",
 }
 
@@ -103,6 +105,17 @@ def default_model_name(uri: str | None) -> str:
     if source.scheme == "pvc" and not source.path:
         return source.claim
     return source.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def has_router(spec: dict[str, Any]) -> bool:
+    """Whether the AtomDeployment runs `atom router` in front of its engine pods:
+    spec.router.enabled, which defaults to whether a prefill role exists. Safe on a raw or
+    invalid spec (status folds those too)."""
+    router = spec.get("router")
+    enabled = router.get("enabled") if isinstance(router, dict) else None
+    if isinstance(enabled, bool):
+        return enabled
+    return "prefill" in spec
 
 
 def vendor_resource(accelerator: dict[str, Any]) -> str:
@@ -171,6 +184,8 @@ def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
         accelerator["supplementalGroups"] = [AMD_VIDEO_GID] if vendor == "amd" else []
     if "prefill" in out and "kvTransfer" not in out:
         out["kvTransfer"] = {"connector": DEFAULT_CONNECTOR, "config": {}}
+    if "enabled" not in router:
+        router["enabled"] = "prefill" in out
     if "image" not in router and "image" in engine:
         router["image"] = engine["image"]
     return out
@@ -304,11 +319,17 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     for role in ROLES:
         if role in spec:
             _check_autoscaling(spec[role]["autoscaling"], f"spec.{role}.autoscaling")
-    if spec["decode"]["autoscaling"]["minReplicas"] == 0 and "prefill" not in spec:
+    if "prefill" in spec and not spec["router"]["enabled"]:
+        raise SpecError(
+            "spec.router.enabled",
+            "cannot be false with a prefill role: the router is what sends prompts to the "
+            "prefill pods and their KV to the decode pods",
+        )
+    if spec["decode"]["autoscaling"]["minReplicas"] == 0 and not has_router(spec):
         raise SpecError(
             "spec.decode.autoscaling.minReplicas",
             "decode scales to zero only behind the router, which holds requests meanwhile: "
-            "add a prefill role or set minReplicas >= 1",
+            "set router.enabled (or add a prefill role) or set minReplicas >= 1",
         )
     events = spec["kvEvents"]
     if events["port"] == events["replayPort"]:
@@ -359,6 +380,22 @@ def _check_python_only(spec: dict[str, Any]) -> None:
                     f"{field}[{index}].name",
                     f"{var['name']} is reserved ({RESERVED_ENV[var['name']]})",
                 )
+
+
+def spec_warnings(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(reason, message) for each choice of a valid, defaulted spec that is allowed but most
+    likely not meant: the operator posts them as Warning events and applies the spec anyway."""
+    warnings = []
+    if has_router(spec) and not spec["kvEvents"]["enabled"]:
+        warnings.append(
+            (
+                "RouterWithoutKVEvents",
+                "spec.kvEvents.enabled is false: the router subscribes to no KV events, so it "
+                "ranks decode pods on load alone and cannot send a prompt to the pod that "
+                "caches its prefix; enable kvEvents for cache-aware routing",
+            )
+        )
+    return warnings
 
 
 def validate_spec(spec: dict[str, Any]) -> None:

@@ -11,10 +11,11 @@ lastTransitionTime changes only when status changes):
 - `SpecValid`      the spec passes `validate_spec`; False names the field.
 - `DecodeReady`    the decode Deployment has rolled out and all its desired pods are ready.
 - `PrefillReady`   the same for prefill (only in disaggregated mode, i.e. spec.prefill set).
-- `RouterReady`    the same for the router (only in disaggregated mode).
+- `RouterReady`    the same for the router (only when there is one: spec.router.enabled, always
+                   so in disaggregated mode).
 - `KVEventsWired`  spec.kvEvents.enabled and every engine role's container args carry
                    `--kv-events-config` with the publisher endpoint on spec.kvEvents.port and a
-                   `kv@...` topic, and (disaggregated mode) the router Deployment's args
+                   `kv@...` topic, and (when there is a router) the router Deployment's args
                    subscribe on spec.kvEvents.port and replayPort (`--kv-events-port`,
                    `--kv-events-replay-port`, or the router's defaults when absent). False
                    with reason `Disabled` when KV events are off, `ArgsMissing` otherwise.
@@ -57,7 +58,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from atom_operator.render import role_selector_string
-from atom_operator.spec import SpecError, apply_defaults, validate_spec
+from atom_operator.spec import SpecError, apply_defaults, has_router, validate_spec
 
 DEPLOYMENT_LABEL = "serving.atom.dev/deployment"
 ROLE_LABEL = "serving.atom.dev/role"
@@ -332,14 +333,14 @@ def fold_status(
         if deployment.owner_uid == uid and deployment.role not in owned:
             owned[deployment.role] = deployment
 
-    disaggregated = "prefill" in spec
-    roles = ["decode", "prefill", "router"] if disaggregated else ["decode"]
+    routed = has_router(spec)
+    roles = ["decode"] + (["prefill"] if "prefill" in spec else []) + (["router"] if routed else [])
 
     def zero_by_design(role: str) -> bool:
         autoscaling = (spec.get(role) or {}).get("autoscaling") or {}
         return bool(
             spec_error is None
-            and disaggregated
+            and routed
             and autoscaling.get("enabled")
             and autoscaling.get("minReplicas") == 0
         )

@@ -229,3 +229,41 @@ async def test_idle_role_scales_to_zero_and_back_on_router_demand(
     scaled = [m for _, reason, m in cluster.events() if reason == "Autoscaled"]
     assert scaled[0].startswith("prefill: 1 -> 0 replicas: idle for ")
     assert scaled[1].startswith("prefill: 0 -> 1 replicas: 2 request(s) queued at the router")
+
+
+@pytest.mark.parametrize(
+    "mode", [{"router": {"enabled": True}}, {"prefill": {"replicas": 1}}],
+    ids=["aggregated-router", "disaggregated"],
+)  # fmt: skip
+async def test_decode_at_zero_comes_back_on_the_routers_queued_demand(
+    cluster, operator_running, router_gauge, mode
+):
+    """Decode rests at zero behind any router, aggregated or not: the autoscaler scrapes the
+    router pods' queued-requests gauge whenever the AtomDeployment has a router."""
+    spec = {
+        "accelerator": {"vendor": "cpu"}, **mode,
+        "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                                   "targetRequestsRunning": 4}},
+    }  # fmt: skip
+    async with operator_running():
+        await cluster.create_atomd("chat", spec)
+        await eventually(lambda: cluster.get(DEPLOYMENTS, "chat-decode"))
+        # At zero, as after an idle period (a new Deployment starts at 1, and a role without a
+        # Ready pod holds its replicas).
+        await cluster.request(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat-decode",
+            {"spec": {"replicas": 0}},
+        )
+        await add_pod(cluster, "chat-router-77c-r1", "router", router_gauge.port)
+        await eventually(
+            lambda: decision(cluster, "decode")["metrics"].get("routerQueued") == "0.0",
+            timeout=30,
+        )
+        assert decision(cluster, "decode")["reason"] == "scaled to zero, no queued demand"
+
+        router_gauge.queued["decode"] = 3.0
+        await eventually(lambda: replicas(cluster, "chat-decode") == 1, timeout=30)
+        await eventually(
+            lambda: decision(cluster, "decode")["reason"] == "3 request(s) queued at the router"
+        )

@@ -19,7 +19,14 @@ import pytest
 import yaml
 
 from atom_operator import schema
-from atom_operator.spec import DERIVED_DEFAULTS, SpecError, apply_defaults, validate_spec
+from atom_operator.spec import (
+    DERIVED_DEFAULTS,
+    SpecError,
+    apply_defaults,
+    has_router,
+    spec_warnings,
+    validate_spec,
+)
 
 try:
     import celpy  # cel-python: evaluates the CRD's CEL rules for real
@@ -244,6 +251,35 @@ def test_defaults_match_apply_defaults_except_the_derived_ones():
     assert by_crd["model"]["authSecretRef"] == {"name": "hf", "key": "HF_TOKEN"}
 
 
+@pytest.mark.parametrize(
+    ("spec", "enabled"),
+    [({}, False), ({"prefill": {}}, True), ({"router": {"enabled": True}}, True),
+     ({"router": {"replicas": 2}}, False), ({"prefill": {}, "router": {"replicas": 2}}, True)],
+)  # fmt: skip
+def test_router_enabled_defaults_to_whether_a_prefill_role_exists(spec, enabled):
+    """The CRD leaves router.enabled unset (its default depends on spec.prefill); the operator
+    fills it: on in disaggregated mode, off when aggregated unless asked for."""
+    by_crd = crd_default(spec, _spec_schema())["router"]
+    assert by_crd.get("enabled") == (spec.get("router") or {}).get("enabled")  # kept, not filled
+    assert apply_defaults(spec)["router"]["enabled"] is enabled
+    assert has_router(spec) is enabled
+    assert has_router(apply_defaults(spec)) is enabled
+
+
+@pytest.mark.parametrize(
+    ("spec", "warned"),
+    [({"router": {"enabled": True}, "kvEvents": {"enabled": False}}, True),
+     ({"prefill": {}, "kvEvents": {"enabled": False}}, True),
+     ({"kvEvents": {"enabled": False}}, False), ({"router": {"enabled": True}}, False)],
+)  # fmt: skip
+def test_a_router_without_kv_events_is_warned_about_not_refused(spec, warned):
+    """The router still balances on load and holds requests for a decode role at zero without
+    KV events, so the spec is valid; it only loses the cache-aware choice, which is a warning."""
+    validate_spec(spec)
+    warnings = spec_warnings(apply_defaults(spec))
+    assert [reason for reason, _ in warnings] == (["RouterWithoutKVEvents"] if warned else [])
+
+
 # --- examples ---------------------------------------------------------------------------------
 
 
@@ -254,6 +290,7 @@ def _load(path: pathlib.Path) -> dict[str, Any]:
 def test_there_are_examples():
     assert {p.name for p in EXAMPLES} == {
         "amd-mi300x-aggregated.yaml",
+        "amd-mi300x-aggregated-router.yaml",
         "amd-mi300x-disaggregated.yaml",
         "nvidia-h100-aggregated.yaml",
         "cpu-smollm2.yaml",
@@ -363,6 +400,13 @@ BROKEN_SPECS = [
      "spec.decode.autoscaling.scaleDownStabilizationSeconds"),
     ({"prefill": {"tensorParallelSize": 2}}, "spec.prefill.tensorParallelSize"),
     ({"prefill": {}, "decode": {"tensorParallelSize": 4}}, "spec.decode.tensorParallelSize"),
+    # Disaggregated mode cannot run without the router; decode rests at zero only behind it.
+    ({"prefill": {}, "router": {"enabled": False}}, "spec.router.enabled"),
+    ({"router": {"enabled": False},
+      "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                                 "targetRequestsRunning": 4}}},
+     "spec.decode.autoscaling.minReplicas"),
+    ({"router": {"enabled": "yes"}}, "spec.router.enabled"),
 ]  # fmt: skip
 
 
@@ -408,6 +452,14 @@ GOOD_SPECS = [
     # Tensor parallelism is refused only with KV transfer (a prefill role): aggregated is fine.
     {"decode": {"tensorParallelSize": 8}},
     {"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}},
+    # The router opt-in: aggregated with the router (TP allowed: no KV transfer), decode at zero
+    # behind it, the router spelled out in disaggregated mode, and explicitly off when aggregated.
+    {"router": {"enabled": True, "replicas": 2}, "decode": {"replicas": 4, "tensorParallelSize": 2}},
+    {"router": {"enabled": True},
+     "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 4,
+                                "targetRequestsRunning": 16}}},
+    {"prefill": {}, "router": {"enabled": True}},
+    {"router": {"enabled": False}, "kvEvents": {"enabled": False}},
 ]  # fmt: skip
 
 

@@ -46,6 +46,12 @@ def test_example_shapes():
         "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
         "NetworkPolicy", "Service",
     ]  # fmt: skip
+    # router.enabled on an aggregated deployment: the router and its RBAC, no prefill role.
+    assert _kinds("amd-mi300x-aggregated-router.yaml") == [
+        "Deployment", "Service", "PodDisruptionBudget",
+        "ServiceAccount", "Role", "RoleBinding",
+        "Deployment", "NetworkPolicy", "Service",
+    ]  # fmt: skip
     assert _kinds("amd-mi300x-disaggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "Deployment", "Service", "PodDisruptionBudget",

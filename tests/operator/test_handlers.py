@@ -283,3 +283,79 @@ async def test_removing_prefill_deletes_the_disaggregated_children(cluster, oper
     assert [c["type"] for c in status["conditions"]] == [
         "SpecValid", "DecodeReady", "KVEventsWired", "Ready"
     ]  # fmt: skip
+
+
+ROUTED = {**AGGREGATED, "router": {"enabled": True}}
+
+
+async def test_router_opt_in_renders_the_router_and_opt_out_prunes_it(cluster, operator_running):
+    """An aggregated AtomDeployment with router.enabled gets the router, its RBAC and a Service
+    pointing at it; turning the router off deletes them and points the Service at decode."""
+    rbac = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
+    async with operator_running():
+        await _created(cluster, spec=ROUTED)
+        assert children(cluster) == {
+            DEPLOYMENTS: ["chat-decode", "chat-router"],
+            SERVICES: ["chat", "chat-decode"],
+            PDBS: ["chat-decode"],
+            HPAS: [],
+        }
+        assert [cluster.names(r) for r in rbac] == [["chat-router"]] * 3
+        router = cluster.get(DEPLOYMENTS, "chat-router")["spec"]["template"]["spec"]
+        assert router["serviceAccountName"] == "chat-router"
+        assert router["containers"][0]["args"] == [
+            "router", "--host", "0.0.0.0", "--port", "8000",
+            "--decode-service", "http://chat-decode.ns1.svc.cluster.local:8000",
+            "--kv-events-port", "5557", "--kv-events-replay-port", "5558",
+        ]  # fmt: skip
+        assert cluster.get(SERVICES, "chat")["spec"]["selector"] == {
+            "serving.atom.dev/deployment": "chat", "serving.atom.dev/role": "router"
+        }  # fmt: skip
+        assert cluster.get(SERVICES, "chat-decode")["spec"]["clusterIP"] == "None"
+        status = cluster.atomd("chat")["status"]
+        assert [c["type"] for c in status["conditions"]] == [
+            "SpecValid", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"
+        ]  # fmt: skip
+        assert condition(cluster.atomd("chat"), "RouterReady")["reason"] == "RollingOut"
+
+        await cluster.patch_atomd("chat", {"spec": {"router": {"enabled": False}}})
+        await eventually(lambda: children(cluster) == AGGREGATED_CHILDREN)
+        await eventually(lambda: [cluster.names(r) for r in rbac] == [[], [], []])
+        await eventually(lambda: cluster.atomd("chat")["status"]["observedGeneration"] == 2)
+        status = cluster.atomd("chat")["status"]
+    assert cluster.get(SERVICES, "chat")["spec"]["selector"]["serving.atom.dev/role"] == "decode"
+    assert set(status["roles"]) == {"decode"}
+    assert [c["type"] for c in status["conditions"]] == [
+        "SpecValid", "DecodeReady", "KVEventsWired", "Ready"
+    ]  # fmt: skip
+    assert not any(e[1] == "RouterWithoutKVEvents" for e in cluster.events())
+
+
+async def test_router_off_with_a_prefill_role_is_refused(cluster, operator_running):
+    spec = {**AGGREGATED, "prefill": {"replicas": 1}, "router": {"enabled": False}}
+    async with operator_running():
+        await cluster.create_atomd("chat", spec)
+        await eventually(lambda: condition(cluster.atomd("chat"), "SpecValid")["status"] == "False")
+    assert condition(cluster.atomd("chat"), "SpecValid")["message"] == (
+        "spec.router.enabled: cannot be false with a prefill role: the router is what sends "
+        "prompts to the prefill pods and their KV to the decode pods"
+    )
+    assert cluster.writes() == []
+
+
+async def test_router_without_kv_events_is_applied_with_a_warning(cluster, operator_running):
+    """The router on and KV events off is valid (load-aware routing, a queue for decode at
+    zero) but not cache-aware: applied, KVEventsWired=False/Disabled, and a Warning event."""
+    spec = {**ROUTED, "kvEvents": {"enabled": False}}
+    async with operator_running():
+        await _created(cluster, spec=spec)
+        await eventually(lambda: any(e[1] == "RouterWithoutKVEvents" for e in cluster.events()))
+        obj = cluster.atomd("chat")
+    (warning,) = [e for e in cluster.events() if e[1] == "RouterWithoutKVEvents"]
+    assert warning[0] == "Warning"
+    assert warning[2].startswith("spec.kvEvents.enabled is false: the router subscribes to no KV")
+    assert condition(obj, "KVEventsWired")["reason"] == "Disabled"
+    args = cluster.get(DEPLOYMENTS, "chat-router")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert args[-4:] == ["--kv-events-port", "0", "--kv-events-replay-port", "0"]

@@ -147,6 +147,26 @@ def test_disaggregated_children_with_autoscaling(provider, scaler):
     ]
 
 
+def test_aggregated_children_with_the_router():
+    """router.enabled without a prefill role: the router and its RBAC join the decode role's
+    children, and nothing of a prefill role appears."""
+    spec = {"decode": {"replicas": 4}, "router": {"enabled": True}}
+    assert kinds_and_names(render_children(atomd(spec))) == [
+        ("Deployment", "qwen3-8b-decode"),
+        ("Service", "qwen3-8b-decode"),
+        ("PodDisruptionBudget", "qwen3-8b-decode"),
+        ("ServiceAccount", "qwen3-8b-router"),
+        ("Role", "qwen3-8b-router"),
+        ("RoleBinding", "qwen3-8b-router"),
+        ("Deployment", "qwen3-8b-router"),
+        ("NetworkPolicy", "qwen3-8b"),
+        ("Service", "qwen3-8b"),
+    ]
+    # Explicitly off is the aggregated default: the same children as without the field.
+    off = render_children(atomd({"decode": {"replicas": 4}, "router": {"enabled": False}}))
+    assert off == render_children(atomd({"decode": {"replicas": 4}}))
+
+
 def test_every_child_is_owned_by_the_atomdeployment_in_its_namespace():
     for child in render_children(atomd({"prefill": {}})):
         assert child["metadata"]["namespace"] == "llm"
@@ -617,6 +637,24 @@ def test_user_service_targets_the_router_when_disaggregated():
     assert service["spec"]["type"] == "ClusterIP"
 
 
+@pytest.mark.parametrize(
+    ("spec", "target"),
+    [({"router": {"enabled": True}}, "router"), ({"router": {"enabled": False}}, "decode"),
+     ({"prefill": {}, "router": {"enabled": True}}, "router")],
+)  # fmt: skip
+def test_user_service_follows_the_router(spec, target):
+    """The user-facing Service selects the router pods whenever there is a router, in either
+    mode, and the decode pods otherwise; the decode pods keep their headless Service, which the
+    router discovers."""
+    children = render_children(atomd(spec))
+    services = {c["metadata"]["name"]: c for c in children if c["kind"] == "Service"}
+    assert services["qwen3-8b"]["spec"]["selector"] == {
+        "serving.atom.dev/deployment": "qwen3-8b",
+        "serving.atom.dev/role": target,
+    }
+    assert services["qwen3-8b-decode"]["spec"]["clusterIP"] == "None"
+
+
 def test_pdb_per_role():
     pdb = render_pdb(atomd(), "decode")
     assert pdb["apiVersion"] == "policy/v1"
@@ -666,14 +704,34 @@ def test_router_deployment():
     assert render_router_deployment(atomd()) is None
 
 
+def test_aggregated_router_is_told_only_the_decode_service():
+    """Without a prefill role the router gets --decode-service alone (`atom router` then never
+    prefills remotely), with the same KV-event ports as in disaggregated mode."""
+    router = render_router_deployment(atomd({"router": {"enabled": True, "replicas": 2}}))
+    assert router["metadata"]["name"] == "qwen3-8b-router"
+    assert router["spec"]["replicas"] == 2
+    assert container(router)["args"] == [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", "8000",
+        "--decode-service", "http://qwen3-8b-decode.llm.svc.cluster.local:8000",
+        "--kv-events-port", "5557",
+        "--kv-events-replay-port", "5558",
+    ]  # fmt: skip
+    assert pod(router)["serviceAccountName"] == "qwen3-8b-router"
+    assert render_router_deployment(atomd({"router": {"enabled": False}})) is None
+
+
+@pytest.mark.parametrize("mode", [{"prefill": {}}, {"router": {"enabled": True}}],
+                         ids=["disaggregated", "aggregated"])  # fmt: skip
 @pytest.mark.parametrize(
     ("events", "port", "replay"),
     [({"port": 6000, "replayPort": 6001}, "6000", "6001"),
      ({"enabled": False, "port": 6000, "replayPort": 6001}, "0", "0")],
     ids=["custom-ports", "disabled"],
 )  # fmt: skip
-def test_router_subscribes_on_the_spec_kv_event_ports(events, port, replay):
-    router = render_router_deployment(atomd({"prefill": {}, "kvEvents": events}))
+def test_router_subscribes_on_the_spec_kv_event_ports(events, port, replay, mode):
+    router = render_router_deployment(atomd({**mode, "kvEvents": events}))
     args = container(router)["args"]
     assert (flag(args, "--kv-events-port"), flag(args, "--kv-events-replay-port")) == (
         port, replay
@@ -713,18 +771,20 @@ def test_router_has_its_own_service_account_allowed_to_watch_endpointslices():
     assert aggregated.isdisjoint({"ServiceAccount", "Role", "RoleBinding"})
 
 
-def test_network_policy_admits_the_router_to_the_engine_ports():
+@pytest.mark.parametrize("mode", [{"prefill": {}}, {"router": {"enabled": True}}],
+                         ids=["disaggregated", "aggregated"])  # fmt: skip
+def test_network_policy_admits_the_router_to_the_engine_ports(mode):
     """The router's pod labels match the policy's own-pods rule, which opens every port (HTTP,
     KV events, replay), so a policy-enforcing CNI lets the router subscribe and forward."""
     events = {"port": 6000, "replayPort": 6001}
-    children = render_children(atomd({"prefill": {}, "kvEvents": events}))
+    children = render_children(atomd({**mode, "kvEvents": events}))
     (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
     router = next(c for c in children if c["metadata"]["name"] == "qwen3-8b-router"
                   and c["kind"] == "Deployment")  # fmt: skip
     router_labels = router["spec"]["template"]["metadata"]["labels"]
-    engine_labels = render_role_deployment(atomd({"prefill": {}}), "decode")["spec"]["template"][
-        "metadata"
-    ]["labels"]
+    engine_labels = render_role_deployment(atomd(mode), "decode")["spec"]["template"]["metadata"][
+        "labels"
+    ]
 
     def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in selector["matchLabels"].items())

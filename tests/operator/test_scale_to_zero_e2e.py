@@ -2,11 +2,12 @@
 `atom router` holding a request for a role at zero, and a real `atom serve` engine brought up
 for it.
 
-The role that goes to zero is decode of a disaggregated AtomDeployment: the CRD lets decode
-reach zero only when a prefill role exists, and decode is the role the router holds requests
-for (a request short of `--remote-prefill-threshold` never needs a prefill pod). The router runs
-with a static `--backend` on the port where the decode engine will listen, as its pod would
-resolve the decode Service to that engine's address. The test plays the Deployment controller
+The role that goes to zero is decode of an aggregated AtomDeployment with the router on
+(`router.enabled`): the CRD lets decode reach zero only behind the router, which holds requests
+for it meanwhile (a disaggregated deployment has the router too; the autoscaler treats both
+alike, tests/operator/test_autoscale_operator.py). The router runs with a static `--backend` on
+the port where the decode engine will listen, as its pod would resolve the decode Service to
+that engine's address. The test plays the Deployment controller
 and the kubelet: it reports the router pod and, once the operator asks for a decode replica,
 starts the engine on that port and marks its pod Ready.
 """
@@ -78,7 +79,7 @@ async def test_a_held_request_brings_decode_up_from_zero_and_idle_takes_it_back(
 ):
     spec = {
         "accelerator": {"vendor": "cpu"},
-        "prefill": {"replicas": 1},
+        "router": {"enabled": True},
         "decode": {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
                                    "targetRequestsRunning": 4, "scaleToZeroAfterSeconds": 1}},
     }  # fmt: skip

@@ -54,6 +54,10 @@ def conditions(status):
     return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
+def _condition(status, kind):
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
 @pytest.mark.parametrize(
     ("d", "ready", "reason", "degraded", "pending"),
     [
@@ -125,6 +129,34 @@ def test_disaggregated_needs_prefill_and_router_before_ready():
     assert status["phase"] == "Ready"
     assert conditions(status)["RouterReady"] == ("True", "AllPodsReady")
     assert set(status["roles"]) == {"decode", "prefill", "router"}
+
+
+def test_aggregated_router_needs_the_router_before_ready():
+    """router.enabled without a prefill role: RouterReady and the router's KV-event
+    subscription count as in disaggregated mode; there is no PrefillReady."""
+    obj = body({"router": {"enabled": True}})
+    status = fold(obj, [deployment()])
+    assert conditions(status) == {
+        "SpecValid": ("True", "Valid"),
+        "DecodeReady": ("True", "AllPodsReady"),
+        "RouterReady": ("False", "DeploymentMissing"),
+        "KVEventsWired": ("False", "ArgsMissing"),
+        "Ready": ("False", "ComponentsNotReady"),
+    }
+    assert _condition(status, "KVEventsWired")["message"] == "router: no Deployment yet"
+    assert status["phase"] == "Pending"
+    status = fold(obj, [deployment(), deployment("router")])
+    assert status["phase"] == "Ready"
+    assert _condition(status, "KVEventsWired")["message"] == (
+        "engine pods publish on port 5557; the router subscribes on 5557 (replay 5558)"
+    )
+    assert _condition(status, "Ready")["message"] == "ready: decode, router"
+    assert status["roles"]["prefill"] is None
+    assert status["roles"]["router"]["ready"] == "1/1"
+    # The same pods with the router off: a router Deployment left over is not reported.
+    status = fold(body({"router": {"enabled": False}}), [deployment(), deployment("router")])
+    assert "RouterReady" not in conditions(status)
+    assert status["roles"]["router"] is None
 
 
 def test_invalid_spec_is_failed_and_names_the_field():
@@ -266,8 +298,24 @@ def test_a_role_scaled_to_zero_by_its_autoscaler_is_ready_not_pending():
         ("False", "ScaledToZero"), "Pending")  # fmt: skip
 
 
-def _condition(status, kind):
-    return next(c for c in status["conditions"] if c["type"] == kind)
+def test_decode_at_zero_behind_an_aggregated_router_is_ready_not_pending():
+    """Decode rests at zero wherever the router holds requests, aggregated mode included."""
+    resting = {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                               "targetRequestsRunning": 4}}  # fmt: skip
+    zero = deployment(desired=0, replicas=0, ready=0, updated=0)
+    status = fold(body({"router": {"enabled": True}, "decode": resting}),
+                  [zero, deployment("router")])  # fmt: skip
+    assert conditions(status)["DecodeReady"] == ("True", "ScaledToZero")
+    assert (status["phase"], conditions(status)["Ready"]) == (
+        "Ready",
+        ("True", "AllComponentsReady"),
+    )
+    # Without the router the spec is refused (nothing would hold the requests).
+    status = fold(body({"decode": resting}), [zero])
+    assert status["phase"] == "Failed"
+    assert _condition(status, "SpecValid")["message"].startswith(
+        "spec.decode.autoscaling.minReplicas: decode scales to zero only behind the router"
+    )
 
 
 @pytest.mark.parametrize(
@@ -334,18 +382,24 @@ def _live(child, ready):
 
 
 @pytest.mark.parametrize(
+    ("mode", "roles"),
+    [({"prefill": {"replicas": 1}}, {"decode", "prefill", "router"}),
+     ({"router": {"enabled": True}}, {"decode", "router"})],
+    ids=["disaggregated", "aggregated-router"],
+)  # fmt: skip
+@pytest.mark.parametrize(
     "events",
     [{"port": 6000, "replayPort": 6001}, {}, {"enabled": False}],
     ids=["custom-ports", "default-ports", "disabled"],
 )
-def test_rendered_children_fold_to_wired_and_ready(events):
+def test_rendered_children_fold_to_wired_and_ready(events, mode, roles):
     """What the operator renders, reported back by the cluster, is what the status calls wired:
     the engine and router Deployments carry matching KV-event ports."""
-    obj = body({"prefill": {"replicas": 1}, "kvEvents": events})
+    obj = body({**mode, "kvEvents": events})
     children = render_children(obj)
     deployments = [summarize_deployment(_live(c, None)) for c in children
                    if c["kind"] == "Deployment"]  # fmt: skip
-    assert {d.role for d in deployments} == {"decode", "prefill", "router"}
+    assert {d.role for d in deployments} == roles
     status = fold(obj, deployments)
     if events.get("enabled") is False:
         assert conditions(status)["KVEventsWired"] == ("False", "Disabled")
