@@ -65,13 +65,16 @@ def test_rendered_engine_args_parse_as_atom_serve(example):
 
 
 @pytest.mark.parametrize(
-    ("fields", "interval", "demand"),
-    [(None, -1, True), ({"intervalTokens": 0, "demand": True}, 0, True),
-     ({"intervalTokens": 64, "demand": False}, 64, False)],
+    ("fields", "interval", "demand", "fraction"),
+    [(None, -1, True, 0.1), ({"intervalTokens": 0, "demand": True}, 0, True, 0.1),
+     ({"intervalTokens": 64, "demand": False, "memoryFraction": 0.3}, 64, False, 0.3)],
 )  # fmt: skip
-def test_state_checkpoint_fields_render_to_the_runtime_settings(fields, interval, demand, tmp_path):
+def test_state_checkpoint_fields_render_to_the_runtime_settings(
+    fields, interval, demand, fraction, tmp_path
+):
     """spec.stateCheckpoint does what it says: the rendered flags give the runtime exactly those
-    settings, and the operator's defaults are the runtime's (-1, demand on)."""
+    settings, and the operator's defaults are the runtime's (-1, demand on, a tenth of the
+    pool)."""
     doc = next(yaml.safe_load_all(EXAMPLES[0].read_text()))
     doc.setdefault("metadata", {})["uid"] = "uid-1"
     doc["spec"].pop("stateCheckpoint", None)
@@ -85,8 +88,10 @@ def test_state_checkpoint_fields_render_to_the_runtime_settings(fields, interval
     config = EngineConfig.from_args(parser.parse_args(args))
     assert config.state_checkpoint_interval_tokens == interval
     assert config.state_checkpoint_demand is demand
+    assert config.state_checkpoint_memory_fraction == fraction
     if fields is None:
         assert interval == EngineConfig().state_checkpoint_interval_tokens
+        assert fraction == EngineConfig().state_checkpoint_memory_fraction
 
 
 def test_the_examples_cover_both_router_modes():

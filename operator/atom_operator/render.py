@@ -284,6 +284,7 @@ def serve_args(spec: dict[str, Any], role: str) -> list[str]:
     args.append(
         "--state-checkpoint-demand" if checkpoint["demand"] else "--no-state-checkpoint-demand"
     )
+    args += ["--state-checkpoint-memory-fraction", f"{checkpoint['memoryFraction']:g}"]
     if is_disaggregated(spec):
         args += ["--kv-transfer-config", _json_arg(kv_transfer_config(spec, role))]
     if spec["engine"].get("apiKeySecretRef"):

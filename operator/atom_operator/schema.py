@@ -526,6 +526,16 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     minimum=-1,
                 ),
                 "demand": {"type": "boolean", "default": True},
+                "memoryFraction": {
+                    "type": "number",
+                    "description": "The share of the KV block pool checkpoints may borrow at "
+                    "most (least recently used ones are evicted beyond it; live KV reclaims them "
+                    "whenever it needs the blocks).",
+                    "default": 0.1,
+                    "minimum": 0,
+                    "exclusiveMinimum": True,
+                    "maximum": 1,
+                },
             },
             default={},
         ),

@@ -344,6 +344,8 @@ BROKEN_SPECS = [
     ({"engine": {"blockSize": 32}, "stateCheckpoint": {"intervalTokens": 48}},
      "spec.stateCheckpoint.intervalTokens"),
     ({"stateCheckpoint": {"intervalTokens": -2}}, "spec.stateCheckpoint.intervalTokens"),
+    ({"stateCheckpoint": {"memoryFraction": 0}}, "spec.stateCheckpoint.memoryFraction"),
+    ({"stateCheckpoint": {"memoryFraction": 1.5}}, "spec.stateCheckpoint.memoryFraction"),
     # (cpu with prefill TP > 1 breaks two rules at once: the disaggregated-TP one below)
     ({"accelerator": {"vendor": "cpu"}, "decode": {"tensorParallelSize": 4}},
      "spec.decode.tensorParallelSize"),
@@ -427,6 +429,7 @@ GOOD_SPECS = [
     {},
     {"stateCheckpoint": {"intervalTokens": 0}},
     {"stateCheckpoint": {"intervalTokens": -1}},
+    {"stateCheckpoint": {"memoryFraction": 1}},
     {"engine": {"blockSize": 32}, "stateCheckpoint": {"intervalTokens": 96}},
     {"accelerator": {"vendor": "cpu"}, "decode": {"tensorParallelSize": 1}},
     {"accelerator": {"vendor": "nvidia", "resourceName": "nvidia.com/mig-3g.40gb"}},

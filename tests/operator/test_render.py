@@ -240,7 +240,7 @@ def test_serve_args_for_an_aggregated_hf_model_in_order():
         "model": {"uri": "hf://Qwen/Qwen3-8B", "name": "qwen3"},
         "engine": {"blockSize": 32, "maxModelLen": 32768, "args": ["--max-num-seqs", "128"]},
         "decode": {"tensorParallelSize": 8, "args": ["--enforce-eager"]},
-        "stateCheckpoint": {"intervalTokens": 8192, "demand": False},
+        "stateCheckpoint": {"intervalTokens": 8192, "demand": False, "memoryFraction": 0.25},
     }
     engine = container(render_role_deployment(atomd(spec), "decode"))
     assert engine["command"] == ["atom"]
@@ -258,6 +258,7 @@ def test_serve_args_for_an_aggregated_hf_model_in_order():
         '"replay_endpoint":"tcp://*:5558","topic":"kv@$(POD_IP):5557@qwen3"}',
         "--state-checkpoint-interval-tokens", "8192",
         "--no-state-checkpoint-demand",
+        "--state-checkpoint-memory-fraction", "0.25",
         "--max-num-seqs", "128",
         "--enforce-eager",
     ]  # fmt: skip
