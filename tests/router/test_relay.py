@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from atom_runtime.router.relay import MAX_HELD_PREAMBLE, says_more_than_roles
 from tests.router.conftest import launch_router
 from tests.server.conftest import free_port
 
@@ -50,6 +51,7 @@ class FakeEngine:
                 Route("/metrics", lambda r: PlainTextResponse(METRICS), methods=["GET"]),
                 Route("/tokenize", self._tokenize, methods=["POST"]),
                 Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
             ]
         )
         config = uvicorn.Config(
@@ -88,6 +90,33 @@ class FakeEngine:
                 await asyncio.sleep(0.2)
                 raise ConnectionResetError("the pod died mid-stream")
             yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _chat(self, request: Request) -> Response:
+        """A streamed chat answer as `atom serve` sends one: the role event at once, then the
+        content (the cut pod dies between the two, as in a prefill or a KV pull)."""
+        self.completions += 1
+        role = {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "usage": None,
+        }
+        text = {"choices": [{"index": 0, "delta": {"content": f"from {self.port}"},
+                             "logprobs": None, "finish_reason": "stop"}], "usage": None}  # fmt: skip
+
+        async def events():
+            yield f"data: {json.dumps(role)}\n\n".encode()
+            await asyncio.sleep(0.2)
+            if self.mode == "cut":
+                raise ConnectionResetError("the pod died during the prefill")
+            yield f"data: {json.dumps(text)}\n\ndata: [DONE]\n\n".encode()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -164,6 +193,46 @@ def test_nothing_is_retried_after_the_first_byte(fakes):
     assert good.completions == before
     assert router.metric('atom:router_fallbacks_total{reason="retry"}') == 0
     assert router.backends()["decode"][0]["healthy"] is False  # ejected by the cut
+
+
+def test_a_pod_dying_after_a_chat_streams_role_event_is_retried_on_the_next(fakes):
+    """The role event goes out before the prefill: held back, so the pod dying during its
+    prefill is still a failure before the first byte, and the client gets one clean answer."""
+    (cut, good), router = fakes("cut", "ok", args=("--policy", "round-robin"))
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    for _ in range(20):  # round-robin puts the cut pod first every other request
+        with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert [json.loads(e[6:])["choices"][0]["delta"] for e in events[:2]] == [
+            {"role": "assistant", "content": ""}, {"content": f"from {good.port}"}]  # fmt: skip
+        assert events[2:] == ["data: [DONE]"]
+        if cut.completions:
+            break
+        time.sleep(0.4)
+    assert cut.completions == 1
+    assert router.metric('atom:router_fallbacks_total{reason="retry"}') == 1
+
+
+@pytest.mark.parametrize(
+    ("start", "more"),
+    [(b"", True),
+     (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n', False),
+     (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": null}]}\r\n\r\n'
+      b'data: {"choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}}]}\n\n', False),
+     (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\ndata: {"cho', False),
+     (b': keep-alive\n\n', False),
+     (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]}\n\n', True),
+     (b'data: {"choices": [{"index": 0, "delta": {"tool_calls": []}}]}\n\n', True),
+     (b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n', True),
+     (b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n', True),
+     (b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n', True),
+     (b'data: {"error": {"message": "no"}}\n\n', True),
+     (b"data: [DONE]\n\n", True),
+     (b"data: " + b"x" * (MAX_HELD_PREAMBLE + 1), True)],
+)  # fmt: skip
+def test_what_counts_as_more_than_the_opening_role_events(start, more):
+    assert says_more_than_roles(start) is more
 
 
 def test_a_client_leaving_before_its_answer_began_closes_the_pods_request(fakes):

@@ -2,6 +2,11 @@
 one on a connection failure or a 502/503/504 before the first byte, then stream the pod's bytes
 through as they come (SSE included); after the first byte nothing is retried.
 
+A streamed chat answer opens with an event announcing each choice's role, sent before the
+prompt's prefill (and, disaggregated, before the KV pull). The relay holds such opening events
+back until the pod says something more, so a pod that dies during the prefill or the pull is
+still retried on the next one, which announces the roles again: the client sees one answer.
+
 `BackendRelay` is a part of `Router` (router/app.py), kept apart so the request path reads on its
 own; it uses the router's client, pool, metrics, config, `acquire` and `_rotate`.
 """
@@ -22,6 +27,40 @@ from atom_runtime.server.errors import error_body
 
 RETRYABLE_STATUS = (502, 503, 504)  # the pod is loading, dying or gone; another may answer
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
+# Opening role events held back at most this long (bytes): a pod sends one per choice.
+MAX_HELD_PREAMBLE = 64 * 1024
+_ROLE_CHOICE_KEYS = {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
+
+
+def says_more_than_roles(start: bytes) -> bool:
+    """Whether the start of an SSE stream has an event other than a chat stream's opening role
+    announcement (a choice's delta of `role` and empty content, no finish reason, no usage):
+    from then on the client has seen something another pod could not say for it. An event still
+    incomplete at the end of `start` does not count yet; an empty start (no body) does."""
+    if not start or len(start) > MAX_HELD_PREAMBLE:
+        return True
+    *events, _tail = start.replace(b"\r\n", b"\n").split(b"\n\n")
+    for event in events:
+        data = b"".join(
+            line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        if not data:
+            continue  # a comment or keep-alive
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return True  # [DONE] or anything that is not a chunk
+        if not isinstance(body, dict) or body.get("usage") or not body.get("choices"):
+            return True
+        for choice in body["choices"]:
+            delta = choice.get("delta")
+            if not isinstance(delta, dict) or "role" not in delta or delta.get("content"):
+                return True
+            if set(delta) - {"role", "content"} or set(choice) - _ROLE_CHOICE_KEYS:
+                return True
+            if choice.get("finish_reason") is not None or choice.get("logprobs"):
+                return True
+    return False
 
 
 class _Unavailable(Exception):
@@ -65,6 +104,12 @@ class BackendRelay:
                     raise _Unavailable(f"answered {resp.status_code}")
                 chunks = resp.aiter_raw()
                 first = await anext(chunks, b"")
+                if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    while not says_more_than_roles(first):
+                        more = await anext(chunks, None)
+                        if more is None:
+                            break
+                        first += more
             except (httpx.HTTPError, _Unavailable) as e:
                 last = f"{backend.url}: {type(e).__name__}: {e}"
                 self.pool.eject(backend, last)
