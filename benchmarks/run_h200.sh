@@ -14,6 +14,10 @@
 #   kvx (the KV connector's tests with its GPU path, transfer GB/s) pdserve (disaggregated serving
 #   at two rates) hybridparity (fp32 greedy parity of the dense hybrid on the GPU)
 #   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
+#   ckpt (issue 15's GPU tests) w4http (W1 through HTTP vs offline, server CPU per token)
+#   hybridpeer (W2 of the dense hybrid with its transformers peer)
+# What the next session with device time should run first (one call each, ~10 min):
+#   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
 #   checkpoint copy reference on the GPU, the byte-copy kernel compiled)
 # (default: tests bench kernels peer).
@@ -138,5 +142,12 @@ for stage in ${*:-tests bench kernels peer}; do
         --random-input-len 562 --random-range-ratio 0.82 --random-output-len 512 --ignore-eos \
         --disable-tqdm --result-filename "$OUT/json/w4_random_w1.json"
       kill -TERM $SERVE; wait $SERVE ;;
+    w4http)
+      # Issue 18 item 3: W1 through HTTP against W1 offline in the same run, with each server
+      # process's CPU per streamed token and the gaps between chunks.
+      python3 benchmarks/serve_cpu_cost.py --model $Q3 --offline --output-json "$OUT/json/w4_http_vs_offline.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    hybridpeer)
+      # Issue 14 item 7: W2 of the dense hybrid with its transformers peer (dynamic cache).
+      atom bench latency --load-format dummy --model $H4 --peer transformers --output-json "$OUT/json/w2_qwen3.5_4b_peer.json" ;;
   esac
 done
