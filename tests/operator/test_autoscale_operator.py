@@ -101,6 +101,16 @@ async def add_pod(cluster, name: str, role: str, port: int, *, ready: bool = Tru
     )
 
 
+async def scale_to_zero(cluster, name: str) -> None:
+    """Deployment `name` at zero replicas, as after an idle period (`kubectl scale`): a new
+    Deployment starts at 1, and a role without a Ready pod holds its replicas."""
+    await cluster.request(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{name}",
+        {"spec": {"replicas": 0}},
+    )
+
+
 async def remove_pod(cluster, name: str) -> None:
     await cluster.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
 
@@ -248,13 +258,7 @@ async def test_decode_at_zero_comes_back_on_the_routers_queued_demand(
     async with operator_running():
         await cluster.create_atomd("chat", spec)
         await eventually(lambda: cluster.get(DEPLOYMENTS, "chat-decode"))
-        # At zero, as after an idle period (a new Deployment starts at 1, and a role without a
-        # Ready pod holds its replicas).
-        await cluster.request(
-            "PATCH",
-            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat-decode",
-            {"spec": {"replicas": 0}},
-        )
+        await scale_to_zero(cluster, "chat-decode")
         await add_pod(cluster, "chat-router-77c-r1", "router", router_gauge.port)
         await eventually(
             lambda: decision(cluster, "decode")["metrics"].get("routerQueued") == "0.0",

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import DEPLOYMENTS, NAMESPACE, eventually
-from test_autoscale_operator import add_pod, decision, replicas
+from test_autoscale_operator import add_pod, decision, replicas, scale_to_zero
 
 from tests.router.conftest import RouterProcess, launch_router
 from tests.server.conftest import TINY_FLAGS, Launcher, free_port
@@ -88,13 +88,7 @@ async def test_a_held_request_brings_decode_up_from_zero_and_idle_takes_it_back(
     async with operator_running(), httpx.AsyncClient(timeout=300) as client:
         await cluster.create_atomd("chat", spec)
         await eventually(lambda: cluster.get(DEPLOYMENTS, "chat-decode"))
-        # The role is at zero (as after an earlier idle period): `kubectl scale` does it here,
-        # since a new Deployment starts at 1 and a role without a Ready pod holds its replicas.
-        await cluster.request(
-            "PATCH",
-            f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/chat-decode",
-            {"spec": {"replicas": 0}},
-        )
+        await scale_to_zero(cluster, "chat-decode")
         await add_pod(cluster, "chat-router-77c-r1", "router", router.port)
         await eventually(
             lambda: (

@@ -7,10 +7,12 @@ answers), the prefill engine dies (the decode engine prefills locally)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -215,15 +217,25 @@ def _body(model_name: str, seed: int) -> dict:
     }
 
 
-def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+@contextlib.contextmanager
+def _mid_transfer(proxy, url: str, body: dict) -> Iterator[dict]:
+    """POST `body` through the router with the proxy holding the payload stripe; the block runs
+    once the stripe is held (the fault goes there), then the stripe is let go. The dict holds
+    the router's answer under "response" once the block has ended."""
     out: dict = {}
 
     def send():
         out["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
 
     thread = threading.Thread(target=send)
-    thread.start()
-    return thread, out
+    proxy.hold()
+    try:
+        thread.start()
+        assert proxy.held.wait(60), "no payload stripe started"
+        yield out
+    finally:
+        proxy.release()
+        thread.join(180)
 
 
 def _puller(decodes):
@@ -296,18 +308,12 @@ def test_a_decode_engine_killed_mid_transfer_is_ejected_and_the_other_answers(fa
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=120).json()
     retries = router.metric('atom:router_fallbacks_total{reason="retry"}')
     released = prefill.metric("atom:kv_transfer_holds_released_total")
-    proxy.hold()
-    try:
-        thread, out = _post_in_background(router.url, body)
-        assert proxy.held.wait(60), "no payload stripe started"
+    with _mid_transfer(proxy, router.url, body) as out:
         victim = _puller(decodes)
         survivor = next(d for d in decodes if d is not victim)
         pulls = survivor.metric("atom:kv_transfer_pulls_total")
         fallbacks = survivor.metric("atom:kv_transfer_fallbacks_total")
         victim.server.kill_group()  # API server and engine core, mid-stripe
-    finally:
-        proxy.release()
-    thread.join(180)
     r = out["response"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
@@ -340,15 +346,9 @@ def test_a_prefill_engine_killed_mid_transfer_is_answered_by_local_prefill(
     body = _body(model_name, 45)
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=120).json()
     fallbacks = decode.metric("atom:kv_transfer_fallbacks_total")
-    proxy.hold()
-    try:
-        thread, out = _post_in_background(router.url, body)
-        assert proxy.held.wait(60), "no payload stripe started"
+    with _mid_transfer(proxy, router.url, body) as out:
         assert _puller([decode]) is decode
         prefill.server.kill_group()  # API server and engine core (which serves the payload)
-    finally:
-        proxy.release()
-    thread.join(180)
     r = out["response"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref["choices"][0]["text"]
