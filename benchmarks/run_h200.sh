@@ -16,6 +16,8 @@
 #   tracehybrid (per-kernel trace of a batch-1 decode step of the dense hybrid)
 #   ckpt (issue 15's GPU tests) w4http (W1 through HTTP vs offline, server CPU per token)
 #   hybridpeer (W2 of the dense hybrid with its transformers peer)
+#   pdl (W2 with programmatic dependent launch off and on, same call)
+#   w3graphs (short prefill steps through CUDA graphs: GPU tests, W3 with and without them)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
@@ -142,6 +144,22 @@ for stage in ${*:-tests bench kernels peer}; do
         --random-input-len 562 --random-range-ratio 0.82 --random-output-len 512 --ignore-eos \
         --disable-tqdm --result-filename "$OUT/json/w4_random_w1.json"
       kill -TERM $SERVE; wait $SERVE ;;
+    w3graphs)
+      # Issue 18 item 2: short prefill steps through captured graphs (tests, W3 with the graphs
+      # and without them in the same call, where the cached request's time goes).
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k "prefill_graphs or short_chunk or graph_replay" 2>&1 | tail -3
+      atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_max1_graphs.json"
+      atom bench prefix --load-format dummy --model $Q3 --output-len 1 --modes single --caching on --prefill-graph-max-tokens 0 --output-json "$OUT/json/w3_max1_eager_prefill.json"
+      python3 benchmarks/trace_prefix.py --model $Q3 --out "$OUT/json/trace_prefix.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    pdl)
+      # Programmatic dependent launch: the GPU tests with it on, then W2 with it off and on,
+      # alternating, in the same call (ATOM_PDL; atom_kernels/pdl.py).
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k "programmatic" 2>&1 | tail -3
+      for model in $Q3 $L8 $H4; do
+        for flag in 0 1; do
+          ATOM_PDL=$flag atom bench latency --load-format dummy --model $model --output-json "$OUT/json/w2_pdl${flag}_$(basename $model).json" | grep -i "latency\|ms/token"
+        done
+      done ;;
     w4http)
       # Issue 18 item 3: W1 through HTTP against W1 offline in the same run, with each server
       # process's CPU per streamed token and the gaps between chunks.

@@ -99,9 +99,9 @@ def run_request(engine, prompt: list[int], request_id: str) -> float:
     engine.add_request(EngineRequest(request_id, prompt, params))
     ttft = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if ttft is None and out.request_id == request_id and out.new_token_ids:
-                ttft = time.perf_counter() - start
+        out = engine.step()
+        if ttft is None and request_id in out.request_ids:
+            ttft = time.perf_counter() - start
     if ttft is None:
         raise RuntimeError(f"{request_id} finished without a token")
     return ttft

@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 _LOG2E = 1.4426950408889634
 
 # Fewest tokens a split should cover: below this the merge costs more than it saves.
@@ -61,7 +64,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,7 +155,9 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -292,6 +299,7 @@ def paged_attention_decode(
         IEEE_DOT=q.dtype == torch.float32,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
+        **pdl.options(q.device),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -308,5 +316,6 @@ def paged_attention_decode(
             BLOCK_D=block_d,
             BLOCK_N=block_n,
             num_warps=1 if block_d <= 128 else 2,
+            **pdl.options(q.device),
         )
     return out

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 
 @triton.jit
 def _norm_rope_heads(
@@ -99,7 +102,9 @@ def _qk_prep_kernel(
     BLOCK_ROT: tl.constexpr,
     BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_ROT)
@@ -186,6 +191,7 @@ def qk_norm_rope_store_(
         BLOCK_REST=triton.next_power_of_2(max(1, head_dim - 2 * rot_half)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if block_hq * head_dim >= 2048 else 1,
+        **pdl.options(qkv.device),
     )
 
 
@@ -201,7 +207,9 @@ def _sigmoid_gate_mul_kernel(
     width,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -226,12 +234,16 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     _sigmoid_gate_mul_kernel[(num_tokens, triton.cdiv(width, block))](
         x, gate, out, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), width,
         HEAD_DIM=head_dim, BLOCK=block, num_warps=4,
+        **pdl.options(x.device),
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, out_stride_t, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, x_stride_t, out_stride_t, width, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -255,6 +267,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-        x, out, x.stride(0), out.stride(0), width, BLOCK=block, num_warps=4
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        width,
+        BLOCK=block,
+        num_warps=4,
+        **pdl.options(x.device),
     )
     return out

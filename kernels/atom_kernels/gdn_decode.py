@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
 from atom_kernels.gdn import gdn_gates
+from atom_kernels.pdl import wait_for_inputs
 
 # fp32 state values a program holds at once (128 KiB): GROUP 2 x 128 x 128.
 MAX_STATE_TILE = 32768
@@ -103,7 +105,9 @@ def _gdn_decode_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     kh = tl.program_id(1)
     slot = tl.load(slot_ids_ptr + row)
@@ -244,6 +248,6 @@ def gated_delta_net_decode_(
         *conv_state.stride(), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         HK=hk, HV=hv, GROUP=group, DK=dk, DV=dv, WIDTH=width, BLOCK_G=block_g,
         BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_W=triton.next_power_of_2(width),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.options(conv_state.device),
     )  # fmt: skip
     return out

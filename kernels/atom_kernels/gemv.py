@@ -39,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import norm
+from atom_kernels import norm, pdl
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
+from atom_kernels.pdl import wait_for_inputs
 from atom_kernels.tickets import ticket_counters
 
 # Longest row the fused RMSNorm takes: it loads the whole row at once (16K elements is 64
@@ -229,7 +230,9 @@ def _gemv_kernel(
     ROW_BLOCK: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # N counts the weight's rows. A program multiplies BLOCK_N rows; a paired MODE has N // 2
     # outputs, each from two rows, and its programs take BLOCK_N // 2 outputs with their rows
     # interleaved (first, second, first, ...) in one tile, so the loop streams one tile a step
@@ -329,7 +332,9 @@ def _gemv_reduce_kernel(
     BLOCK: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     if MODE == 0:
         n_out = N
     else:
@@ -464,6 +469,7 @@ def gemv(
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         **consts,
+        **pdl.options(x.device),
     )
     if split > 1 and tickets is None:
         block = 1024
@@ -478,6 +484,7 @@ def gemv(
             BLOCK=block,
             num_warps=4,
             **consts,
+            **pdl.options(x.device),
         )
     return out if residual_out is None else (out, residual_out)
 

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -22,7 +25,9 @@ def _store_kvcache_kernel(
     cache_stride_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # One program per (token, kv head): one contiguous head_dim row in, one row out.
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -72,4 +77,5 @@ def store_kvcache(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1 if head_dim <= 128 else 2,
+        **pdl.options(key.device),
     )

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -20,7 +23,9 @@ def _rms_norm_kernel(
     eps,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -68,6 +73,7 @@ def _launch(
             ADD_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **pdl.options(x.device),
         )
     return out.view(x.shape)
 
@@ -98,7 +104,9 @@ def _gated_rms_norm_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # Several short rows per program: Qwen3-Next normalises each 128-wide head separately.
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     offs = tl.arange(0, BLOCK)[None, :]
@@ -125,5 +133,6 @@ def gated_rms_norm(
         _gated_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
             x, z, weight, out, rows, x.stride(0), z.stride(0), out.stride(0), hidden, eps,
             BLOCK_ROWS=block_rows, BLOCK=block, num_warps=4,
+            **pdl.options(x.device),
         )  # fmt: skip
     return out

@@ -252,7 +252,9 @@ def _sweep_keys(
 
 
 # Lengths that change every step are not specialised on (each value class would compile anew).
-@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+# The block table's row stride is the widest table of the step: left unspecialised, so steps of
+# any width share one compiled kernel (a start-up warm-up compiles every variant, below).
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "bt_stride_b"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -786,3 +788,84 @@ def paged_attention_prefill(
             num_warps=1 if block_d <= 128 else 2,
         )
     return out
+
+
+# -- compiling every variant before serving -------------------------------------------------------
+
+
+def _variant(plan: PrefillLaunch) -> tuple:
+    """What a launch compiles: its constexprs and launch settings (the split count only through
+    the merge kernel's BLOCK_S)."""
+    split = plan.num_splits > 1
+    return (
+        plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, plan.heads_per_program,
+        plan.kv_lookup, plan.loop_stages, plan.warp_specialize, split,
+        triton.next_power_of_2(plan.num_splits) if split else 0,
+    )  # fmt: skip
+
+
+def reachable_launches(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_num_seqs: int,
+    max_tokens: int,
+    max_context: int,
+    num_multiprocessors: int,
+) -> list[PrefillLaunch]:
+    """One launch per distinct compiled variant that the automatic choices can pick for steps of
+    at most `max_tokens` tokens in at most `max_num_seqs` sequences over contexts of at most
+    `max_context` keys. The choices depend on the chunk length (short or long settings, heads
+    per program), the batch and the context (the split count), so the variants are found by
+    walking those over powers of two and every boundary between them. Host values only."""
+    qs = {min(max_tokens, 1 << i) for i in range(max_tokens.bit_length() + 1)}
+    qs |= {min(max_tokens, SHORT_CHUNK_TOKENS), min(max_tokens, SHORT_CHUNK_TOKENS + 1)}
+    batches = {min(max_num_seqs, 1 << i) for i in range(max_num_seqs.bit_length() + 1)}
+    contexts = {min(max_context, page_size << i) for i in range(max_context.bit_length() + 1)}
+    plan = _plan.__wrapped__  # not through the serving path's cache
+    hip = torch.version.hip is not None
+    found: dict[tuple, PrefillLaunch] = {}
+    for q in sorted(qs):
+        for batch in sorted(batches):
+            if q + batch - 1 > max_tokens:  # every other sequence brings a token at least
+                continue
+            for context in sorted(contexts):
+                if context < q:
+                    continue
+                launch = plan(
+                    num_heads, num_kv_heads, head_dim, page_size, batch, q, context,
+                    num_multiprocessors, None, None, None, None, None, None, None, None, None, hip,
+                )  # fmt: skip
+                found.setdefault(_variant(launch), launch)
+    return list(found.values())
+
+
+def warm_up(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    q_row_width: int,
+    scale: float,
+    launches: list[PrefillLaunch],
+) -> None:
+    """Compile each launch in `launches` (from `reachable_launches`) by running it once on one
+    token over one page of these caches (read only), q shaped like the model's (a view of a
+    `q_row_width`-wide projection), so no step compiles a kernel while serving: a first
+    compile costs about a second, inside some request's time to first token."""
+    _, page_size, _, head_dim = k_cache.shape
+    dev = k_cache.device
+    qkv = torch.zeros(1, q_row_width, dtype=k_cache.dtype, device=dev)
+    q = qkv[:, : num_heads * head_dim].view(1, num_heads, head_dim)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    for launch in launches:
+        paged_attention_prefill(
+            q, k_cache, v_cache, cu, lens, table, scale, 1,
+            block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, num_splits=launch.num_splits,
+            heads_per_program=launch.heads_per_program, kv_lookup=launch.kv_lookup,
+            loop_stages=launch.loop_stages, warp_specialize=launch.warp_specialize,
+        )  # fmt: skip

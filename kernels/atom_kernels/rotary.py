@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 
 @triton.jit
 def _rotate_heads(
@@ -62,7 +65,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_KV_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # One program per token: its cos/sin row is loaded once for every q and k head.
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -135,4 +140,5 @@ def rotary_embedding_(
         BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
         num_warps=4 if block_h * block_half >= 1024 else 1,
+        **pdl.options(q.device),
     )

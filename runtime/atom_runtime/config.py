@@ -25,6 +25,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
+    # Steps of at most this many tokens that are not decode-only (a short prompt, a few new
+    # tokens over a cached prefix, a chunk beside a few decodes) replay a captured graph too
+    # (cuda_graphs.PrefillGraphs); 0 runs them eagerly. Dense (non-hybrid) models only.
+    prefill_graph_max_tokens: int = 256
     tensor_parallel_size: int = 1
     # vLLM's name, so its scripts carry over; only 1 is accepted: there is no pipeline
     # parallelism in this runtime, and start-up refuses any other value (docs/serving.md).
@@ -61,6 +65,10 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(
+                f"prefill_graph_max_tokens: must be >= 0, got {self.prefill_graph_max_tokens}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -174,6 +182,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
+    g.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=d.prefill_graph_max_tokens,
+        help="prefill and mixed steps of at most this many tokens (and at most 8 sequences) "
+        "replay a CUDA graph; 0: run them eagerly (dense models; hybrid ones always do)",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     g.add_argument(
         "--pipeline-parallel-size",

@@ -186,3 +186,176 @@ class DecodeGraphs:
         self.inputs = {}
         self._host_sets = []
         self._block_table_stage = None
+
+
+def default_prefill_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) pairs to capture for short prefill and mixed steps: tokens 16, 32,
+    ... up to max_tokens (max_tokens itself the last), sequences 1, 2, 4, 8 (at most
+    max_num_seqs), every pair with no more sequences than tokens."""
+    if max_tokens < 1:
+        return []
+    tokens = [t for t in (16, 32, 64, 128, 256, 512, 1024, 2048) if t < max_tokens]
+    tokens.append(max_tokens)
+    seqs = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    return [(t, s) for t in tokens for s in seqs if s <= t]
+
+
+class PrefillGraphs:
+    """Captured forwards for steps that are not decode-only but short: a few new tokens over a
+    cached prefix (W3), a short prompt, a prompt chunk beside a few decodes. Eagerly, such a
+    step costs a Python launch per kernel (≈ 400 for a 28-layer model), far more than its GPU
+    time; replayed, it costs its GPU time.
+
+    One graph per (tokens, sequences) bucket. A step of t tokens in s sequences replays the
+    smallest bucket holding both, padded: padding tokens have slot -1 (no cache write) and
+    belong to no sequence, padding sequences have no query tokens and a length of 0 (the
+    prefill kernel and its split merge skip both). The attention launch is planned from the
+    bucket's shapes (`max_seqlen_q` the bucket's tokens, the block table's full width), so the
+    captured plan holds for any chunk that fits. The graph's logits are those of the bucket's
+    sample rows (one per sequence at most): a step whose sample rows outnumber its bucket
+    (prompt logprobs) runs eagerly."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buckets: list[tuple[int, int]] = []
+        self.inputs: dict[str, torch.Tensor] = {}
+        self._host_sets: list[dict[str, torch.Tensor]] = []
+        self._staging_turn = 0
+        self._max_blocks = 0
+        self.replays = 0  # steps served by a graph (tests and logs read it)
+
+    def __bool__(self) -> bool:
+        return bool(self.graphs)
+
+    def capture(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        buckets: list[tuple[int, int]],
+        max_blocks: int,
+        pool=None,
+    ) -> None:
+        """Capture one graph per (tokens, sequences) bucket over block tables `max_blocks`
+        wide, sharing the memory pool `pool` (the decode graphs') when given."""
+        if not buckets:
+            return
+        buckets = sorted(set(buckets))
+        max_t = max(t for t, _ in buckets)
+        max_s = max(s for _, s in buckets)
+        dev = device
+        bufs = {
+            "input_ids": torch.zeros(max_t, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_t, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_t,), -1, dtype=torch.int64, device=dev),
+            "block_tables": torch.zeros((max_s, max_blocks), dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_s, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.zeros(max_s + 1, dtype=torch.int32, device=dev),
+            "sample_rows": torch.zeros(max_s, dtype=torch.int64, device=dev),
+        }
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            # Largest first, so the smaller graphs reuse the pool's blocks.
+            for t, s in sorted(buckets, reverse=True):
+                # Warm-up and capture inputs: each sequence one token, the rest padding.
+                bufs["cu_seqlens_q"][: s + 1] = torch.arange(s + 1, dtype=torch.int32)
+                bufs["seq_lens"][:s] = 1
+                meta = AttentionMetadata(
+                    slot_mapping=bufs["slot_mapping"][:t],
+                    block_tables=bufs["block_tables"][:s],
+                    seq_lens=bufs["seq_lens"][:s],
+                    decode_only=False,
+                    cu_seqlens_q=bufs["cu_seqlens_q"][: s + 1],
+                    max_seqlen_q=t,
+                )
+                ids, pos = bufs["input_ids"][:t], bufs["positions"][:t]
+                rows = bufs["sample_rows"][:s]
+                set_attention_metadata(meta)
+                try:
+                    for _ in range(2):  # Triton compiles and autotunes outside the capture
+                        model.compute_logits(model(ids, pos)[rows]).float()
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = model.compute_logits(model(ids, pos)[rows]).float()
+                finally:
+                    set_attention_metadata(None)
+                self.graphs[(t, s)] = (graph, logits)
+        torch.cuda.synchronize(dev)
+        bufs["seq_lens"].zero_()
+        bufs["cu_seqlens_q"].zero_()
+        self.inputs = bufs
+        self.buckets = buckets
+        self._max_blocks = max_blocks
+        self._host_sets = [
+            {name: torch.empty_like(buf, device="cpu").pin_memory() for name, buf in bufs.items()}
+            for _ in range(2)
+        ]
+        self._staging_turn = 0
+        log.info(
+            "captured CUDA graphs for prefill and mixed steps of up to %d tokens in up to %d "
+            "sequences (%d graphs)", max_t, max_s, len(buckets),
+        )  # fmt: skip
+
+    def bucket_for(
+        self, tokens: int, seqs: int, samples: int, width: int
+    ) -> tuple[int, int] | None:
+        """The smallest captured bucket that a step of these sizes fits, or None."""
+        if width > self._max_blocks:
+            return None
+        need_s = max(seqs, samples)
+        for t, s in self.buckets:  # sorted: tokens first, then sequences
+            if t >= tokens and s >= need_s:
+                return t, s
+        return None
+
+    def replay(
+        self,
+        inputs: StepInputs,
+        fill_pending: Callable[[torch.Tensor, np.ndarray], None],
+    ) -> torch.Tensor | None:
+        """Logits of the sample rows of a short prefill or mixed step through a captured graph,
+        or None when no bucket fits it (the caller runs it eagerly). Rows: `sample_rows`'s
+        order; an empty [0, vocab] tensor when no row samples."""
+        if not self.graphs or inputs.cu_seqlens_q is None:
+            return None
+        t = len(inputs.input_ids)
+        s = len(inputs.seq_lens)
+        k = len(inputs.sample_rows)
+        width = inputs.block_tables.shape[1]
+        bucket = self.bucket_for(t, s, k, width)
+        if bucket is None:
+            return None
+        bt, bs = bucket
+        host, dev = self._host_sets[self._staging_turn], self.inputs
+        self._staging_turn ^= 1
+        h = {name: buf.numpy() for name, buf in host.items()}
+        h["input_ids"][:t] = inputs.input_ids
+        h["input_ids"][t:bt] = 0
+        h["positions"][:t] = inputs.positions
+        h["positions"][t:bt] = 0
+        h["slot_mapping"][:t] = inputs.slot_mapping
+        h["slot_mapping"][t:bt] = -1  # padding tokens write no cache slot
+        h["seq_lens"][:s] = inputs.seq_lens
+        h["seq_lens"][s:bs] = 0  # padding sequences attend to nothing
+        h["cu_seqlens_q"][: s + 1] = inputs.cu_seqlens_q
+        h["cu_seqlens_q"][s + 1 : bs + 1] = t  # no query tokens
+        h["sample_rows"][:k] = inputs.sample_rows
+        h["sample_rows"][k:bs] = 0
+        h["block_tables"][:s, :width] = inputs.block_tables
+        for name, n in (
+            ("input_ids", bt), ("positions", bt), ("slot_mapping", bt), ("seq_lens", bs),
+            ("cu_seqlens_q", bs + 1), ("sample_rows", bs), ("block_tables", s),
+        ):  # fmt: skip
+            dev[name][:n].copy_(host[name][:n], non_blocking=True)
+        if inputs.pending_sources is not None:
+            fill_pending(dev["input_ids"], inputs.pending_sources)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return logits[:k]
+
+    def clear(self) -> None:
+        """Drop the graphs and their buffers, so their memory can be freed."""
+        self.graphs.clear()
+        self.inputs = {}
+        self._host_sets = []

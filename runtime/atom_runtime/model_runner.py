@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.cuda_graphs import DecodeGraphs, default_capture_sizes
+from atom_runtime.cuda_graphs import (
+    DecodeGraphs,
+    PrefillGraphs,
+    default_capture_sizes,
+    default_prefill_buckets,
+)
 from atom_runtime.device import resolve_device, resolve_dtype, to_device, to_device_many
 from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.engine.protocol import StepInputs
@@ -97,6 +102,7 @@ class ModelRunner:
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
+        self.prefill_graphs = PrefillGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
 
@@ -262,9 +268,13 @@ class ModelRunner:
     # -- CUDA graphs for decode ------------------------------------------------------------------
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
-        """Capture one graph per decode batch size (model forward and logits); a decode step of
-        n sequences replays the smallest graph of at least n rows, padded."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        """Compile every prefill-attention variant a step can pick, then capture one graph per
+        decode batch size (model forward and logits; a decode step of n sequences replays the
+        smallest graph of at least n rows, padded) and per short prefill bucket."""
+        if self.device.type != "cuda":
+            return
+        self._warm_up_prefill_attention(max_model_len)
+        if self.config.enforce_eager:
             return
         sizes = sorted(
             set(
@@ -272,13 +282,42 @@ class ModelRunner:
                 or default_capture_sizes(self.config.max_num_seqs)
             )
         )
+        max_blocks = -(-max_model_len // self.block_size)
         self.graphs.capture(
-            self.model,
-            self.device,
-            sizes,
-            -(-max_model_len // self.block_size),
-            stateful=self.state is not None,
+            self.model, self.device, sizes, max_blocks, stateful=self.state is not None
         )
+        # Short prefill and mixed steps: dense models only (a hybrid model's chunked GDN
+        # prefill plans its chunks on the host).
+        max_tokens = min(self.config.prefill_graph_max_tokens, self.max_num_batched_tokens)
+        if self.state is None and max_tokens > 0:
+            buckets = default_prefill_buckets(max_tokens, self.config.max_num_seqs)
+            self.prefill_graphs.capture(self.model, self.device, buckets, max_blocks)
+
+    def _warm_up_prefill_attention(self, max_model_len: int) -> None:
+        """Which prefill-attention kernel a step compiles depends on its chunk lengths, batch and
+        context (short or long settings, heads per program, split-KV or not): compile them all
+        now, so no request's first token waits for a compile (W3's 61 requests at once did: a
+        variant first seen in the timed step cost about 2 s)."""
+        from atom_kernels import prefill_attention
+
+        layer = self.model.attention_layers()[0]
+        launches = prefill_attention.reachable_launches(
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            page_size=self.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_tokens=self.max_num_batched_tokens,
+            max_context=-(-max_model_len // self.block_size) * self.block_size,
+            num_multiprocessors=torch.cuda.get_device_properties(self.device).multi_processor_count,
+        )
+        width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim
+        with torch.inference_mode():
+            prefill_attention.warm_up(
+                layer.k_cache, layer.v_cache, layer.num_heads, width, layer.scale, launches
+            )
+        torch.cuda.synchronize(self.device)
+        log.info("compiled %d prefill attention variants", len(launches))
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -330,6 +369,10 @@ class ModelRunner:
                 # A one-token prompt chunk short of the prompt's end is decode-shaped but does
                 # not sample: keep only the sample rows.
                 return logits[to_device(rows, self.device)] if len(rows) else None
+        if not inputs.decode_only and self.prefill_graphs:
+            logits = self.prefill_graphs.replay(inputs, self._fill_pending)
+            if logits is not None:
+                return logits if len(logits) else None
         dev = self.device
         decode_only = inputs.decode_only
         host = {
@@ -525,6 +568,7 @@ class ModelRunner:
         if self.state is not None:
             self.state.release()
         self.graphs.clear()
+        self.prefill_graphs.clear()
         self._last_samplers, self._last_token_ids = [], None
         self.sampler.generators.clear()
         if self.device.type == "cuda":

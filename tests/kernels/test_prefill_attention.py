@@ -304,3 +304,57 @@ def test_plans_for_w3_and_a_long_prompt_on_an_h200(kernels, monkeypatch):
     forced = mod.plan_prefill_launch(**{**shapes, "block_m": 64}, max_seqlen_q=64,
                                      max_context=8064, num_splits=3, heads_per_program=1)  # fmt: skip
     assert (forced.heads_per_program, forced.num_tiles, forced.num_splits) == (1, 1, 3)
+
+
+def test_reachable_launches_cover_every_step_the_engine_can_run(kernels, monkeypatch):
+    """The start-up warm-up compiles `reachable_launches`: every (chunk length, batch, context)
+    a Qwen3-0.6B-shaped engine can run on an H200 must plan a launch of one of those variants
+    (W3's single request and its 61 at once among them), and there are few of them."""
+    mod = kernels["prefill_attention"]
+    monkeypatch.setattr(torch.version, "hip", None)
+    dims = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16)
+    launches = mod.reachable_launches(
+        **dims, max_num_seqs=256, max_tokens=8192, max_context=40960, num_multiprocessors=132
+    )
+    variants = {mod._variant(launch) for launch in launches}
+    assert len(variants) == len(launches) <= 24
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1, 64, 8064), (61, 64, 8064), (1, 8192, 8192), (2, 8000, 8192), (256, 1, 40960)]
+    for _ in range(400):
+        batch = int(torch.randint(1, 257, (1,), generator=gen))
+        q = int(torch.randint(1, 8192 - batch + 2, (1,), generator=gen))
+        context = int(torch.randint(q, 40961, (1,), generator=gen))
+        shapes.append((batch, q, context))
+    for batch, q, context in shapes:
+        width = -(-context // 16)
+        plan = mod.plan_prefill_launch(**dims, batch=batch, max_seqlen_q=q,
+                                       max_context=width * 16, num_multiprocessors=132)  # fmt: skip
+        assert mod._variant(plan) in variants, (batch, q, context, plan)
+
+
+def test_warm_up_runs_each_variant_once_without_touching_the_cache(kernels, device):
+    """The warm-up launches each variant on one token over one page; the caches are only read."""
+    mod = kernels["prefill_attention"]
+    args = _inputs([(20, 1)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                   dtype=torch.float32, device=device, seed=5)  # fmt: skip
+    _, k_cache, v_cache, *_ = args
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    launches = [
+        mod.plan_prefill_launch(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            page_size=16,
+            batch=1,
+            max_seqlen_q=1,
+            max_context=32,
+            num_multiprocessors=4,
+            block_m=16,
+            block_n=16,
+            num_splits=splits,
+        )  # fmt: skip
+        for splits in (1, 3)
+    ]
+    mod.warm_up(k_cache, v_cache, 4, (4 + 2 * 2) * 32, 32**-0.5, launches)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_before.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_before.nan_to_num(7.0))

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from atom_runtime import LLM, SamplingParams
+from atom_runtime.engine.protocol import EngineRequest
 from tests.runtime.test_parity import _hf_greedy, _prompts
 
 pytestmark = pytest.mark.gpu
@@ -170,3 +171,66 @@ def test_short_chunk_over_a_cached_prefix_matches_a_full_prefill(tiny_models):
     )
     assert plan.num_splits > 1, "the cached step should take the split-KV path"
     assert got == _greedy(cold, [prompt], 8)
+
+
+def test_prefill_graphs_give_the_same_tokens_as_eager_prefill(tiny_models):
+    """Short prefill and mixed steps replay captured graphs (padded to their bucket): a short
+    prompt alone, new tokens over a cached prefix, and prompts arriving while others decode
+    (chunks beside decode rows, async scheduling on) give the tokens of eager prefill (fp32),
+    and the graphs did serve those steps."""
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=8)
+    eager = LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=0, **kw)
+    graphs = LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=64, **kw)
+    runner = graphs.engine.executor
+    assert runner.prefill_graphs, "no prefill graph was captured"
+    assert not eager.engine.executor.prefill_graphs
+    prefix = _prompts(21, [200])[0]
+    cases = [  # (prompts, whether a graph runs their prefill)
+        (_prompts(22, [7]), True),  # one short prompt: bucket (16, 1)
+        ([prefix + p for p in _prompts(23, [5])], False),  # caches the prefix (205 tokens)
+        ([prefix + p for p in _prompts(24, [9, 30])], True),  # 17 + 38 new tokens over it
+        (_prompts(25, [3, 11, 2, 40, 17]), False),  # 73 tokens: eager, then graph decodes
+    ]
+    for prompts, replayed in cases:
+        before = runner.prefill_graphs.replays
+        assert _greedy(graphs, prompts, 10) == _greedy(eager, prompts, 10), prompts
+        assert (runner.prefill_graphs.replays > before) == replayed, prompts
+    # Prompts arriving one by one while earlier ones decode: mixed steps of chunk + decodes.
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(26, [6, 13, 4, 21, 9, 33])
+    want = _greedy(eager, prompts, 12)
+    engine = graphs.engine
+    before = runner.prefill_graphs.replays
+    outputs = []
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"m{i}", p, params))
+        outputs.append(engine.step())
+    while engine.has_unfinished_requests():
+        outputs.append(engine.step())
+    got = [[t for o in outputs for t in o.tokens_by_request().get(f"m{i}", [])] for i in range(6)]
+    assert got == want
+    assert runner.prefill_graphs.replays >= before + len(prompts) - 1
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_models, kind, monkeypatch):
+    """ATOM_PDL=1 (Hopper and later): every decode kernel waits for the one before at its
+    start, so the tokens under CUDA graphs and eagerly are those without PDL (fp32)."""
+    from atom_kernels import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
+    prompts = _prompts(31, [3, 9, 14, 33, 2, 7, 61, 18, 5])
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=16)
+    monkeypatch.setenv("ATOM_PDL", "0")
+    pdl._enabled.cache_clear()
+    want = _greedy(LLM(str(tiny_models[kind]), **kw), prompts, 24)
+    monkeypatch.setenv("ATOM_PDL", "1")
+    pdl._enabled.cache_clear()
+    try:
+        assert pdl.enabled(torch.device("cuda")), "PDL did not turn on"
+        for eager in (False, True):
+            llm = LLM(str(tiny_models[kind]), enforce_eager=eager, **kw)
+            assert _greedy(llm, prompts, 24) == want, f"enforce_eager={eager}"
+    finally:
+        pdl._enabled.cache_clear()

@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels, Hopper and later.
+
+A decode step at batch 1 is some 300 kernels of 1–20 us each, back to back: every kernel
+boundary costs the previous grid's drain, the next grid's launch and its prologue, about a
+microsecond each time. With PDL a kernel is launched with programmatic stream serialization,
+so its programs may start while the kernel before it is still running; each program first waits
+(`griddepcontrol.wait`: every write of the kernel before is done and visible) and then lets the
+kernel after it launch in turn (`griddepcontrol.launch_dependents`). The wait is the first thing a
+kernel does, before any load or store, so a kernel never reads an input early or overwrites
+something the kernel before still reads; what overlaps is the launch, the scheduling of the
+programs and their arrival at the wait. Kernels launched without the attribute (cuBLAS, torch's
+own) keep the plain stream order, and a kernel after them simply finds the wait satisfied.
+Captured into a CUDA graph, each launch becomes a programmatic edge.
+
+`ATOM_PDL=1` turns it on where it runs (an NVIDIA GPU of compute capability 9 or more, a Triton
+with `launch_pdl`); off by default until measured on the whole step. `ATOM_PDL=0` keeps it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """First statement of a kernel that may be launched with PDL: wait for the kernel before,
+    then let the one after launch. Nothing when PDL is off (also under the interpreter)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _triton_supports_pdl() -> bool:
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields and hasattr(cuda_extra, "gdc_wait")
+
+
+@functools.lru_cache(maxsize=16)
+def _enabled(device_index: int) -> bool:
+    if os.environ.get("ATOM_PDL", "0") != "1" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1" or not _triton_supports_pdl():
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL."""
+    if device.type != "cuda":
+        return False
+    return _enabled(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def options(device: torch.device) -> dict:
+    """Launch keywords for a kernel that starts with `wait_for_inputs(PDL)`."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
