@@ -195,6 +195,31 @@ def _finish_block(
 
 
 @triton.jit
+def _gemv_input(
+    x_ptr,
+    residual_ptr,
+    norm_w_ptr,
+    ks,
+    k_mask,
+    inv_rms,
+    dtype: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """x[ks] in fp32, normed (x + residual, rounded to the dtype, times inv_rms and the norm
+    weight, rounded again) when the RMSNorm is fused in front."""
+    if NORM:
+        v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            v = (v + r).to(dtype).to(tl.float32)
+        g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        return (v * inv_rms * g).to(dtype).to(tl.float32)
+    else:
+        return tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -232,7 +257,6 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     # N counts the weight's rows. A program multiplies BLOCK_N rows; a paired MODE has N // 2
     # outputs, each from two rows, and its programs take BLOCK_N // 2 outputs with their rows
     # interleaved (first, second, first, ...) in one tile, so the loop streams one tile a step
@@ -252,10 +276,16 @@ def _gemv_kernel(
         row_mask = pair < n_out
     rows = w_ptr + row_n.to(tl.int64)[:, None] * w_stride
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    # The weights do not depend on the kernel before: the first tile is requested before the
+    # wait (programmatic dependent launch), so it streams while that kernel finishes.
+    ks = k_start + offs_k
+    k_mask = ks < k_end
+    w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    wait_for_inputs(PDL)
     dtype = x_ptr.dtype.element_ty
+    inv_rms = 0.0
     if NORM:
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
@@ -269,18 +299,14 @@ def _gemv_kernel(
             tl.store(residual_out_ptr + row_ks, row, mask=row_ks < tl.where(first_program, K, 0))
             row = row.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    x = _gemv_input(x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_end
-        if NORM:
-            v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-                v = (v + r).to(dtype).to(tl.float32)
-            g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            x = (v * inv_rms * g).to(dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        x = _gemv_input(
+            x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL
+        )
         w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)

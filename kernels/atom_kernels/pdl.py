@@ -12,8 +12,10 @@ programs and their arrival at the wait. Kernels launched without the attribute (
 own) keep the plain stream order, and a kernel after them simply finds the wait satisfied.
 Captured into a CUDA graph, each launch becomes a programmatic edge.
 
-`ATOM_PDL=1` turns it on where it runs (an NVIDIA GPU of compute capability 9 or more, a Triton
-with `launch_pdl`); off by default until measured on the whole step. `ATOM_PDL=0` keeps it off.
+On by default where it runs (an NVIDIA GPU of compute capability 9 or more, a Triton with
+`launch_pdl`); `ATOM_PDL=0` turns it off. W2 on an H200, off against on in one call: Qwen3-0.6B
+1.232 -> 1.129 ms/token, Llama-3.1-8B 4.445 -> 4.339, the Qwen3.5-4B-shaped hybrid 3.276 ->
+3.078; W1 unchanged (30,216 and 30,179 tok/s): at batch 256 the step is bandwidth-bound.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _triton_supports_pdl() -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("ATOM_PDL", "0") != "1" or torch.version.hip is not None:
+    if os.environ.get("ATOM_PDL", "1") == "0" or torch.version.hip is not None:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1" or not _triton_supports_pdl():
         return False

@@ -214,8 +214,8 @@ def test_prefill_graphs_give_the_same_tokens_as_eager_prefill(tiny_models):
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_models, kind, monkeypatch):
-    """ATOM_PDL=1 (Hopper and later): every decode kernel waits for the one before at its
-    start, so the tokens under CUDA graphs and eagerly are those without PDL (fp32)."""
+    """With PDL (on by default from Hopper on) every decode kernel waits for the one before at
+    its start, so the tokens under CUDA graphs and eagerly are those without it (fp32)."""
     from atom_kernels import pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
