@@ -23,7 +23,11 @@
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
 #   checkpoint copy reference on the GPU, the byte-copy kernel compiled)
 # (default: tests bench kernels peer).
-# Python packages the image lacks travel as wheels in .whl/ (docs/benchmarks.md says which).
+# Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
+# device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
+# msgspec pyzmq fastapi starlette pydantic pydantic_core annotated-types typing-inspection
+# opentelemetry-api fastapi_offline uvicorn httptools setproctitle gguf transformers>=5.24
+# fla-core; the versions of this machine's .venv (`pip list`) are the ones to fetch.
 set -uo pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT/json"
