@@ -211,9 +211,9 @@ class PrefillGraphs:
     belong to no sequence, padding sequences have no query tokens and a length of 0 (the
     prefill kernel and its split merge skip both). The attention launch is planned from the
     bucket's shapes (`max_seqlen_q` the bucket's tokens, the block table's full width), so the
-    captured plan holds for any chunk that fits. The graph's logits are those of the bucket's
-    sample rows (one per sequence at most): a step whose sample rows outnumber its bucket
-    (prompt logprobs) runs eagerly."""
+    captured plan holds for any chunk that fits. A graph computes the logits of as many sample
+    rows as its bucket has sequences: a step with more sample rows than sequences (prompt
+    logprobs) takes a bucket with room for them, or runs eagerly when none has."""
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -222,7 +222,7 @@ class PrefillGraphs:
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
         self._max_blocks = 0
-        self.replays = 0  # steps served by a graph (tests and logs read it)
+        self.replays = 0  # steps served by a graph (the tests read it)
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -233,10 +233,9 @@ class PrefillGraphs:
         device: torch.device,
         buckets: list[tuple[int, int]],
         max_blocks: int,
-        pool=None,
     ) -> None:
         """Capture one graph per (tokens, sequences) bucket over block tables `max_blocks`
-        wide, sharing the memory pool `pool` (the decode graphs') when given."""
+        wide, in a memory pool of their own."""
         if not buckets:
             return
         buckets = sorted(set(buckets))
@@ -252,7 +251,7 @@ class PrefillGraphs:
             "cu_seqlens_q": torch.zeros(max_s + 1, dtype=torch.int32, device=dev),
             "sample_rows": torch.zeros(max_s, dtype=torch.int64, device=dev),
         }
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             # Largest first, so the smaller graphs reuse the pool's blocks.
             for t, s in sorted(buckets, reverse=True):
