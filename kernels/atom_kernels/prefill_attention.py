@@ -849,11 +849,12 @@ def warm_up(
     q_row_width: int,
     scale: float,
     launches: list[PrefillLaunch],
-) -> None:
+) -> list[tuple[PrefillLaunch, Exception]]:
     """Compile each launch in `launches` (from `reachable_launches`) by running it once on one
     token over one page of these caches (read only), q shaped like the model's (a view of a
     `q_row_width`-wide projection), so no step compiles a kernel while serving: a first
-    compile costs about a second, inside some request's time to first token."""
+    compile costs about a second, inside some request's time to first token. Returns the
+    launches that failed, with their errors (the others are compiled all the same)."""
     _, page_size, _, head_dim = k_cache.shape
     dev = k_cache.device
     qkv = torch.zeros(1, q_row_width, dtype=k_cache.dtype, device=dev)
@@ -861,11 +862,16 @@ def warm_up(
     cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     lens = torch.ones(1, dtype=torch.int32, device=dev)
     table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    failed = []
     for launch in launches:
-        paged_attention_prefill(
-            q, k_cache, v_cache, cu, lens, table, scale, 1,
-            block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
-            num_stages=launch.num_stages, num_splits=launch.num_splits,
-            heads_per_program=launch.heads_per_program, kv_lookup=launch.kv_lookup,
-            loop_stages=launch.loop_stages, warp_specialize=launch.warp_specialize,
-        )  # fmt: skip
+        try:
+            paged_attention_prefill(
+                q, k_cache, v_cache, cu, lens, table, scale, 1,
+                block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
+                num_stages=launch.num_stages, num_splits=launch.num_splits,
+                heads_per_program=launch.heads_per_program, kv_lookup=launch.kv_lookup,
+                loop_stages=launch.loop_stages, warp_specialize=launch.warp_specialize,
+            )  # fmt: skip
+        except Exception as exc:  # a variant this GPU or Triton cannot build
+            failed.append((launch, exc))
+    return failed

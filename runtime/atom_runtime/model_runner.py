@@ -291,7 +291,16 @@ class ModelRunner:
         max_tokens = min(self.config.prefill_graph_max_tokens, self.max_num_batched_tokens)
         if self.state is None and max_tokens > 0:
             buckets = default_prefill_buckets(max_tokens, self.config.max_num_seqs)
-            self.prefill_graphs.capture(self.model, self.device, buckets, max_blocks)
+            try:
+                self.prefill_graphs.capture(self.model, self.device, buckets, max_blocks)
+            except Exception as exc:  # a GPU stack that cannot capture the prefill path
+                self.prefill_graphs.clear()
+                torch.cuda.synchronize(self.device)
+                log.warning(
+                    "short prefill and mixed steps run eagerly: capturing their CUDA graphs "
+                    "failed (%s: %s); --prefill-graph-max-tokens 0 skips the attempt",
+                    type(exc).__name__, exc,
+                )  # fmt: skip
 
     def _warm_up_prefill_attention(self, max_model_len: int) -> None:
         """Which prefill-attention kernel a step compiles depends on its chunk lengths, batch and
@@ -313,11 +322,13 @@ class ModelRunner:
         )
         width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim
         with torch.inference_mode():
-            prefill_attention.warm_up(
+            failed = prefill_attention.warm_up(
                 layer.k_cache, layer.v_cache, layer.num_heads, width, layer.scale, launches
             )
         torch.cuda.synchronize(self.device)
-        log.info("compiled %d prefill attention variants", len(launches))
+        log.info("compiled %d prefill attention variants", len(launches) - len(failed))
+        for launch, exc in failed:
+            log.warning("prefill attention variant %s did not build: %s", launch, exc)
 
     @property
     def max_num_batched_tokens(self) -> int:

@@ -9,6 +9,8 @@ conftest.py). Unused cache slots hold NaN, so a read past a mask shows up as a m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_cases import make_paged_case
@@ -355,6 +357,10 @@ def test_warm_up_runs_each_variant_once_without_touching_the_cache(kernels, devi
         )  # fmt: skip
         for splits in (1, 3)
     ]
-    mod.warm_up(k_cache, v_cache, 4, (4 + 2 * 2) * 32, 32**-0.5, launches)
+    # A variant that cannot be built is reported and the others are compiled all the same.
+    bad = dataclasses.replace(launches[0], heads_per_program=3)
+    failed = mod.warm_up(k_cache, v_cache, 4, (4 + 2 * 2) * 32, 32**-0.5, [bad, *launches])
+    assert [launch for launch, _ in failed] == [bad]
+    assert "heads_per_program=3" in str(failed[0][1])
     assert torch.equal(k_cache.nan_to_num(7.0), k_before.nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), v_before.nan_to_num(7.0))

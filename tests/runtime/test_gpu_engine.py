@@ -234,3 +234,24 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_models, kind, 
             assert _greedy(llm, prompts, 24) == want, f"enforce_eager={eager}"
     finally:
         pdl._enabled.cache_clear()
+
+
+def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypatch, caplog):
+    """A GPU stack that cannot capture the prefill path (say a ROCm build that refuses one of
+    its kernels under capture) starts anyway: a warning, short prefill steps run eagerly, same
+    tokens."""
+    from atom_runtime import cuda_graphs
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("capture refused")
+
+    prompts = _prompts(41, [7, 12, 30])
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=128, max_num_seqs=4)
+    want = _greedy(LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=0, **kw), prompts)
+    monkeypatch.setattr(cuda_graphs.PrefillGraphs, "capture", refuse)
+    with caplog.at_level("WARNING", logger="atom_runtime.model_runner"):
+        llm = LLM(str(tiny_models["qwen3"]), **kw)
+    assert "run eagerly" in caplog.text and "capture refused" in caplog.text
+    assert not llm.engine.executor.prefill_graphs
+    assert llm.engine.executor.graphs, "the decode graphs are captured all the same"
+    assert _greedy(llm, prompts) == want
