@@ -38,20 +38,42 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """The captured decode graphs of one model, their device input buffers and host staging."""
+class _CapturedGraphs:
+    """What both kinds of captured graphs hold: the graphs with their output logits, the device
+    input buffers they read, and two pinned host staging sets used in turn (with async
+    scheduling step N+1 is staged while step N's copies may still be queued; step N-1's, same
+    set, are done: its samples were read back)."""
 
     def __init__(self) -> None:
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.sizes: list[int] = []
+        self.graphs: dict = {}
         self.inputs: dict[str, torch.Tensor] = {}
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
-        self._block_table_stage: torch.Tensor | None = None
-        self.stateful = False
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
+
+    def _next_host_set(self) -> dict[str, torch.Tensor]:
+        host = self._host_sets[self._staging_turn]
+        self._staging_turn ^= 1
+        return host
+
+    def clear(self) -> None:
+        """Drop the graphs and their buffers, so their memory can be freed."""
+        self.graphs.clear()
+        self.inputs = {}
+        self._host_sets = []
+
+
+class DecodeGraphs(_CapturedGraphs):
+    """The captured decode graphs of one model, their device input buffers and host staging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []
+        self._block_table_stage: torch.Tensor | None = None
+        self.stateful = False
 
     def capture(
         self,
@@ -111,8 +133,6 @@ class DecodeGraphs:
         self.inputs = bufs
         self.sizes = sizes
         # Pinned host staging: a decode step fills one set and copies it over asynchronously.
-        # Two sets, alternating: with async scheduling step N+1 is staged while step N's copies
-        # may still be queued; step N-1's (same set) are done, its samples were read back.
         self._host_sets = [
             {
                 "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
@@ -141,8 +161,7 @@ class DecodeGraphs:
         bs = next((s for s in self.sizes if s >= n), None) if self.graphs else None
         if bs is None:
             return None
-        host, dev = self._host_sets[self._staging_turn], self.inputs
-        self._staging_turn ^= 1
+        host, dev = self._next_host_set(), self.inputs
         ids = host["input_ids"].numpy()
         ids[:n] = inputs.input_ids
         ids[n:bs] = 0  # padded rows: any valid id (never a pending placeholder left over)
@@ -181,10 +200,7 @@ class DecodeGraphs:
         return logits[:n]
 
     def clear(self) -> None:
-        """Drop the graphs and their buffers, so their memory can be freed."""
-        self.graphs.clear()
-        self.inputs = {}
-        self._host_sets = []
+        super().clear()
         self._block_table_stage = None
 
 
@@ -200,7 +216,7 @@ def default_prefill_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[in
     return [(t, s) for t in tokens for s in seqs if s <= t]
 
 
-class PrefillGraphs:
+class PrefillGraphs(_CapturedGraphs):
     """Captured forwards for steps that are not decode-only but short: a few new tokens over a
     cached prefix (W3), a short prompt, a prompt chunk beside a few decodes. Eagerly, such a
     step costs a Python launch per kernel (≈ 400 for a 28-layer model), far more than its GPU
@@ -216,16 +232,11 @@ class PrefillGraphs:
     logprobs) takes a bucket with room for them, or runs eagerly when none has."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets: list[tuple[int, int]] = []
-        self.inputs: dict[str, torch.Tensor] = {}
-        self._host_sets: list[dict[str, torch.Tensor]] = []
-        self._staging_turn = 0
         self._max_blocks = 0
         self.replays = 0  # steps served by a graph (the tests read it)
-
-    def __bool__(self) -> bool:
-        return bool(self.graphs)
 
     def capture(
         self,
@@ -325,8 +336,7 @@ class PrefillGraphs:
         if bucket is None:
             return None
         bt, bs = bucket
-        host, dev = self._host_sets[self._staging_turn], self.inputs
-        self._staging_turn ^= 1
+        host, dev = self._next_host_set(), self.inputs
         h = {name: buf.numpy() for name, buf in host.items()}
         h["input_ids"][:t] = inputs.input_ids
         h["input_ids"][t:bt] = 0
@@ -352,9 +362,3 @@ class PrefillGraphs:
         graph.replay()
         self.replays += 1
         return logits[:k]
-
-    def clear(self) -> None:
-        """Drop the graphs and their buffers, so their memory can be freed."""
-        self.graphs.clear()
-        self.inputs = {}
-        self._host_sets = []

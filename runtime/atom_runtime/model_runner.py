@@ -265,7 +265,7 @@ class ModelRunner:
             layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    # -- CUDA graphs for decode ------------------------------------------------------------------
+    # -- CUDA graphs and kernel warm-up ----------------------------------------------------------
 
     def capture_cudagraphs(self, max_model_len: int) -> None:
         """Compile every prefill-attention variant a step can pick, then capture one graph per
@@ -273,7 +273,8 @@ class ModelRunner:
         smallest graph of at least n rows, padded) and per short prefill bucket."""
         if self.device.type != "cuda":
             return
-        self._warm_up_prefill_attention(max_model_len)
+        max_blocks = -(-max_model_len // self.block_size)
+        self._warm_up_prefill_attention(max_blocks * self.block_size)
         if self.config.enforce_eager:
             return
         sizes = sorted(
@@ -282,7 +283,6 @@ class ModelRunner:
                 or default_capture_sizes(self.config.max_num_seqs)
             )
         )
-        max_blocks = -(-max_model_len // self.block_size)
         self.graphs.capture(
             self.model, self.device, sizes, max_blocks, stateful=self.state is not None
         )
@@ -302,7 +302,7 @@ class ModelRunner:
                     type(exc).__name__, exc,
                 )  # fmt: skip
 
-    def _warm_up_prefill_attention(self, max_model_len: int) -> None:
+    def _warm_up_prefill_attention(self, max_context: int) -> None:
         """Which prefill-attention kernel a step compiles depends on its chunk lengths, batch and
         context (short or long settings, heads per program, split-KV or not): compile them all
         now, so no request's first token waits for a compile (W3's 61 requests at once did: a
@@ -317,7 +317,7 @@ class ModelRunner:
             page_size=self.block_size,
             max_num_seqs=self.config.max_num_seqs,
             max_tokens=self.max_num_batched_tokens,
-            max_context=-(-max_model_len // self.block_size) * self.block_size,
+            max_context=max_context,
             num_multiprocessors=torch.cuda.get_device_properties(self.device).multi_processor_count,
         )
         width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim

@@ -341,22 +341,9 @@ def test_warm_up_runs_each_variant_once_without_touching_the_cache(kernels, devi
                    dtype=torch.float32, device=device, seed=5)  # fmt: skip
     _, k_cache, v_cache, *_ = args
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    launches = [
-        mod.plan_prefill_launch(
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            page_size=16,
-            batch=1,
-            max_seqlen_q=1,
-            max_context=32,
-            num_multiprocessors=4,
-            block_m=16,
-            block_n=16,
-            num_splits=splits,
-        )  # fmt: skip
-        for splits in (1, 3)
-    ]
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=32, page_size=16, batch=1,
+                 max_seqlen_q=1, max_context=32, num_multiprocessors=4, block_m=16, block_n=16)  # fmt: skip
+    launches = [mod.plan_prefill_launch(**shape, num_splits=splits) for splits in (1, 3)]
     # A variant that cannot be built is reported and the others are compiled all the same.
     bad = dataclasses.replace(launches[0], heads_per_program=3)
     failed = mod.warm_up(k_cache, v_cache, 4, (4 + 2 * 2) * 32, 32**-0.5, [bad, *launches])
