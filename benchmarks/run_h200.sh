@@ -18,6 +18,7 @@
 #   hybridpeer (W2 of the dense hybrid with its transformers peer)
 #   pdl (W2 with programmatic dependent launch off and on, same call)
 #   w3graphs (short prefill steps through CUDA graphs: GPU tests, W3 with and without them)
+#   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
@@ -168,6 +169,13 @@ for stage in ${*:-tests bench kernels peer}; do
       # Issue 18 item 3: W1 through HTTP against W1 offline in the same run, with each server
       # process's CPU per streamed token and the gaps between chunks.
       python3 benchmarks/serve_cpu_cost.py --model $Q3 --offline --output-json "$OUT/json/w4_http_vs_offline.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    b1attn)
+      # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
+      python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;
+    gputests)
+      # Every GPU engine test (dense and hybrid), log kept whole.
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
+      tail -5 "$OUT/gputests.log" ;;
     hybridpeer)
       # Issue 14 item 7: W2 of the dense hybrid with its transformers peer (dynamic cache).
       atom bench latency --load-format dummy --model $H4 --peer transformers --output-json "$OUT/json/w2_qwen3.5_4b_peer.json" ;;

@@ -18,10 +18,14 @@ tile so the loop is the plain product's (two tiles with two accumulators ran qkv
 applies the activation in fp32 once per output, so the activation needs no launch of its own
 and the [1, 2I] row is never written.
 
-`rope=RopeStore(...)` finishes a one-token qkv projection as `qk_norm_rope_store_` would
-without QK-norm: outputs are the dimension pairs (i, i + D/2) of every head, each program
-streams both rows of its pairs, and the epilogue rotates q and k heads (cos/sin of the token's
-position; both paired epilogues share the interleaved tile), returns the whole qkv row and stores k and v into the paged cache slot.
+`rope=RopeStore(...)` finishes a one-token qkv projection as `qk_norm_rope_store_` would:
+outputs are the dimension pairs (i, i + D/2) of every head, each program streams both rows of
+its pairs, and the epilogue rotates q and k heads (cos/sin of the token's position; both paired
+epilogues share the interleaved tile), returns the whole qkv row and stores k and v into the
+paged cache slot. With QK-norm (Qwen3: `RopeStore.q_norm_weight` / `k_norm_weight`) every
+program owns one whole head (its D rows), so the epilogue has the head's sum of squares at hand
+and norms q and k before rotating them; K is split to keep enough programs streaming, and the
+last split of a head to arrive finishes it.
 
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
 `residual=` is given): every program first loads the whole row at once and sums its squares
@@ -49,15 +53,16 @@ from atom_kernels.tickets import ticket_counters
 MAX_NORM_ROW = 16384
 
 
-# What the GEMV does with its output (MODE): write it; SwiGLU over [gate; up] rows; or rotary
-# of q and k heads with k and v stored into the paged cache.
-PLAIN, SWIGLU, ROPE = 0, 1, 2
+# What the GEMV does with its output (MODE): write it; SwiGLU over [gate; up] rows; rotary of
+# q and k heads with k and v stored into the paged cache; or that with QK-norm before rotary.
+PLAIN, SWIGLU, ROPE, NORM_ROPE = 0, 1, 2, 3
 
 
 class RopeStore(NamedTuple):
     """What `gemv(..., rope=)` needs to finish a one-token qkv projection like
-    `ops.qk_norm_rope_store_` (without QK-norm): the token's position and cache slot (device
-    tensors of one element), the cos/sin table, the paged caches, and the head layout."""
+    `ops.qk_norm_rope_store_`: the token's position and cache slot (device tensors of one
+    element), the cos/sin table, the paged caches, the head layout, and QK-norm's weights and
+    epsilon when the model has it."""
 
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
@@ -67,6 +72,9 @@ class RopeStore(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    qk_norm_eps: float = 1e-6
 
 
 @triton.jit
@@ -82,8 +90,9 @@ def _swiglu(gate, up, dtype: tl.constexpr):
 def _paired_rows(offs, n_out, MODE: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The weight rows behind outputs `offs`: (first, second). SWIGLU pairs gate row j with up
     row n_out + j; ROPE pairs dimension i of a head with i + HALF (rotate-halves rotary), so
-    output j is pair j: head j // HALF, dimension j % HALF. PLAIN uses `first` only."""
-    if MODE == 2:
+    output j is pair j: head j // HALF, dimension j % HALF (NORM_ROPE likewise). PLAIN uses
+    `first` only."""
+    if MODE >= 2:
         first = (offs // HALF) * HEAD_DIM + offs % HALF
         second = first + HALF
     else:
@@ -107,6 +116,9 @@ def _epilogue(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    qn_ptr,
+    kn_ptr,
+    qk_eps,
     cos_sin_stride,
     cache_stride_slot,
     num_heads,
@@ -118,7 +130,7 @@ def _epilogue(
 ):
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
-    hold it in memory."""
+    hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
@@ -133,6 +145,16 @@ def _epilogue(
         x2 = y2.to(dtype).to(tl.float32)
         head = offs // HALF
         dim = offs % HALF
+        if MODE == 3:
+            # QK-norm over the head (`offs` is all of it), rounded as the norm kernel's output.
+            ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+            inv = 1.0 / tl.sqrt(ss / HEAD_DIM + qk_eps)
+            is_q = head < num_heads
+            w1 = tl.where(is_q, tl.load(qn_ptr + dim), tl.load(kn_ptr + dim)).to(tl.float32)
+            w2 = tl.where(is_q, tl.load(qn_ptr + HALF + dim), tl.load(kn_ptr + HALF + dim))
+            normed = head < num_heads + num_kv_heads  # v heads are not normed
+            x1 = tl.where(normed, (x1 * inv * w1).to(dtype).to(tl.float32), x1)
+            x2 = tl.where(normed, (x2 * inv * w2.to(tl.float32)).to(dtype).to(tl.float32), x2)
         table = cos_sin_ptr + tl.load(pos_ptr).to(tl.int64) * cos_sin_stride + dim
         cos = tl.load(table, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(table + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -168,6 +190,9 @@ def _finish_block(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    qn_ptr,
+    kn_ptr,
+    qk_eps,
     cos_sin_stride,
     cache_stride_slot,
     num_heads,
@@ -189,8 +214,8 @@ def _finish_block(
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     _epilogue(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-        k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
-        num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
+        cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -235,11 +260,14 @@ def _gemv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    qn_ptr,
+    kn_ptr,
     N,
     K,
     w_stride,
     k_per_split,
     eps,
+    qk_eps,
     cos_sin_stride,
     cache_stride_slot,
     num_heads,
@@ -313,8 +341,8 @@ def _gemv_kernel(
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS,
-            MODE, BLOCK_N, HALF, HEAD_DIM,
+            slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
+            num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
@@ -331,8 +359,9 @@ def _gemv_kernel(
                     total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
                 _finish_block(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads,
-                    num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
+                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
+                    cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF,
+                    HEAD_DIM,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -347,7 +376,10 @@ def _gemv_reduce_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    qn_ptr,
+    kn_ptr,
     N,
+    qk_eps,
     cos_sin_stride,
     cache_stride_slot,
     num_heads,
@@ -376,8 +408,8 @@ def _gemv_reduce_kernel(
             y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-        v_cache_ptr, slot_ptr, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads,
-        HAS_BIAS, MODE, HALF, HEAD_DIM,
+        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot,
+        num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -394,6 +426,25 @@ def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:
         split *= 2
     return {
         "block_n": block_n,
+        "block_k": block_k,
+        "split": split,
+        "num_warps": 8,
+        "num_stages": 4,
+    }
+
+
+def norm_rope_config(n: int, k: int, head_dim: int, multiprocessors: int) -> dict[str, int]:
+    """Launch shape of the QK-norm + rotary epilogue: a program owns one head (head_dim rows),
+    so there are few programs (32 for Qwen3-0.6B's qkv); K is split until there are about two
+    per multiprocessor, each split keeping at least 128 columns (Qwen3-0.6B: 8 splits of 128,
+    256 programs streaming 32 KB each, as many and as large as the plain GEMV's)."""
+    block_k = 128 if head_dim <= 128 else 64
+    programs = triton.cdiv(n, head_dim)
+    split = 1
+    while programs * split < 2 * multiprocessors and k // (split * 2) >= block_k:
+        split *= 2
+    return {
+        "block_n": head_dim,
         "block_k": block_k,
         "split": split,
         "num_warps": 8,
@@ -428,7 +479,8 @@ def gemv(
     """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
     arguments override the launch shape (tests use them to reach the split path on small
     matrices); `block_n` counts weight rows a program streams (a paired epilogue's program
-    finishes block_n // 2 outputs). Shapes are checked by the caller. `act="silu_mul"` returns silu(gate) * up of
+    finishes block_n // 2 outputs; with QK-norm it must be head_dim, one head). Shapes are
+    checked by the caller. `act="silu_mul"` returns silu(gate) * up of
     the [gate; up] rows, [1, N / 2]; `rope` returns the qkv row with q and k rotated and stores
     k and v into the cache. With `norm_weight` (RMSNorm fused in front) returns
     (y, x + residual) when `residual` is given, else y. `merge` picks how split-K partial rows
@@ -444,10 +496,21 @@ def gemv(
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
-    mode = SWIGLU if act == "silu_mul" else ROPE if rope is not None else PLAIN
+    mode = SWIGLU if act == "silu_mul" else PLAIN
+    if rope is not None:
+        mode = ROPE if rope.q_norm_weight is None else NORM_ROPE
     n_out = n if mode == PLAIN else n // 2
-    out = torch.empty((1, n if mode == ROPE else n_out), dtype=x.dtype, device=x.device)
-    cfg = gemv_config(n, k, _multiprocessors(x.device))
+    out = torch.empty((1, n if mode >= ROPE else n_out), dtype=x.dtype, device=x.device)
+    if mode == NORM_ROPE:
+        head_dim = rope.head_dim
+        if head_dim & (head_dim - 1) or block_n not in (None, head_dim):
+            raise ValueError(
+                f"QK-norm in the epilogue needs a power-of-two head_dim ({head_dim}) and "
+                f"block_n = head_dim (got {block_n})"
+            )
+        cfg = norm_rope_config(n, k, head_dim, _multiprocessors(x.device))
+    else:
+        cfg = gemv_config(n, k, _multiprocessors(x.device))
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     split = split or cfg["split"]
@@ -462,11 +525,16 @@ def gemv(
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.k_cache, rope.v_cache)
         rope_args += (rope.slot_mapping,)
+        if mode == NORM_ROPE:
+            rope_args += (rope.q_norm_weight, rope.k_norm_weight)
+        else:
+            rope_args += (out, out)
         rope_ints = (rope.cos_sin_cache.stride(0), rope.k_cache.stride(1))
         rope_ints += (rope.num_heads, rope.num_kv_heads)
-        half, head_dim = rope.head_dim // 2, rope.head_dim
+        half, head_dim, qk_eps = rope.head_dim // 2, rope.head_dim, rope.qk_norm_eps
     else:
-        rope_args, rope_ints, half, head_dim = (out,) * 5, (0, 0, 0, 0), 1, 2
+        rope_args, rope_ints, half, head_dim = (out,) * 7, (0, 0, 0, 0), 1, 2
+        qk_eps = 0.0
     consts = dict(HAS_BIAS=bias is not None, MODE=mode, HALF=half, HEAD_DIM=head_dim)
     _gemv_kernel[(programs_n, split)](
         x,
@@ -484,6 +552,7 @@ def gemv(
         weight.stride(0),
         k_per_split,
         eps,
+        qk_eps,
         *rope_ints,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
@@ -498,13 +567,14 @@ def gemv(
         **pdl.options(x.device),
     )
     if split > 1 and tickets is None:
-        block = 1024
+        block = half if mode == NORM_ROPE else 1024  # QK-norm's epilogue: one head a program
         _gemv_reduce_kernel[(triton.cdiv(n_out, block),)](
             parts,
             bias if bias is not None else parts,
             out,
             *rope_args,
             n,
+            qk_eps,
             *rope_ints,
             SPLIT=split,
             BLOCK=block,
@@ -538,13 +608,51 @@ def linear_rope_store_small_m(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.linear_rope_store_small_m`."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim,
+        head_dim, q_norm_weight, k_norm_weight, eps,
     )  # fmt: skip
     return gemv(x, weight, bias, rope=rope)
+
+
+def rms_norm_linear_rope_store_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.rms_norm_linear_rope_store_small_m`: one launch with the norm in
+    the GEMV's prologue, or, for a row too long for it to hold, the Triton norm and then the
+    GEMV."""
+    rope = RopeStore(
+        positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
+    if weight.shape[1] <= MAX_NORM_ROW:
+        out = gemv(x, weight, bias, rope=rope, norm_weight=norm_weight, residual=residual, eps=eps)
+        return out if residual is not None else (out, x)
+    if residual is None:
+        return gemv(norm.rms_norm(x, norm_weight, eps), weight, bias, rope=rope), x
+    normed, total = norm.fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    return gemv(normed, weight, bias, rope=rope), total
 
 
 def rms_norm_linear_small_m(

@@ -368,14 +368,26 @@ def linear_rope_store_small_m(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """The qkv projection of one token and its attention preparation in one pass:
     `F.linear(x, weight, bias)` (x `[1, K]`, weight `[(H + 2 KV) * D, K]`), then rotary of the
     q and k heads and the store of k and v into the paged cache at `slot_mapping[0]` — what
-    `linear_small_m` followed by `qk_norm_rope_store_` without QK-norm gives. Returns the qkv
-    row `[1, (H + 2 KV) * D]` with q and k rotated. On a GPU one Triton GEMV launch whose
-    programs each own dimension pairs (i, i + D/2) of a head, rotated in the epilogue."""
+    `linear_small_m` followed by `qk_norm_rope_store_` gives, with QK-norm when
+    `q_norm_weight` and `k_norm_weight` (each `[D]`) are given. Returns the qkv row
+    `[1, (H + 2 KV) * D]` with q and k (normed and) rotated. On a GPU one Triton GEMV launch
+    whose programs each own dimension pairs (i, i + D/2) of a head (with QK-norm: whole heads,
+    D a power of two), rotated in the epilogue."""
     _check_small_m(x, weight, bias, None)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight: give both (QK-norm) or neither")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and (w.shape != (head_dim,) or not w.is_contiguous()):
+            raise ValueError(f"{name} {tuple(w.shape)} must be a contiguous [{head_dim}]")
+    if q_norm_weight is not None and head_dim & (head_dim - 1):
+        raise ValueError(f"QK-norm in the projection needs a power-of-two head_dim, got {head_dim}")
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if weight.shape[0] != width or head_dim % 2:
         raise ValueError(
@@ -410,6 +422,37 @@ def rms_norm_linear_small_m(
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
+
+
+@op(triton="gemv.rms_norm_linear_rope_store_small_m", on="x")
+def rms_norm_linear_rope_store_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layer's input RMSNorm (after adding `residual`, when given), then
+    `linear_rope_store_small_m`: returns `(qkv, x + residual)`, or `(qkv, x)` without a
+    residual, as `rms_norm_linear_small_m` does. On a GPU one Triton GEMV launch: the norm in
+    its prologue, QK-norm, rotary and the cache store in its epilogue."""
+    rms_norm_linear_small_m.op.check(x, residual, norm_weight, eps, weight, bias)
+    linear_rope_store_small_m.op.check(
+        x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+        num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

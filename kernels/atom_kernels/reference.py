@@ -226,12 +226,15 @@ def linear_rope_store_small_m(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """`F.linear`, then `qk_norm_rope_store_` without QK-norm on the qkv row."""
+    """`F.linear`, then `qk_norm_rope_store_` on the qkv row."""
     qkv = torch.nn.functional.linear(x, weight, bias)
     qk_norm_rope_store_(
-        qkv, positions, cos_sin_cache, None, None, 0.0, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim,
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
+        slot_mapping, num_heads, num_kv_heads, head_dim,
     )  # fmt: skip
     return qkv
 
@@ -251,6 +254,38 @@ def rms_norm_linear_small_m(
         return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
     normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
     return linear_small_m(normed, weight, bias, act=act), total
+
+
+def rms_norm_linear_rope_store_small_m(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm (after the residual add, on a copy of the residual), then
+    `linear_rope_store_small_m`."""
+    if residual is None:
+        normed, total = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    qkv = linear_rope_store_small_m(
+        normed, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
+    return qkv, total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,17 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+# The step token budget when none is given: offline (`LLM`, `atom generate`, `atom bench`) a step
+# carries up to 8,192 tokens, vLLM's figure for a large GPU; `atom serve` takes 4,096, because a
+# step that carries a prompt chunk delays every running stream's next token by that chunk's time
+# (the inter-token latency's tail), and serving is judged on that tail. vLLM likewise sets its
+# defaults by usage context (`LLM` class against the OpenAI server). A prefill-only instance
+# (`kv_role` kv_producer) streams no decodes and keeps the offline budget.
+MAX_NUM_BATCHED_TOKENS = 8192
+SERVE_MAX_NUM_BATCHED_TOKENS = 4096
 
 
 @dataclass
@@ -16,7 +25,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192; longer prompts run in chunks
+    max_num_batched_tokens: int | None = None  # None: MAX_NUM_BATCHED_TOKENS (serving: 4096)
     max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -114,6 +123,21 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
+    def for_serving(self) -> EngineConfig:
+        """This config as `atom serve` runs it: the serving step budget
+        (SERVE_MAX_NUM_BATCHED_TOKENS) unless one was given or the instance only prefills."""
+        if self.max_num_batched_tokens is not None or _prefill_only(self.kv_transfer_config):
+            return self
+        return replace(self, max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)
+
+
+def _prefill_only(kv_transfer_config: str | None) -> bool:
+    if kv_transfer_config is None:
+        return False
+    from atom_runtime.kv_transfer.config import KVTransferConfig
+
+    return KVTransferConfig.from_cli(kv_transfer_config).kv_role == "kv_producer"
+
 
 def _pipeline_parallel_refusal(size: int, model: str | None) -> str:
     """Why a pipeline_parallel_size other than 1 is refused, naming the field. For a hybrid model
@@ -167,7 +191,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device)
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens one step may carry; longer prompts run in chunks (default: "
+        f"{MAX_NUM_BATCHED_TOKENS}; {SERVE_MAX_NUM_BATCHED_TOKENS} for atom serve, which trades "
+        "a little throughput for a shorter inter-token latency tail)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)

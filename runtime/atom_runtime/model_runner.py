@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from atom_runtime.config import EngineConfig
+from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from atom_runtime.cuda_graphs import (
     DecodeGraphs,
     PrefillGraphs,
@@ -332,7 +332,7 @@ class ModelRunner:
 
     @property
     def max_num_batched_tokens(self) -> int:
-        return self.config.max_num_batched_tokens or 8192
+        return self.config.max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS
 
     # -- one step --------------------------------------------------------------------------------
 

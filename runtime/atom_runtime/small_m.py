@@ -69,12 +69,15 @@ def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
 
 def small_m_paths(layer: LinearBase) -> list[str]:
     """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
-    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope"."""
+    has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope" (with
+    QK-norm when the model has it), "gemv+norm+rope"."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
     if layer.rope_after:
         paths.append("gemv+rope")
+        if layer.norm_before:
+            paths.append("gemv+norm+rope")
     if layer.act_after is not None:
         paths.append("gemv+act")
         if layer.norm_before:
@@ -217,11 +220,21 @@ def _one_row_paths(layer: LinearBase) -> dict:
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
     rope = _rope_target(layer) if layer.rope_after else None
+    head_dim = getattr(layer, "head_dim", 0)
+    qk_norms = (
+        (torch.ones(head_dim, dtype=like.dtype, device=like.device),) * 2
+        if layer.rope_after and layer.qk_norm_after
+        else (None, None)
+    )
 
     def path_fn(path: str):
         fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
 
         def run(w):
+            if fuse_norm and fuse_rope:
+                return ops.rms_norm_linear_rope_store_small_m(
+                    x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
+                )[0]
             if fuse_norm:
                 y = ops.rms_norm_linear_small_m(
                     x, residual, norm_w, 1e-6, w, act=act if fuse_act else None
@@ -231,11 +244,11 @@ def _one_row_paths(layer: LinearBase) -> dict:
                 if path == "cublas":
                     y = F.linear(h, w)
                 elif fuse_rope:
-                    return ops.linear_rope_store_small_m(h, w, None, *rope)
+                    return ops.linear_rope_store_small_m(h, w, None, *rope, *qk_norms, 1e-6)
                 else:
                     y = ops.linear_small_m(h, w, act=act if fuse_act else None)
             if rope is not None:
-                ops.qk_norm_rope_store_(y, rope[0], rope[1], None, None, 0.0, *rope[2:])
+                ops.qk_norm_rope_store_(y, rope[0], rope[1], *qk_norms, 1e-6, *rope[2:])
             return ops.silu_and_mul(y) if act is not None and not fuse_act else y
 
         return run

@@ -359,6 +359,112 @@ def test_gemv_rope_store_matches_the_unfused_path(
     assert not torch.equal(got[:, : heads * head_dim], F.linear(x, w, b)[:, : heads * head_dim])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 16), (None, None)])
+@pytest.mark.parametrize("merge", ["tickets", "kernel"])
+def test_gemv_qk_norm_rope_store_matches_the_unfused_path(
+    gemv_mod, device, dtype, split, block_k, merge
+):
+    """With QK-norm weights the epilogue norms every q and k head over its whole head_dim, then
+    rotates and stores, as the GEMV followed by `qk_norm_rope_store_` with QK-norm does; v heads
+    are stored unnormed. Split K (tickets or the reduce kernel) finishes each head once."""
+    heads, kv_heads, head_dim, k = 4, 2, 16, 80
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, b = _inputs(n, k, dtype, device, bias=True, act=None, seed=5)
+    g = torch.Generator().manual_seed(6)
+    angles = torch.rand(8, head_dim // 2, generator=g) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    q_norm = (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device)
+    k_norm = (torch.rand(head_dim, generator=g) * 2).to(dtype).to(device)
+    cache_shape = (3, 4, kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(dtype).to(device)
+    v_cache = torch.randn(cache_shape, generator=g).to(dtype).to(device)
+    positions = torch.tensor([3], device=device)
+    for slot in (9, -1):
+        slots = torch.tensor([slot], device=device)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        want = F.linear(x, w, b)
+        reference.qk_norm_rope_store_(
+            want, positions, cos_sin, q_norm, k_norm, 1e-6, k_want, v_want, slots, heads,
+            kv_heads, head_dim,
+        )  # fmt: skip
+        rope = gemv_mod.RopeStore(
+            positions, cos_sin, k_cache, v_cache, slots, heads, kv_heads, head_dim, q_norm,
+            k_norm, 1e-6,
+        )  # fmt: skip
+        got = gemv_mod.gemv(x, w, b, rope=rope, split=split, block_k=block_k, merge=merge)
+        assert got.shape == (1, n)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+        torch.testing.assert_close(k_cache, k_want, **TOL[dtype])
+        torch.testing.assert_close(v_cache, v_want, **TOL[dtype])
+    # The heads really were normed: each q head has the RMS its norm weight gives it.
+    q = got[0, : heads * head_dim].view(heads, head_dim).float()
+    assert not torch.allclose(q, F.linear(x, w, b)[0, : heads * head_dim].view(heads, -1).float())
+    with pytest.raises(ValueError, match="block_n = head_dim"):
+        gemv_mod.gemv(x, w, b, rope=rope, block_n=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rms_norm_linear_rope_store_matches_the_unfused_path(
+    gemv_mod, device, dtype, with_residual, qk_norm
+):
+    """The input norm in the prologue and (QK-norm,) rotary and the cache store in the epilogue
+    of one launch: what the norm, then `linear_rope_store_small_m` give; the residual sum comes
+    back and the caller's residual is left as it was."""
+    heads, kv_heads, head_dim, k = 2, 1, 16, 72
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, _ = _inputs(n, k, dtype, device, bias=False, act=None, seed=8)
+    g = torch.Generator().manual_seed(9)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(device) if with_residual else None
+    kept = residual.clone() if with_residual else None
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
+    angles = torch.rand(8, head_dim // 2, generator=g) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    qk = [(torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device) for _ in range(2)]
+    qk = qk if qk_norm else [None, None]
+    results = []
+    for fn in (
+        reference.rms_norm_linear_rope_store_small_m,
+        gemv_mod.rms_norm_linear_rope_store_small_m,
+    ):
+        caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"]
+        slot = torch.tensor([7], device=device)
+        qkv, total = fn(
+            x, residual, norm_w, 1e-6, w, None, torch.tensor([2], device=device), cos_sin,
+            *caches, slot, heads, kv_heads, head_dim, *qk, 1e-6,
+        )  # fmt: skip
+        results.append((qkv, total, *caches))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    if with_residual:
+        torch.testing.assert_close(residual, kept, atol=0, rtol=0)
+
+
+def test_linear_rope_store_small_m_checks_qk_norm(gemv_mod, device):
+    heads, kv_heads, head_dim, k = 2, 1, 8, 32
+    n = (heads + 2 * kv_heads) * head_dim
+    x, w, _ = _inputs(n, k, torch.float32, device, bias=False, act=None)
+    cos_sin = torch.cat([torch.ones(4, 4), torch.zeros(4, 4)], dim=-1).to(device)  # angle 0
+    caches = [torch.zeros(2, 4, kv_heads, head_dim, device=device) for _ in range(2)]
+    one = torch.tensor([1], device=device)
+    args = (one, cos_sin, *caches, one, heads, kv_heads, head_dim)
+    ones = torch.ones(head_dim, device=device)
+    got = ops.linear_rope_store_small_m(x, w, None, *args, ones, 2 * ones, 1e-6)
+    want = F.linear(x, w)
+    q = want[:, : heads * head_dim].view(heads, head_dim)
+    torch.testing.assert_close(
+        got[:, : heads * head_dim].view(heads, head_dim),
+        q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6),
+        **TOL[torch.float32],
+    )
+    with pytest.raises(ValueError, match="give both"):
+        ops.linear_rope_store_small_m(x, w, None, *args, ones, None)
+    with pytest.raises(ValueError, match=r"must be a contiguous \[8\]"):
+        ops.linear_rope_store_small_m(x, w, None, *args, ones, ones[:4])
+
+
 def test_linear_rope_store_small_m_checks_and_routes(gemv_mod, device):
     heads, kv_heads, head_dim, k = 2, 1, 8, 32
     n = (heads + 2 * kv_heads) * head_dim

@@ -123,8 +123,8 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
         enforce_eager=True,
     )
     groups = small_m_groups(llm.engine.executor.model)
-    if kind == "llama":  # no QK-norm: the qkv GEMV can take rotary + the cache store
-        assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
+    # The qkv GEMV can take rotary + the cache store (Qwen3: its QK-norm as well).
+    assert any("gemv+rope" in small_m_paths(g[0]) for g in groups.values())
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, ignore_eos=True)
     steps = {}
     for pick in ("cublas", "gemv", "fused"):

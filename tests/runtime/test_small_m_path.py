@@ -28,10 +28,12 @@ def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
     layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
     assert any(m.act_after == "silu_mul" for m in layers)
-    # Qwen2 has no QK-norm, so its qkv projection can take rotary + cache store in as well.
-    assert any(m.rope_after for m in layers) == (kind == "qwen2")
+    # Both qkv projections can take rotary + the cache store in; Qwen3's its QK-norm too.
+    assert any(m.rope_after for m in layers)
+    assert any(m.qk_norm_after for m in layers) == (kind == "qwen3")
     # The GEMV with the norm, activation and/or rotary inside it, or each in its own kernel.
-    for fuse in [(1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1)]:
+    for fuse in [(1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1),
+                 (1, 0, 1)]:  # fmt: skip
         for m in layers:
             m.gemv = True
             m.fuse_norm, m.fuse_act, m.fuse_rope = map(bool, fuse)
@@ -70,7 +72,7 @@ def test_one_row_groups_and_their_paths(tiny_models):
     h, i = config.hidden_size, config.intermediate_size
     heads = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     assert paths == {
-        f"rmsnorm+{heads}x{h}": ["cublas", "gemv", "gemv+norm"],  # qkv
+        f"rmsnorm+{heads}x{h}": ["cublas", "gemv", "gemv+norm", "gemv+rope", "gemv+norm+rope"],
         f"{h}x{config.num_attention_heads * config.head_dim}": ["cublas", "gemv"],  # o
         f"rmsnorm+{2 * i}x{h}+silu_mul": [  # gate_up
             "cublas",

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from atom_runtime.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tests.server.conftest import TINY_FLAGS, wait_for
 
 # 40 + 980 tokens: the whole 1024-token context, seconds of decoding on CPU.
@@ -364,3 +365,25 @@ def test_process_titles(server):
         check=True,
     ).stdout.split("\n")
     assert [t.strip() for t in titles if t.strip()] == ["ATOM::APIServer", "ATOM::EngineCore"]
+
+
+def test_serving_takes_its_own_step_budget_unless_given_one(server, tiny_models, launch_server):
+    """`atom serve` runs steps of up to SERVE_MAX_NUM_BATCHED_TOKENS (4,096: a shorter
+    inter-token latency tail than the offline 8,192) when no budget is given, and the given one
+    otherwise; the start-up line says which."""
+    assert f"up to {SERVE_MAX_NUM_BATCHED_TOKENS} tokens a step" in server.log()
+    srv = launch_server(
+        "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--max-num-batched-tokens", "640"
+    )
+    assert "up to 640 tokens a step" in srv.log()
+
+
+def test_the_serving_step_budget_leaves_given_budgets_and_prefill_only_instances_alone():
+    assert EngineConfig().for_serving().max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig(max_num_batched_tokens=9000).for_serving().max_num_batched_tokens == 9000
+    producer = '{"kv_connector": "AtomPortableConnector", "kv_role": "kv_producer"}'
+    prefill = EngineConfig(kv_transfer_config=producer).for_serving()
+    assert prefill.max_num_batched_tokens is None  # the offline budget: no decodes to delay
+    consumer = producer.replace("kv_producer", "kv_consumer")
+    decode = EngineConfig(kv_transfer_config=consumer).for_serving()
+    assert decode.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS

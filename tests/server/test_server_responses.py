@@ -123,7 +123,7 @@ def test_socket_messages_round_trip_as_msgpack():
     for msg in (
         AddRequests(7, [EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))]),
         Outputs(out, stats),
-        EngineReady("/m", [2], 1024, "cpu", 64, 16, 49152, stats),
+        EngineReady("/m", [2], 1024, "cpu", 64, 16, 49152, 4096, stats),
     ):
         data = encoder().encode(msg)
         union = ClientMessage if isinstance(msg, AddRequests) else EngineMessage

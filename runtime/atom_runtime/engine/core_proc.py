@@ -93,6 +93,7 @@ def run_engine_core(
                     num_blocks=engine.pool.num_blocks,
                     block_size=engine.block_size,
                     vocab_size=engine.model_config.vocab_size,
+                    max_num_batched_tokens=engine.max_num_batched_tokens,
                     stats=engine.stats(),
                 )
             )

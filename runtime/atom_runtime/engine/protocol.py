@@ -172,6 +172,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     block_size: int
     vocab_size: int
+    max_num_batched_tokens: int  # the step token budget
     stats: EngineStats  # so /metrics has engine numbers from the first scrape on
 
 

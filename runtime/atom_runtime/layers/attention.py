@@ -69,16 +69,48 @@ class PagedAttention(nn.Module):
         bias: torch.Tensor | None,
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        *,
+        eps: float = 1e-6,
     ) -> torch.Tensor:
-        """`prepare` of one token fused with the qkv projection that precedes it (no QK-norm):
-        one GEMV launch projects x, rotates q and k, and stores k and v in the cache. Returns q
-        as [1, num_heads, head_dim]."""
+        """`prepare` of one token fused with the qkv projection that precedes it: one GEMV
+        launch projects x, norms q and k heads (QK-norm, when its weights are given), rotates
+        them, and stores k and v in the cache. Returns q as [1, num_heads, head_dim]."""
         self._check_bound()
         qkv = ops.linear_rope_store_small_m(
             x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
             get_attention_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
-            self.head_dim,
+            self.head_dim, q_norm_weight, k_norm_weight, eps,
         )  # fmt: skip
+        return self._one_row_q(qkv)
+
+    def prepare_one_row_normed(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        *,
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prepare_one_row` with the layer's input RMSNorm (after adding `residual`) in the
+        same launch. Returns (q, x + residual) (x itself without a residual)."""
+        self._check_bound()
+        qkv, residual = ops.rms_norm_linear_rope_store_small_m(
+            x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
+            self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.num_heads,
+            self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
+        )  # fmt: skip
+        return self._one_row_q(qkv), residual
+
+    def _one_row_q(self, qkv: torch.Tensor) -> torch.Tensor:
         return qkv[:, : self.num_heads * self.head_dim].view(1, self.num_heads, self.head_dim)
 
     def _check_bound(self) -> None:

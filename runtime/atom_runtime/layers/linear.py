@@ -38,9 +38,10 @@ class LinearBase(nn.Module):
         # and the activation applied to its output ("silu_mul": SwiGLU over [gate; up] rows).
         self.norm_before = False
         self.act_after: str | None = None
-        # A qkv projection whose attention applies rotary and stores k/v right after it (no
-        # QK-norm in between): the GEMV can do both in its epilogue.
+        # A qkv projection whose attention applies rotary and stores k/v right after it, with
+        # QK-norm before rotary when `qk_norm_after`: the GEMV can do all of it in its epilogue.
         self.rope_after = False
+        self.qk_norm_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
         # group at start-up (small_m.py), with the norm, the activation or the
         # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else

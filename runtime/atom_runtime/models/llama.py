@@ -45,8 +45,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # Without QK-norm, rotary and the cache store can run in the qkv GEMV's epilogue.
-        self.qkv_proj.rope_after = self.q_norm is None
+        # QK-norm (when the model has it), rotary and the cache store can run in the qkv
+        # GEMV's epilogue.
+        self.qkv_proj.rope_after = True
+        self.qkv_proj.qk_norm_after = self.q_norm is not None
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
         )
@@ -59,10 +61,18 @@ class LlamaAttention(nn.Module):
         Returns (output, residual after the add)."""
         proj = self.qkv_proj
         if proj.fuses_rope(hidden):
-            normed, residual = norm.with_residual(hidden, residual)
-            q = self.attn.prepare_one_row(
-                normed, proj.weight, proj.bias, positions, self.rotary.cos_sin_cache
-            )
+            rope = (positions, self.rotary.cos_sin_cache)
+            if self.q_norm is not None:
+                rope += (self.q_norm.weight, self.k_norm.weight)
+            eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+            if proj.fuse_norm:  # the input norm in the same launch
+                q, residual = self.attn.prepare_one_row_normed(
+                    hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
+                    eps=eps,
+                )  # fmt: skip
+            else:
+                normed, residual = norm.with_residual(hidden, residual)
+                q = self.attn.prepare_one_row(normed, proj.weight, proj.bias, *rope, eps=eps)
             return self.o_proj(self.attn(q)), residual
         qkv, residual = proj.forward_normed(hidden, residual, norm)
         return self.attend(positions, qkv), residual

@@ -142,13 +142,15 @@ class ServerState:
         apply_gc_policy()
         c = self.config
         log.info(
-            "serving %s (%s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+            "serving %s (%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
+            "up to %d tokens a step",
             self.model_names[0],
             ready.model_path,
             ready.device,
             ready.num_blocks,
             ready.block_size,
             ready.max_model_len,
+            ready.max_num_batched_tokens,
         )
         log.info("OpenAI-compatible API ready at http://%s:%d/v1", c.host, c.port)
 

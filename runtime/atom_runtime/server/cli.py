@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        engine_config = EngineConfig.from_args(args)
+        engine_config = EngineConfig.from_args(args).for_serving()
     except ValueError as e:
         print(f"atom serve: error: {e}", file=sys.stderr)
         return 2
