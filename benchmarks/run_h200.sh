@@ -18,6 +18,7 @@
 #   hybridpeer (W2 of the dense hybrid with its transformers peer)
 #   pdl (W2 with programmatic dependent launch off and on, same call)
 #   w3graphs (short prefill steps through CUDA graphs: GPU tests, W3 with and without them)
+#   qknorm (the fused QK-norm qkv GEMV: tests, W2, trace)
 #   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
@@ -169,6 +170,14 @@ for stage in ${*:-tests bench kernels peer}; do
       # Issue 18 item 3: W1 through HTTP against W1 offline in the same run, with each server
       # process's CPU per streamed token and the gaps between chunks.
       python3 benchmarks/serve_cpu_cost.py --model $Q3 --offline --output-json "$OUT/json/w4_http_vs_offline.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    qknorm)
+      # The qkv GEMV with QK-norm + rotary + cache store (and the input norm) fused: its compiled
+      # tests, the engine's one-row paths, then W2 on both models and the 0.6B's step trace.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "qk_norm or rope" 2>&1 | tail -2
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k "one_row_paths or programmatic" 2>&1 | tail -2
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json"
+      python3 benchmarks/trace_decode.py --model $Q3 --out "$OUT/json/trace_q3.json" 2>&1 | grep -v -i warn | head -14
+      atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_llama_8b.json" ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;
