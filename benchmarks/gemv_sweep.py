@@ -5,8 +5,9 @@ python benchmarks/gemv_sweep.py --model benchmarks/configs/llama-3.1-8b [--out s
 python benchmarks/gemv_sweep.py --model benchmarks/configs/llama-3.1-8b --paired
 
 `--paired` sweeps the epilogues that pair two weight rows per output instead: gate_up with
-SwiGLU and qkv with rotary + the K/V cache store, against the plain GEMV's default shape and
-cuBLAS.
+SwiGLU and qkv with rotary + the K/V cache store (with QK-norm too for a QK-norm model, whose
+programs own whole heads), against the plain GEMV's default shape and cuBLAS, and, for the qkv
+epilogues, against cuBLAS followed by the QK-prep kernel they replace.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from atom_kernels import ops
 from atom_kernels.gemv import RopeStore, gemv, gemv_config
 from atom_runtime.small_m import graph_times
 
@@ -29,7 +31,7 @@ def shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
-def paired_sweep(cfg: dict, layers: int) -> dict:
+def paired_sweep(cfg: dict, layers: int, only: str | None = None) -> dict:
     """gate_up with SwiGLU and qkv with rotary + cache store over a grid of launch shapes."""
     (n_qkv, h), (n_gu, _) = shapes(cfg)["qkv"], shapes(cfg)["gate_up"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -48,11 +50,17 @@ def paired_sweep(cfg: dict, layers: int) -> dict:
     )
     mp = torch.cuda.get_device_properties(0).multi_processor_count
     grid = list(itertools.product((4, 8, 16), (128, 256), (1, 2, 4, 8), (4, 8)))
+    cases = [("qkv+rope", n_qkv, {"rope": rope}, grid)]
+    if cfg.get("model_type") == "qwen3":
+        ones = torch.ones(hd, device="cuda", dtype=torch.bfloat16)
+        normed = rope._replace(q_norm_weight=ones, k_norm_weight=ones)
+        head_grid = list(itertools.product((hd,), (32, 64, 128, 256), (1, 2, 4, 8, 16), (4, 8)))
+        cases.append(("qkv+qknorm+rope", n_qkv, {"rope": normed}, head_grid))
+    cases.append(("gate_up+silu", n_gu, {"act": "silu_mul"}, grid))
     report = {}
-    for name, n, extra in (
-        ("qkv+rope", n_qkv, {"rope": rope}),
-        ("gate_up+silu", n_gu, {"act": "silu_mul"}),
-    ):
+    for name, n, extra, shapes_grid in cases:
+        if only is not None and name != only:
+            continue
         ws = [torch.randn(n, h, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
         x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
         mb = n * h * 2 / 1e6
@@ -65,8 +73,19 @@ def paired_sweep(cfg: dict, layers: int) -> dict:
             "gemv plain": per_weight(lambda w, x=x: gemv(x, w)),
             "paired, default shape": per_weight(lambda w, x=x, e=extra: gemv(x, w, **e)),
         }
+        if "rope" in extra:  # what the epilogue replaces: cuBLAS, then the QK-prep kernel
+            r = extra["rope"]
+
+            def unfused(w, x=x, r=r):
+                y = F.linear(x, w)
+                ops.qk_norm_rope_store_(
+                    y, r.positions, r.cos_sin_cache, r.q_norm_weight, r.k_norm_weight, 1e-6,
+                    r.k_cache, r.v_cache, r.slot_mapping, heads, kv_heads, hd,
+                )  # fmt: skip
+
+            base["cublas + qk-prep"] = per_weight(unfused)
         rows = []
-        for bn, bk, sp, nw in grid:
+        for bn, bk, sp, nw in shapes_grid:
 
             def fn(w, bn=bn, bk=bk, sp=sp, nw=nw, x=x, e=extra):
                 return gemv(x, w, block_n=bn, block_k=bk, split=sp, num_warps=nw, **e)
@@ -91,10 +110,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--out")
     ap.add_argument("--paired", action="store_true", help="sweep the SwiGLU and rotary epilogues")
+    ap.add_argument("--case", help="with --paired: only this one (qkv+rope, qkv+qknorm+rope, ...)")
     args = ap.parse_args()
     cfg = json.load(open(f"{args.model}/config.json"))
     if args.paired:
-        report = paired_sweep(cfg, args.layers)
+        report = paired_sweep(cfg, args.layers, args.case)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)

@@ -19,6 +19,7 @@
 #   pdl (W2 with programmatic dependent launch off and on, same call)
 #   w3graphs (short prefill steps through CUDA graphs: GPU tests, W3 with and without them)
 #   qknorm (the fused QK-norm qkv GEMV: tests, W2, trace)
+#   qksweep (the fused QK-norm qkv path's shapes, start-up timings, prefill by page size)
 #   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
@@ -178,6 +179,12 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json"
       python3 benchmarks/trace_decode.py --model $Q3 --out "$OUT/json/trace_q3.json" 2>&1 | grep -v -i warn | head -14
       atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_llama_8b.json" ;;
+    qksweep)
+      # Why start-up keeps or drops the fused QK-norm qkv path: its launch shapes against cuBLAS +
+      # QK-prep, the start-up's own timings (logged), and prefill attention by KV page size.
+      python3 benchmarks/gemv_sweep.py --model $Q3 --paired --case qkv+qknorm+rope --out "$OUT/json/qk_sweep.json" 2>&1 | grep -v -i warn
+      python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$Q3', load_format='dummy')" 2>&1 | grep 'one-row' | cut -c1-400
+      python3 benchmarks/prefill_page_sweep.py --out "$OUT/json/prefill_pages.json" 2>&1 | grep -v -i warn ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;
