@@ -13,7 +13,6 @@ import json
 import sys
 
 import torch
-
 from kernels_bench import PrefillProblem
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
