@@ -54,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--engine-only", action="store_true", help="only the engine's own launch")
     args = ap.parse_args()
     dev, dtype, page, head_dim = torch.device("cuda"), torch.bfloat16, 16, 128
     width = args.max_model_len // page
@@ -74,7 +75,7 @@ def main() -> None:
         for ctx in (128, 256, 384):
             lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
             configs = [("engine", {})]
-            for splits in (1, 2, 4, 8):
+            for splits in () if args.engine_only else (1, 2, 4, 8):
                 for block_n in (64, 128, 256):
                     for warps in (4, 8):
                         if block_n * splits > 2 * ctx + 64:

@@ -20,6 +20,7 @@
 #   w3graphs (short prefill steps through CUDA graphs: GPU tests, W3 with and without them)
 #   qknorm (the fused QK-norm qkv GEMV: tests, W2, trace)
 #   qksweep (the fused QK-norm qkv path's shapes, start-up timings, prefill by page size)
+#   w2paths (decode merge, W2 auto vs forced fused GEMVs)
 #   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
@@ -185,6 +186,14 @@ for stage in ${*:-tests bench kernels peer}; do
       python3 benchmarks/gemv_sweep.py --model $Q3 --paired --case qkv+qknorm+rope --out "$OUT/json/qk_sweep.json" 2>&1 | grep -v -i warn
       python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$Q3', load_format='dummy')" 2>&1 | grep 'one-row' | cut -c1-400
       python3 benchmarks/prefill_page_sweep.py --out "$OUT/json/prefill_pages.json" 2>&1 | grep -v -i warn ;;
+    w2paths)
+      # Decode attention's merge over live splits only (compiled tests, the batch-1 launch), then
+      # W2 with the start-up's one-row choices against every group forced onto its fused GEMV.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py -k decode 2>&1 | tail -2
+      python3 benchmarks/decode_b1_sweep.py --engine-only 2>&1 | grep -v -i warn
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_auto.json"
+      ATOM_SMALL_M_KERNELS=gemv atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_gemv.json"
+      atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_l8_auto.json" ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;

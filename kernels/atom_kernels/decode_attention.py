@@ -34,6 +34,8 @@ _LOG2E = 1.4426950408889634
 # Fewest tokens a split should cover: below this the merge costs more than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
+# Splits the merge kernel reads at a time.
+_MERGE_SPLITS = 8
 
 
 @triton.jit
@@ -77,68 +79,71 @@ def _decode_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(ctx, start + tokens_per_split)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
+    # A split past this sequence's context writes nothing (the merge never reads it).
+    if (start < ctx) | (NUM_SPLITS == 1):
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
 
-    q_ptrs = q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-    bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
-    head_off = kv_head.to(tl.int64) * cache_stride_h
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + offs_n
-        valid = pos < end
-        block = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off + head_off
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        # Every tile holds at least one valid token, so m_new is finite.
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    store_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
-        denom = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / denom[:, None]
-        o_ptrs = (
-            out_ptr
-            + seq.to(tl.int64) * out_stride_b
-            + heads[:, None] * out_stride_h
-            + offs_d[None, :]
+        q_ptrs = (
+            q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
         )
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous. Splits
-        # starting past the context write nothing; the merge never reads them.
-        row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        live = g_mask & ((start + offs_g * 0) < ctx)
-        tl.store(part_max_ptr + row, m_i, mask=live)
-        tl.store(part_sum_ptr + row, l_i, mask=live)
-        acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(acc_ptrs, acc, mask=live[:, None] & d_mask[None, :])
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+        bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
+        head_off = kv_head.to(tl.int64) * cache_stride_h
+        for tile in range(start, end, BLOCK_N):
+            pos = tile + offs_n
+            valid = pos < end
+            block = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off + head_off
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            # Every tile holds at least one valid token, so m_new is finite.
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        store_mask = g_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
+            denom = tl.where(l_i > 0, l_i, 1.0)
+            o = acc / denom[:, None]
+            o_ptrs = (
+                out_ptr
+                + seq.to(tl.int64) * out_stride_b
+                + heads[:, None] * out_stride_h
+                + offs_d[None, :]
+            )
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous. Splits
+            # starting past the context write nothing; the merge never reads them.
+            row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+            tl.store(part_max_ptr + row, m_i, mask=g_mask)
+            tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+            acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(acc_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -167,20 +172,27 @@ def _decode_merge_kernel(
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < live_splits
     d_mask = offs_d < HEAD_DIM
-    row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
-    m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
-    l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
-    acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(acc_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no live split (context_len 0)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(l_part * w, axis=0)
-    o = tl.sum(acc * w[:, None], axis=0)
-    o = o / tl.where(total > 0, total, 1.0)
+    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    # BLOCK_S splits at a time over the live ones only (a short context in a graph captured for
+    # long ones has a few live splits of many), folded into a running max, sum and output.
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
+    total = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, live_splits, BLOCK_S):
+        s_mask = s0 + offs_s < live_splits
+        row = base + s0 + offs_s
+        m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
+        l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
+        acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
+        acc = tl.load(acc_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite: split s0 is live
+        keep = tl.exp2(m_run - m_new)  # 0 on the first pass (m_run -inf)
+        w = tl.exp2(m - m_new)
+        total = total * keep + tl.sum(l_part * w, axis=0)
+        o = o * keep + tl.sum(acc * w[:, None], axis=0)
+        m_run = m_new
+    o = o / tl.where(total > 0, total, 1.0)  # no live split (context_len 0): zeros
     o_ptrs = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h + offs_d
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -312,7 +324,7 @@ def paged_attention_decode(
             out.stride(1),
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=min(_MERGE_SPLITS, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d,
             BLOCK_N=block_n,
             num_warps=1 if block_d <= 128 else 2,

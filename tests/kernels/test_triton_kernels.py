@@ -95,21 +95,22 @@ def test_decode_matches_reference(
 
 
 def test_decode_split_count_never_changes_the_result(kernels, device):
-    """Splits that start past a sequence's end and uneven last splits merge correctly."""
+    """Splits that start past a sequence's end and uneven last splits merge correctly, and so
+    do more live splits than the merge reads at a time (300 tokens in 16-token splits: 19)."""
     g = torch.Generator().manual_seed(12)
-    seq_lens = [97, 5, 0, 64]
+    seq_lens = [97, 5, 0, 64, 300]
     case = _to(
         make_paged_case(
             seq_lens, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, generator=g
         ),
         device,
     )
-    q = torch.randn(4, 4, 32, generator=g).to(device)
+    q = torch.randn(5, 4, 32, generator=g).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (q, case.k_cache, case.v_cache, case.block_tables, lens, 0.17)
     want = reference.paged_attention_decode(*args)
     decode = kernels["decode_attention"].paged_attention_decode
-    for splits in (1, 2, 5, 7):
+    for splits in (1, 2, 5, 7, 12, 20):
         torch.testing.assert_close(
             decode(*args, num_splits=splits, block_n=16), want, **TOL[q.dtype]
         )
