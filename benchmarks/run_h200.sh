@@ -197,6 +197,11 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_l8_auto.json" ;;
     w2q3)
       atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json" ;;
+    w2timed)
+      # The start-up's step check against the per-group timing alone (ATOM_SMALL_M_KERNELS=timed).
+      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed.json"
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_auto.json"
+      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed2.json" ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;
