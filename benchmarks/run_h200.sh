@@ -202,6 +202,9 @@ for stage in ${*:-tests bench kernels peer}; do
       ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed.json"
       atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_auto.json"
       ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed2.json" ;;
+    w2timed8b)
+      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_timed.json"
+      atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_auto.json" ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;
