@@ -21,7 +21,7 @@
 #   qknorm (the fused QK-norm qkv GEMV: tests, W2, trace)
 #   qksweep (the fused QK-norm qkv path's shapes, start-up timings, prefill by page size)
 #   w2paths (decode merge, W2 auto vs forced fused GEMVs)
-#   w2q3 (W2 on Qwen3-0.6B alone)
+#   w2q3 (W2 on Qwen3-0.6B alone) w2checked (one-row paths with and without the step check)
 #   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
@@ -197,14 +197,14 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $L8 --output-json "$OUT/json/w2_l8_auto.json" ;;
     w2q3)
       atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_qwen3_0.6b.json" ;;
-    w2timed)
-      # The start-up's step check against the per-group timing alone (ATOM_SMALL_M_KERNELS=timed).
-      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed.json"
+    w2checked)
+      # The per-group timing alone (the default) against it plus the whole-step check
+      # (ATOM_SMALL_M_KERNELS=checked), A/B/A on the 0.6B, A/B on the 8B.
       atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_auto.json"
-      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_timed2.json" ;;
-    w2timed8b)
-      ATOM_SMALL_M_KERNELS=timed atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_timed.json"
-      atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_auto.json" ;;
+      ATOM_SMALL_M_KERNELS=checked atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_checked.json"
+      atom bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_auto2.json"
+      atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_auto.json"
+      ATOM_SMALL_M_KERNELS=checked atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_l8_checked.json" ;;
     b1attn)
       # Decode attention at batch 1: the engine's split + merge against other splits and tiles.
       python3 benchmarks/decode_b1_sweep.py --out "$OUT/json/decode_b1.json" 2>&1 | grep -v -i warn ;;

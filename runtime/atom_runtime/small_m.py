@@ -4,9 +4,16 @@ A decode step of one sequence multiplies a single row by every weight; cuBLAS pi
 for some of those narrow shapes, and the Triton GEMV (`ops.linear_small_m`), alone or with the
 RMSNorm before it, the SwiGLU after it or the rotary + cache store after a qkv projection fused
 in, wins on others. At start-up on a GPU each group of layers of the same shape is timed along
-every path it has (`choose_small_m_kernels`), then the choices are checked on a whole batch-1
-step (`refine_small_m_kernels`); the layers keep the winner in their `gemv` / `fuse_*` flags
-(layers/linear.py). `ATOM_SMALL_M_KERNELS` overrides the timing.
+every path it has (`choose_small_m_kernels`); the layers keep the winner in their `gemv` /
+`fuse_*` flags (layers/linear.py). `ATOM_SMALL_M_KERNELS` overrides the timing, or adds a check of
+the choices on a whole batch-1 step ("checked", `refine_small_m_kernels`).
+
+The step check was the default until kernels were launched with programmatic dependent launch.
+Since then it ranks paths against what W2 measures: on an H200 it swapped Qwen3-0.6B's fused
+qkv (input norm, QK-norm, rotary and cache store in one GEMV: 5.2 us a layer alone against 7.7)
+back to cuBLAS even at a 1% margin confirmed twice, and W2 measured 1.124 ms/token with the
+check against 1.060 and 1.059 without it (one call, A/B/A); Llama-3.1-8B 4.252 with it against
+4.236 without. So the per-group timing alone decides by default.
 """
 
 from __future__ import annotations
@@ -30,12 +37,10 @@ from atom_runtime.layers.linear import LinearBase
 
 log = logging.getLogger(__name__)
 # How much faster a whole batch-1 step must be, in two measurements in a row, for the step check
-# to override a path that won alone. A step of ~300 kernels launched with PDL varies by a few
-# percent between captures; at 0.2% one noisy capture undid the fused qkv path (Qwen3-0.6B: 5.2
-# against 7.7 us a layer alone), and W2 measured 1.124 ms/token against 1.068-1.101 with it.
+# ("checked") to override a path that won alone.
 REFINE_MARGIN = 0.01
-# "auto" (default): time the paths per layer group at start-up, then check them on a whole step;
-# "timed": the per-group timing alone, no step check; "cublas": always cuBLAS;
+# "auto" (default): time the paths per layer group at start-up; "checked": that, then check the
+# choices on a whole batch-1 step (`refine_small_m_kernels`); "cublas": always cuBLAS;
 # "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
 SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
 
@@ -44,19 +49,19 @@ def select_small_m_kernels(
     model: nn.Module, device: torch.device, num_blocks: int, block_size: int
 ) -> dict[str, str]:
     """The one-row path of every layer group, set on the layers: timed per group, then (in
-    "auto" mode) checked on a batch-1 step over the model's KV cache of `num_blocks` blocks.
+    "checked" mode) checked on a batch-1 step over the model's KV cache of `num_blocks` blocks.
     Returns {group: path}; empty off the GPU or with ATOM_SMALL_M_KERNELS=cublas."""
     choice = choose_small_m_kernels(model, device)
-    if choice and small_m_mode() == "auto":
+    if choice and small_m_mode() == "checked":
         choice = refine_small_m_kernels(model, choice, num_blocks, block_size)
     return choice
 
 
 def small_m_mode() -> str:
-    """ATOM_SMALL_M_KERNELS: "auto" (the default), "timed", "cublas" or "gemv"."""
+    """ATOM_SMALL_M_KERNELS: "auto" (the default), "checked", "cublas" or "gemv"."""
     mode = os.environ.get(SMALL_M_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "timed", "cublas", "gemv"):
-        raise ValueError(f"{SMALL_M_ENV}={mode!r}: expected auto, timed, cublas or gemv")
+    if mode not in ("auto", "checked", "cublas", "gemv"):
+        raise ValueError(f"{SMALL_M_ENV}={mode!r}: expected auto, checked, cublas or gemv")
     return mode
 
 
