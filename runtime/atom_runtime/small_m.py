@@ -85,7 +85,9 @@ def small_m_paths(layer: LinearBase) -> list[str]:
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
-    if layer.rope_after:
+    head_dim = getattr(layer, "head_dim", 0)
+    if layer.rope_after and (not layer.qk_norm_after or head_dim & (head_dim - 1) == 0):
+        # (QK-norm in the epilogue needs a power-of-two head_dim: a program owns one head.)
         paths.append("gemv+rope")
         if layer.norm_before:
             paths.append("gemv+norm+rope")

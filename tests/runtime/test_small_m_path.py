@@ -93,3 +93,18 @@ def test_one_row_groups_and_their_paths(tiny_models):
     ]:
         use_small_m_path(some, path)
         assert {(m.gemv, m.fuse_norm, m.fuse_act) for m in some} == {flags}
+
+
+def test_qk_norm_in_the_qkv_epilogue_is_offered_for_power_of_two_heads_only():
+    """A program of the QK-norm epilogue owns one head (a power-of-two tile): a qkv layer whose
+    model norms q and k offers the rotary paths only for such head sizes; without QK-norm any
+    even head size takes them."""
+    from atom_runtime.layers.linear import QKVParallelLinear
+
+    for head_dim, qk_norm, offered in [(128, True, True), (96, True, False), (96, False, True)]:
+        layer = QKVParallelLinear(64, head_dim, 4, 2, bias=False)
+        layer.norm_before = layer.rope_after = True
+        layer.qk_norm_after = qk_norm
+        paths = small_m_paths(layer)
+        assert ("gemv+rope" in paths) == offered
+        assert ("gemv+norm+rope" in paths) == offered
