@@ -45,6 +45,7 @@ from atom_runtime import bench_serve_datasets as bsd
 from atom_runtime.bench import _clip_vocab, w1_prompts
 
 ATOM = [sys.executable, "-m", "atom_runtime"]
+SPY_RATE = int(os.environ.get("ATOM_PY_SPY_RATE", "250"))  # samples a second
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -370,7 +371,7 @@ def start_py_spy(folder: str, pids: dict[str, int]) -> list[subprocess.Popen]:
                 "--pid",
                 str(pid),
                 "--rate",
-                "250",
+                str(SPY_RATE),
                 "--nonblocking",
                 "--format",
                 "raw",
