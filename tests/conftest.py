@@ -95,8 +95,19 @@ def live_descendants() -> dict[tuple[int, float], psutil.Process]:
     return out
 
 
+# A process's start time as psutil reports it moves when the kernel's idea of the boot time does
+# (/proc/stat's btime is the wall clock minus the uptime, so a clock adjustment shifts it by a
+# second): a process whose pid was there before, started within this much of then, is the same.
+SAME_START_S = 2.0
+
+
 def _fail_if_new_processes(before: dict, where: str) -> None:
-    new = [p for key, p in live_descendants().items() if key not in before]
+    started = {pid: t for pid, t in before}
+    new = [
+        p
+        for (pid, t), p in live_descendants().items()
+        if pid not in started or abs(t - started[pid]) > SAME_START_S
+    ]
     if not new:
         return
     _, alive = psutil.wait_procs(new, timeout=EXIT_GRACE_S)
