@@ -507,17 +507,31 @@ class _FakeProducer:
                 nbytes=nbytes,
             )
             self.router.send_multipart([ident, msgspec.msgpack.encode(reply)])
+            # Stripes are accepted on their own thread, so control messages (a Release after an
+            # abort) are still read when the consumer never opens some of the stripes.
             plan = plan_stripes(nbytes // self.unit_bytes, self.stripes)
-            for _ in plan:
+            t = threading.Thread(target=self._accept_stripes, args=(plan,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _accept_stripes(self, plan) -> None:
+        self.listener.settimeout(0.1)
+        accepted = 0
+        while accepted < len(plan) and not self.stop.is_set():
+            try:
                 conn, _ = self.listener.accept()
-                (size,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
-                hello = msgspec.msgpack.decode(conn.recv(size, socket.MSG_WAITALL))
-                assert hello["ticket"] == "fake-ticket"
-                start, end = plan[hello["index"]]
-                data = self.payload[start * self.unit_bytes : end * self.unit_bytes]
-                t = threading.Thread(target=self._stripe, args=(hello["index"], conn, data))
-                self.threads.append(t)
-                t.start()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            accepted += 1
+            (size,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+            hello = msgspec.msgpack.decode(conn.recv(size, socket.MSG_WAITALL))
+            assert hello["ticket"] == "fake-ticket"
+            start, end = plan[hello["index"]]
+            data = self.payload[start * self.unit_bytes : end * self.unit_bytes]
+            t = threading.Thread(target=self._stripe, args=(hello["index"], conn, data))
+            self.threads.append(t)
+            t.start()
 
     def _stripe(self, index: int, conn: socket.socket, data: bytes) -> None:
         with conn:
