@@ -137,8 +137,7 @@ def _decode_split_kernel(
             )
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
-            # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous. Splits
-            # starting past the context write nothing; the merge never reads them.
+            # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous.
             row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
             tl.store(part_max_ptr + row, m_i, mask=g_mask)
             tl.store(part_sum_ptr + row, l_i, mask=g_mask)

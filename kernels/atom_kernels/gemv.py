@@ -646,13 +646,7 @@ def rms_norm_linear_rope_store_small_m(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
         head_dim, q_norm_weight, k_norm_weight, qk_eps,
     )  # fmt: skip
-    if weight.shape[1] <= MAX_NORM_ROW:
-        out = gemv(x, weight, bias, rope=rope, norm_weight=norm_weight, residual=residual, eps=eps)
-        return out if residual is not None else (out, x)
-    if residual is None:
-        return gemv(norm.rms_norm(x, norm_weight, eps), weight, bias, rope=rope), x
-    normed, total = norm.fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
-    return gemv(normed, weight, bias, rope=rope), total
+    return _normed_gemv(x, residual, norm_weight, eps, weight, bias, rope=rope)
 
 
 def rms_norm_linear_small_m(
@@ -667,10 +661,17 @@ def rms_norm_linear_small_m(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.rms_norm_linear_small_m`: one launch with the norm inside the GEMV,
     or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
+    return _normed_gemv(x, residual, norm_weight, eps, weight, bias, act=act)
+
+
+def _normed_gemv(x, residual, norm_weight, eps, weight, bias, **epilogue):
+    """The RMSNorm (after adding `residual`, when given) then the GEMV with `epilogue`: the norm
+    in the GEMV's prologue, or, for a row longer than MAX_NORM_ROW, the Triton norm first.
+    Returns (y, x + residual), or (y, x) without a residual."""
     if weight.shape[1] <= MAX_NORM_ROW:
-        out = gemv(x, weight, bias, act=act, norm_weight=norm_weight, residual=residual, eps=eps)
+        out = gemv(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps, **epilogue)
         return out if residual is not None else (out, x)
     if residual is None:
-        return gemv(norm.rms_norm(x, norm_weight, eps), weight, bias, act=act), x
+        return gemv(norm.rms_norm(x, norm_weight, eps), weight, bias, **epilogue), x
     normed, total = norm.fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
-    return gemv(normed, weight, bias, act=act), total
+    return gemv(normed, weight, bias, **epilogue), total

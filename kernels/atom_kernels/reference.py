@@ -250,10 +250,15 @@ def rms_norm_linear_small_m(
     act: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm (after the residual add, on a copy of the residual), then `linear_small_m`."""
-    if residual is None:
-        return linear_small_m(rms_norm(x, norm_weight, eps), weight, bias, act=act), x
-    normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    normed, total = _add_and_norm(x, residual, norm_weight, eps)
     return linear_small_m(normed, weight, bias, act=act), total
+
+
+def _add_and_norm(x, residual, norm_weight, eps):
+    """(norm(x + residual), x + residual) with the residual left as it was, or (norm(x), x)."""
+    if residual is None:
+        return rms_norm(x, norm_weight, eps), x
+    return fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
 
 
 def rms_norm_linear_rope_store_small_m(
@@ -277,13 +282,10 @@ def rms_norm_linear_rope_store_small_m(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm (after the residual add, on a copy of the residual), then
     `linear_rope_store_small_m`."""
-    if residual is None:
-        normed, total = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, total = fused_add_rms_norm(x, residual.clone(), norm_weight, eps)
+    normed, total = _add_and_norm(x, residual, norm_weight, eps)
     qkv = linear_rope_store_small_m(
-        normed, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        normed, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
     )  # fmt: skip
     return qkv, total
 

@@ -236,12 +236,9 @@ def _one_row_paths(layer: LinearBase) -> dict:
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
     rope = _rope_target(layer) if layer.rope_after else None
-    head_dim = getattr(layer, "head_dim", 0)
-    qk_norms = (
-        (torch.ones(head_dim, dtype=like.dtype, device=like.device),) * 2
-        if layer.rope_after and layer.qk_norm_after
-        else (None, None)
-    )
+    qk_norms = (None, None)
+    if layer.qk_norm_after:  # stand-in QK-norm weights for a QK-norm model's qkv
+        qk_norms = (torch.ones(layer.head_dim, dtype=like.dtype, device=like.device),) * 2
 
     def path_fn(path: str):
         fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
