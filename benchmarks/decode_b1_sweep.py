@@ -19,7 +19,12 @@ import torch
 
 from atom_kernels import decode_attention
 
-SHAPES = {"qwen3-0.6b": (16, 8, 28), "llama-3.1-8b": (32, 8, 32)}  # q heads, kv heads, layers
+# q heads, kv heads, layers, head_dim (the hybrid's: its 8 gated-attention layers)
+SHAPES = {
+    "qwen3-0.6b": (16, 8, 28, 128),
+    "llama-3.1-8b": (32, 8, 32, 128),
+    "qwen3.5-4b": (16, 4, 8, 256),
+}
 
 
 def time_graph(fn, replays: int = 50) -> float:
@@ -55,11 +60,14 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--engine-only", action="store_true", help="only the engine's own launch")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated SHAPES keys")
     args = ap.parse_args()
-    dev, dtype, page, head_dim = torch.device("cuda"), torch.bfloat16, 16, 128
+    dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
     width = args.max_model_len // page
     rows = []
-    for model, (heads, kv_heads, layers) in SHAPES.items():
+    for model in args.models.split(","):
+        heads, kv_heads, layers, head_dim = SHAPES[model]
+        tiles = (64, 128, 256) if head_dim <= 128 else (32, 64, 128)
         blocks = 400 // page + 1
         caches = [
             (
@@ -76,7 +84,7 @@ def main() -> None:
             lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
             configs = [("engine", {})]
             for splits in () if args.engine_only else (1, 2, 4, 8):
-                for block_n in (64, 128, 256):
+                for block_n in tiles:
                     for warps in (4, 8):
                         if block_n * splits > 2 * ctx + 64:
                             continue

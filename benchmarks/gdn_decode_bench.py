@@ -1,7 +1,7 @@
 """Fused decode ops of the hybrid models against the chains they replace, on one GPU.
 
     python benchmarks/gdn_decode_bench.py --out gdn_decode.json          # batch 1 and 16
-    python benchmarks/gdn_decode_bench.py --batch 1 --sweep              # + num_warps of the fused GDN
+    python benchmarks/gdn_decode_bench.py --batch 1 --sweep              # + Dv splits and num_warps of the fused GDN
 
 Qwen3.5-4B shapes, bf16 (benchmarks/configs/qwen3.5-4b): a GDN layer with 16 k heads and 32 v
 heads of 128, conv width 4, fp32 state; a gated attention layer with 16 q heads (each with its
@@ -123,13 +123,15 @@ class GdnLayers:
         o = ops.gated_rms_norm(o.reshape(b * HV, DV), z.reshape(b * HV, DV), self.norm_weight, EPS)
         return o.reshape(b, vs)
 
-    def fused(self, i: int, num_warps: int | None = None) -> torch.Tensor:
+    def fused(
+        self, i: int, num_warps: int | None = None, v_split: int | None = None
+    ) -> torch.Tensor:
         from atom_kernels import gdn_decode
 
         return gdn_decode.gated_delta_net_decode_(
             self.proj, self.conv_weight[i], self.conv_state[i], self.ssm_state[i], self.a_log,
             self.dt_bias, self.norm_weight, EPS, self.slots, self.resume, DK**-0.5,
-            num_warps=num_warps,
+            num_warps=num_warps, v_split=v_split,
         )  # fmt: skip
 
 
@@ -245,8 +247,13 @@ def bench_gdn(batch: int, sweep: bool, gen: torch.Generator) -> list[dict]:
         "fused": gdn.fused,
     }
     if sweep:
-        for w in (4, 8, 16, 32):
-            variants[f"fused_warps{w}"] = lambda i, w=w: gdn.fused(i, num_warps=w)
+        # Dv split across programs (the default picks one from the batch), then warps.
+        for v in (1, 2, 4, 8):
+            variants[f"fused_vsplit{v}"] = lambda i, v=v: gdn.fused(i, v_split=v)
+        for w in (2, 8):
+            variants[f"fused_vsplit8_warps{w}"] = lambda i, w=w: gdn.fused(i, w, v_split=8)
+        for w in (4, 16):
+            variants[f"fused_vsplit1_warps{w}"] = lambda i, w=w: gdn.fused(i, w, v_split=1)
     return [_timed("gdn", name, batch, step, layers, diff) for name, step in variants.items()]
 
 
@@ -261,7 +268,9 @@ def bench_attn(batch: int, gen: torch.Generator) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,16", help="comma-separated decode batch sizes")
-    parser.add_argument("--sweep", action="store_true", help="also time the fused GDN's num_warps")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the fused GDN's Dv splits and num_warps"
+    )
     parser.add_argument("--out", help="write the rows (and the device) to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -111,21 +111,37 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--paired", action="store_true", help="sweep the SwiGLU and rotary epilogues")
     ap.add_argument("--case", help="with --paired: only this one (qkv+rope, qkv+qknorm+rope, ...)")
+    ap.add_argument(
+        "--shapes",
+        help="NxK,NxK,...: these weight shapes instead of the model's (a hybrid's in_proj, ...)",
+    )
+    ap.add_argument(
+        "--small-grid", action="store_true", help="48 launch shapes instead of 108 (a quick look)"
+    )
     args = ap.parse_args()
     cfg = json.load(open(f"{args.model}/config.json"))
+    cfg = cfg.get("text_config", cfg)
     if args.paired:
         report = paired_sweep(cfg, args.layers, args.case)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
         return
-    grid = list(itertools.product((8, 16, 32), (128, 256, 512), (1, 2, 4), (4, 8), (2, 4)))
+    if args.small_grid:
+        grid = list(itertools.product((8, 16, 32), (128, 256), (1, 2), (4, 8), (3, 4)))
+    else:
+        grid = list(itertools.product((8, 16, 32), (128, 256, 512), (1, 2, 4), (4, 8), (2, 4)))
+    if args.shapes:
+        named = {s: tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")}
+    else:
+        named = shapes(cfg)
     report = {}
-    for name, (n, k) in shapes(cfg).items():
+    for name, (n, k) in named.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         mb = n * k * 2 / 1e6
         base = graph_times(lambda: [F.linear(x, w) for w in ws])[0] / args.layers * 1e3  # noqa: B023
+        default = graph_times(lambda: [gemv(x, w) for w in ws])[0] / args.layers * 1e3  # noqa: B023
         rows = []
         for bn, bk, sp, nw, ns in grid:
 
@@ -141,8 +157,10 @@ def main() -> None:
         report[name] = {
             "n": n,
             "k": k,
+            "default": gemv_config(n, k, torch.cuda.get_device_properties(0).multi_processor_count),
             "cublas_us": round(base, 2),
             "cublas_TBps": round(mb / base, 2),
+            "default_us": round(default, 2),
             "best": rows[:6],
         }
         print(name, report[name], flush=True)

@@ -23,6 +23,9 @@
 #   w2paths (decode merge, W2 auto vs forced fused GEMVs)
 #   w2q3 (W2 on Qwen3-0.6B alone) w2checked (one-row paths with and without the step check)
 #   b1attn (decode attention at batch 1, split counts and tiles) gputests (every GPU engine test)
+#   gdnsplit (the fused GDN decode with Dv split: tests, sweep, W2 and trace of the dense hybrid)
+#   gemvh4 (the GEMV's launch shapes on the dense hybrid's projections)
+#   w2all (W2 on the 0.6B, 8B and dense hybrid, with the start-up's one-row choices logged)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
@@ -212,6 +215,36 @@ for stage in ${*:-tests bench kernels peer}; do
       # Every GPU engine test (dense and hybrid), log kept whole.
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
       tail -5 "$OUT/gputests.log" ;;
+    gdnsplit)
+      # The fused GDN decode kernel with Dv split across programs at small batches: compiled
+      # tests, the split sweep, the hybrid GPU tests, W2 of the dense hybrid and its trace.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py 2>&1 | tail -2
+      python3 benchmarks/gdn_decode_bench.py --batch 1,4,16 --sweep --out "$OUT/json/gdn_split.json" 2>&1 | grep -v -i warn | tail -40
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_gpu.py 2>&1 | tail -2
+      python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$H4', load_format='dummy')" 2>&1 | grep 'one-row' | cut -c1-400
+      atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json"
+      python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -24 ;;
+    w2all)
+      # W2 on the three models with the start-up's one-row choices (GEMV launch shapes included).
+      for model in $Q3 $L8 $H4; do
+        python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$model', load_format='dummy')" 2>&1 | grep 'one-row' | cut -c1-300
+        atom bench latency --load-format dummy --model $model --output-json "$OUT/json/w2_$(basename $model).json"
+      done ;;
+    gdnload)
+      # The fused GDN decode with every load issued first: compiled tests, sweep, hybrid W2 and
+      # trace, decode attention at the hybrid's head_dim 256.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode.py 2>&1 | tail -2
+      python3 benchmarks/gdn_decode_bench.py --batch 1,4,16 --sweep --out "$OUT/json/gdn_load.json" 2>&1 | grep -v -i warn | grep "gdn\|saves"
+      atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json"
+      python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -24
+      python3 benchmarks/decode_b1_sweep.py --models qwen3.5-4b --out "$OUT/json/decode_b1_h4.json" 2>&1 | grep -v -i warn | head -80 ;;
+    latenorm)
+      # The RMSNorm fused in front of an unsplit GEMV applied after the product: compiled tests.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_gdn_decode.py 2>&1 | tail -2 ;;
+    gemvh4)
+      # The plain GEMV's launch shapes on the dense hybrid's projections (K 2560).
+      python3 benchmarks/gemv_sweep.py --model $H4 --small-grid --layers 16 \
+        --shapes 12352x2560,18432x2560,2560x9216,2560x4096,10240x2560 --out "$OUT/json/gemv_h4.json" 2>&1 | grep -v -i warn ;;
     hybridpeer)
       # Issue 14 item 7: W2 of the dense hybrid with its transformers peer (dynamic cache).
       atom bench latency --load-format dummy --model $H4 --peer transformers --output-json "$OUT/json/w2_qwen3.5_4b_peer.json" ;;

@@ -5,7 +5,8 @@ for some of those narrow shapes, and the Triton GEMV (`ops.linear_small_m`), alo
 RMSNorm before it, the SwiGLU after it or the rotary + cache store after a qkv projection fused
 in, wins on others. At start-up on a GPU each group of layers of the same shape is timed along
 every path it has (`choose_small_m_kernels`); the layers keep the winner in their `gemv` /
-`fuse_*` flags (layers/linear.py). `ATOM_SMALL_M_KERNELS` overrides the timing, or adds a check of
+`fuse_*` flags (layers/linear.py). Before that, the GEMV's own launch shape is timed per weight
+shape (`tune_gemv_launch`: rows per program, columns a step, warps). `ATOM_SMALL_M_KERNELS` overrides the timing, or adds a check of
 the choices on a whole batch-1 step ("checked", `refine_small_m_kernels`).
 
 The step check was the default until kernels were launched with programmatic dependent launch.
@@ -122,8 +123,12 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     if device.type != "cuda" or mode == "cublas":
         return {}
     choice = {}
+    tuned: set[tuple[int, int]] = set()
     for key, layers in small_m_groups(model).items():
         paths = small_m_paths(layers[0])
+        if tuple(layers[0].weight.shape) not in tuned:  # groups may share a shape
+            tuned.add(tuple(layers[0].weight.shape))
+            tune_gemv_launch(layers)
         if mode == "gemv":
             choice[key] = paths[-1]
             use_small_m_path(layers, paths[-1])
@@ -153,6 +158,47 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
             choice[key],
         )
     return choice
+
+
+def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int]:
+    """Time the Triton GEMV's launch shapes (`gemv.launch_candidates`) on a one-row product
+    through every layer of a group (weights streaming from memory) and make the fastest the
+    shape every later launch on that weight shape uses, fused paths included: the paths are
+    then timed, and the graphs captured, with it. Returns the shape kept."""
+    from atom_kernels import gemv as gemv_kernels
+
+    like = layers[0].weight
+    n, k = like.shape
+    gemv_kernels.set_launch_shape(n, k, None)
+    x = torch.randn(1, k, dtype=like.dtype, device=like.device)
+    mp = torch.cuda.get_device_properties(like.device).multi_processor_count
+    usable = []
+    for cfg in gemv_kernels.launch_candidates(n, k, mp):
+        try:
+            gemv_kernels.gemv(x, like, **cfg)  # builds its kernel
+            torch.cuda.synchronize()
+            usable.append(cfg)
+        except Exception as exc:  # a shape this GPU's Triton cannot build or run
+            log.warning("one-row %dx%d GEMV launch %s failed (%s); not used", n, k, cfg, exc)
+    if not usable:
+        return gemv_kernels.gemv_config(n, k, mp)
+    times = graph_times(
+        *(lambda cfg=cfg: [gemv_kernels.gemv(x, m.weight, **cfg) for m in layers] for cfg in usable)
+    )
+    best = usable[times.index(min(times))]
+    gemv_kernels.set_launch_shape(n, k, best)
+    log.info(
+        "one-row %dx%d GEMV launch shapes: %s -> %s",
+        n,
+        k,
+        ", ".join(
+            f"n{c['block_n']}/k{c['block_k']}/split{c['split']}/w{c['num_warps']} "
+            f"{t * 1e3 / len(layers):.1f} us"
+            for c, t in zip(usable, times, strict=True)
+        ),
+        f"n{best['block_n']}/k{best['block_k']}/w{best['num_warps']}",
+    )
+    return best
 
 
 def refine_small_m_kernels(

@@ -48,18 +48,23 @@ def test_reference_equals_the_unfused_chain(shape):
     assert torch.count_nonzero(got[0][1]) == 0  # the padding row
 
 
+@pytest.mark.parametrize("v_split", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_reference(kernels, device, dtype, shape):
+def test_kernel_matches_reference(kernels, device, dtype, shape, v_split):
+    """Unsplit and with Dv split across programs (the last one to arrive norms the heads and
+    shifts the q/k windows); Dv 12 in tiles of 8 or 4 leaves a tile partly or wholly past Dv."""
     case = _case(shape, **ROWS, seed=51, dtype=dtype, device=device)
-    got = _run(kernels["gdn_decode"].gated_delta_net_decode_, case)
+    fn = kernels["gdn_decode"].gated_delta_net_decode_
+    got = _run(lambda **c: fn(**c, v_split=v_split), case)
     want = _run(reference.gated_delta_net_decode_, case)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
     for g, w in zip(got, want, strict=True):  # both states whole: untouched slots included
         torch.testing.assert_close(g, w, **tol)
 
 
-def test_fresh_rows_ignore_dirty_slots_and_padding_rows_touch_nothing(kernels, device):
+@pytest.mark.parametrize("v_split", [1, 4])
+def test_fresh_rows_ignore_dirty_slots_and_padding_rows_touch_nothing(kernels, device, v_split):
     """Slots that no row uses and the slot of a fresh row (has_initial_state False) hold NaN:
     the fresh row starts from a zero window and state, its slot ends up finite, the unused
     slots stay NaN, and the padding row's output is exactly zero."""
@@ -67,7 +72,8 @@ def test_fresh_rows_ignore_dirty_slots_and_padding_rows_touch_nothing(kernels, d
                  device=device)  # fmt: skip
     for name in ("conv_state", "ssm_state"):
         case[name][[0, 2, 3, 4, 5]] = float("nan")
-    out, conv_state, ssm_state = _run(kernels["gdn_decode"].gated_delta_net_decode_, case)
+    fn = kernels["gdn_decode"].gated_delta_net_decode_
+    out, conv_state, ssm_state = _run(lambda **c: fn(**c, v_split=v_split), case)
     want = _run(reference.gated_delta_net_decode_, case)
     assert torch.isfinite(out).all()
     assert torch.count_nonzero(out[1]) == 0
@@ -78,15 +84,17 @@ def test_fresh_rows_ignore_dirty_slots_and_padding_rows_touch_nothing(kernels, d
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
-def test_two_steps_carry_the_state_and_a_reused_slot_starts_over(kernels, device):
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_two_steps_carry_the_state_and_a_reused_slot_starts_over(kernels, device, v_split):
     """Step 2 resumes slot 1 from step 1's state, and gives slot 0 (dirty from step 1) to a new
     sequence that starts from zeros; the kernel's states and outputs follow the reference's."""
     first = _case((2, 4, 8, 12, 4), slots=[0, 1], resume=[True, False], seed=53, device=device)
     second = _case((2, 4, 8, 12, 4), slots=[1, 0, 2], resume=[True, False, True], seed=54,
                    device=device)  # fmt: skip
     states = {}
+    kernel = kernels["gdn_decode"].gated_delta_net_decode_
     for name, fn in (
-        ("kernel", kernels["gdn_decode"].gated_delta_net_decode_),
+        ("kernel", lambda **c: kernel(**c, v_split=v_split)),
         ("reference", reference.gated_delta_net_decode_),
     ):
         out1, conv_state, ssm_state = _run(fn, first)
@@ -97,14 +105,34 @@ def test_two_steps_carry_the_state_and_a_reused_slot_starts_over(kernels, device
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-def test_v_heads_are_walked_in_blocks_when_the_group_exceeds_the_tile(kernels, device, monkeypatch):
-    """A state tile of 16 x 16 values makes the GROUP-3 program walk its v heads one by one."""
+def test_dv_is_split_until_the_group_fits_the_state_tile(kernels, device, monkeypatch):
+    """A state tile of 16 x 16 values splits the GROUP-3 (4 with padding) x 16 x 16 state of a
+    k head in four, the last program norming the heads."""
     monkeypatch.setattr(kernels["gdn_decode"], "MAX_STATE_TILE", 16 * 16)
     case = _case((1, 3, 16, 16, 4), **ROWS, seed=55, device=device)
     got = _run(kernels["gdn_decode"].gated_delta_net_decode_, case)
     want = _run(reference.gated_delta_net_decode_, case)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_dv_is_split_until_the_grid_fills_the_gpu(kernels):
+    split = kernels["gdn_decode"].decode_v_split
+    # Qwen3.5-4B (16 k heads, Dv 128) on an H200's 132 multiprocessors.
+    assert [split(b, 16, 128, 132) for b in (1, 2, 4, 8, 16, 32)] == [8, 8, 8, 8, 4, 1]
+    assert split(1, 16, 64, 132) == 4  # tiles of no fewer than 16 columns
+    assert split(1, 16, 32, 132) == 1  # (never 2)
+    assert split(1, 2, 16, 4) == 1
+
+
+def test_a_split_launch_leaves_its_counters_at_zero(kernels, device):
+    """The arrival counters are shared with every ticketed kernel: after a split launch they
+    are all back at zero, so the next launch (or a CUDA graph replay) starts clean."""
+    from atom_kernels.tickets import ticket_counters
+
+    case = _case((2, 4, 8, 12, 4), **ROWS, seed=57, device=device)
+    _run(lambda **c: kernels["gdn_decode"].gated_delta_net_decode_(**c, v_split=4), case)
+    assert torch.count_nonzero(ticket_counters(device, 1)) == 0
 
 
 def test_ops_dispatch_the_fused_ops_to_triton(kernels, device, monkeypatch):

@@ -254,6 +254,38 @@ def test_gemv_config_depends_on_shapes_only():
         assert splits == sorted(splits, reverse=True)
 
 
+def test_launch_candidates_start_with_the_rule_and_differ():
+    from atom_kernels.gemv import launch_candidates, rule_config
+
+    sms = 132
+    for n, k in [(18432, 2560), (2560, 9216), (1024, 2048), (16, 1024)]:
+        cands = launch_candidates(n, k, sms)
+        assert cands[0] == rule_config(n, k, sms)
+        assert len(cands) == len({tuple(sorted(c.items())) for c in cands}) >= 3
+        for c in cands:  # each splits K by the rule for its own rows per program
+            assert c["split"] == rule_config(n, k, sms, block_n=c["block_n"])["split"]
+
+
+def test_a_timed_launch_shape_is_used_for_its_weight_shape_only(gemv_mod, device):
+    """set_launch_shape overrides the rule for one [n, k] (every mode but the QK-norm
+    epilogue's), the products stay right with it, and None restores the rule."""
+    sms = gemv_mod._multiprocessors(torch.device(device))
+    n, k = 40, 2048
+    shape = gemv_mod.launch_candidates(n, k, sms)[-1]  # 8 rows a program
+    assert shape != gemv_mod.rule_config(n, k, sms)
+    gemv_mod.set_launch_shape(n, k, shape)
+    try:
+        assert gemv_mod.gemv_config(n, k, sms) == shape
+        assert gemv_mod.gemv_config(n, k + 128, sms) == gemv_mod.rule_config(n, k + 128, sms)
+        for act in (None, "silu_mul"):
+            x, w, b = _inputs(n, k, torch.float32, device, bias=True, act=act)
+            got = gemv_mod.gemv(x, w, b, act=act)
+            torch.testing.assert_close(got, _want(x, w, b, act), **TOL[torch.float32])
+    finally:
+        gemv_mod.set_launch_shape(n, k, None)
+    assert gemv_mod.gemv_config(n, k, sms) == gemv_mod.rule_config(n, k, sms)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), [(37, 300), (64, 2048)])
 @pytest.mark.parametrize(("split", "block_k"), [(1, None), (3, 32)])

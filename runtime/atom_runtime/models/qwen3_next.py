@@ -77,6 +77,7 @@ class GatedAttention(nn.Module):
             cfg.hidden_size, hd, 2 * cfg.num_attention_heads, cfg.num_key_value_heads,
             bias=cfg.attention_bias,
         )  # fmt: skip
+        self.qkv_proj.norm_before = True  # the decoder layer calls it with its input norm
         self.num_heads = _divide(cfg.num_attention_heads, tp_size(), "attention heads")
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
@@ -90,8 +91,11 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        t, hd, nh = x.shape[0], self.head_dim, self.num_heads
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj."""
+        t, hd, nh = qkv.shape[0], self.head_dim, self.num_heads
         # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
         q = self.attn.prepare(
             qkv, positions, self.rotary.cos_sin_cache, self.q_norm.weight, self.k_norm.weight,
@@ -125,6 +129,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [key_all, key_all, value_all, value_all, nv_all, nv_all]
         )
+        self.in_proj.norm_before = True  # the decoder layer calls it with its input norm
         self.conv_weight = nn.Parameter(
             torch.empty(self.conv_dim, self.conv_width), requires_grad=False
         )
@@ -195,12 +200,15 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.in_proj(x))
+
+    def mix(self, proj: torch.Tensor) -> torch.Tensor:
+        """The layer from in_proj's output on: conv, gates, recurrence, gated norm, out_proj."""
         if self.ssm_state.numel() == 0:
             raise RuntimeError("state slots not allocated: the model runner binds them first")
         meta = get_state_metadata()
-        t = x.shape[0]
+        t = proj.shape[0]
         ks, vs, nv = self.key_size, self.value_size, self.num_v_heads
-        proj = self.in_proj(x)
         if t == meta.slot_ids.shape[0]:
             # One token per row (the scheduler never runs a row without tokens, so as many
             # tokens as rows means a decode batch; decided from shapes, no host sync): conv,
@@ -310,15 +318,27 @@ class HybridDecoderLayer(nn.Module):
             self.mlp = SparseMoE(cfg)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.dense_mlp = isinstance(self.mlp, DenseMLP)
+        if self.dense_mlp:
+            self.mlp.gate_up_proj.norm_before = True  # called with the post-attention norm
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        normed, residual = self.input_layernorm.with_residual(hidden, residual)
+        # Each norm runs with the projection after it: one kernel for a one-row batch when the
+        # GEMV with the norm fused in won for that shape (layers.linear). The MoE's router and
+        # shared expert read the normed row, so a MoE layer's post-attention norm runs alone.
+        norm = self.input_layernorm
         if self.is_linear:
-            mixed = self.linear_attn(normed)
+            proj, residual = self.linear_attn.in_proj.forward_normed(hidden, residual, norm)
+            mixed = self.linear_attn.mix(proj)
         else:
-            mixed = self.self_attn(positions, normed)
+            qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, norm)
+            mixed = self.self_attn.attend(positions, qkv)
+        if self.dense_mlp:
+            gate_up = self.mlp.gate_up_proj
+            h, residual = gate_up.forward_normed(mixed, residual, self.post_attention_layernorm)
+            return self.mlp.down_proj(h), residual
         normed, residual = self.post_attention_layernorm(mixed, residual)
         return self.mlp(normed), residual
 
