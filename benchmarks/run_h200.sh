@@ -238,9 +238,6 @@ for stage in ${*:-tests bench kernels peer}; do
       atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json"
       python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -24
       python3 benchmarks/decode_b1_sweep.py --models qwen3.5-4b --out "$OUT/json/decode_b1_h4.json" 2>&1 | grep -v -i warn | head -80 ;;
-    latenorm)
-      # The RMSNorm fused in front of an unsplit GEMV applied after the product: compiled tests.
-      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_gdn_decode.py 2>&1 | tail -2 ;;
     gemvh4)
       # The plain GEMV's launch shapes on the dense hybrid's projections (K 2560).
       python3 benchmarks/gemv_sweep.py --model $H4 --small-grid --layers 16 \

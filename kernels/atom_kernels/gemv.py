@@ -28,15 +28,11 @@ and norms q and k before rotating them; K is split to keep enough programs strea
 last split of a head to arrive finishes it.
 
 `norm_weight=` fuses the RMSNorm that precedes a projection (with the residual add when
-`residual=` is given; x + residual is rounded to the row's dtype, as `fused_add_rms_norm` does).
-The first program writes x + residual out (a new tensor: the others still read the old
-residual). An unsplit program streams the whole row beside its weights anyway: it sums the
-squares as it goes and scales its dot products by 1 / rms at the end, so the norm costs no
-round trip before the first product (on an H200, Llama-3.1-8B's gate_up with the norm in front
-took 73.6 us with the row normed first, 60.9 with the norm in a kernel of its own). The row it multiplies by
-is x times the norm weight, unrounded, where the unfused norm rounds x * w / rms to the dtype:
-within a rounding of it. A split program sees part of the row: it loads the whole row first,
-sums its squares, and multiplies W by the normed row, rounded to the dtype.
+`residual=` is given): every program first loads the whole row at once and sums its squares
+(x + residual, rounded to the row's dtype, as `fused_add_rms_norm` does), then multiplies W by
+the normed row, rounded to the dtype before use. The first program writes x + residual out (a
+new tensor: the others still read the old residual). One launch replaces the norm's own, but
+every program pays for the whole row.
 """
 
 from __future__ import annotations
@@ -234,22 +230,18 @@ def _gemv_input(
     dtype: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    LATE: tl.constexpr,
 ):
-    """(x[ks] in fp32 as the product takes it, x + residual rounded to the dtype). With the
-    RMSNorm fused in front, x is x + residual (rounded to the dtype) times inv_rms and the norm
-    weight, rounded again; LATE (the norm's scale applied after the product), only times the
-    norm weight."""
-    v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    """x[ks] in fp32, normed (x + residual, rounded to the dtype, times inv_rms and the norm
+    weight, rounded again) when the RMSNorm is fused in front."""
     if NORM:
+        v = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(residual_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             v = (v + r).to(dtype).to(tl.float32)
         g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        if LATE:
-            return v * g, v
-        return (v * inv_rms * g).to(dtype).to(tl.float32), v
-    return v, v
+        return (v * inv_rms * g).to(dtype).to(tl.float32)
+    else:
+        return tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -321,16 +313,12 @@ def _gemv_kernel(
     w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     wait_for_inputs(PDL)
     dtype = x_ptr.dtype.element_ty
-    # The RMSNorm fused in front: an unsplit program sees the whole row in its loop, so it sums
-    # the squares there and scales its dot products by inv_rms at the end (LATE); a split one
-    # loads the whole row first.
-    LATE: tl.constexpr = NORM and SPLIT == 1
-    first_program = (pid_n == 0) & (split == 0)
     inv_rms = 0.0
-    if NORM and not LATE:
+    if NORM:
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
         # (Names differ from the loop's below: Triton would carry them into the loop.)
+        first_program = (pid_n == 0) & (split == 0)
         row_ks = tl.arange(0, ROW_BLOCK)
         row = tl.load(x_ptr + row_ks, mask=row_ks < K, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
@@ -339,28 +327,17 @@ def _gemv_kernel(
             tl.store(residual_out_ptr + row_ks, row, mask=row_ks < tl.where(first_program, K, 0))
             row = row.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(row * row, axis=0) / K + eps)
-    x, v = _gemv_input(
-        x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL, LATE
-    )
-    squares = v * v
-    if LATE and HAS_RESIDUAL:  # (a scalar & block mask: folded into the bound)
-        tl.store(residual_out_ptr + ks, v, mask=ks < tl.where(first_program, k_end, 0))
+    x = _gemv_input(x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL)
     acc = w.to(tl.float32) * x[None, :]
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < k_end
-        x, v = _gemv_input(
-            x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL, LATE
+        x = _gemv_input(
+            x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL
         )
-        if LATE:
-            squares += v * v
-            if HAS_RESIDUAL:
-                tl.store(residual_out_ptr + ks, v, mask=ks < tl.where(first_program, k_end, 0))
         w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if LATE:
-        y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
@@ -470,9 +447,10 @@ def rule_config(
 
 def launch_candidates(n: int, k: int, multiprocessors: int) -> list[dict[str, int]]:
     """The launch shapes worth timing for an [n, k] weight, the rule's first. No one shape wins
-    everywhere: on an H200 at K = 2560 (`gemv_sweep.py --shapes`) 4 warps took 25.6 us for an
-    18432-row gate_up against 30.5 with 8, while a 12352-row in_proj was best with 8 (18.4);
-    128-column steps lost to 256 on a 10240-row qkv (16.8 against 15.3 us)."""
+    everywhere: on an H200 (`gemv_sweep.py --shapes`, `tune_gemv_launch`'s log) 4 warps took
+    25.4 us for an 18432 x 2560 gate_up against 30.2 with 8, while 8 won on a 12352 x 2560
+    in_proj (18.7 against 23.5); 256-column steps won on a 2560 x 9216 down (14.3 against 17.0);
+    8 rows a program on Qwen3-0.6B's 1024 x 2048 o_proj (4.3 against 5.6)."""
     variants = ({}, {"num_warps": 4}, {"block_k": 256}, {"block_n": 8})
     shapes = [rule_config(n, k, multiprocessors, **v) for v in variants]
     return [c for i, c in enumerate(shapes) if c not in shapes[:i]]
