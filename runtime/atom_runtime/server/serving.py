@@ -18,7 +18,6 @@ import contextlib
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +43,7 @@ from atom_runtime.server.request_io import (
     _sse,
     json_response,
     parse_body,
+    random_id,
     wait_disconnect,
 )
 from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape, merged
@@ -146,7 +146,7 @@ class OpenAIServing:
         batch = req.prompts()
         self.check_sequences(params.n, len(batch))
         prompts = [(p, await self.encode(p)) if isinstance(p, str) else (None, p) for p in batch]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{random_id()}"
         runs = await self._submit(
             rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
         )
@@ -187,7 +187,7 @@ class OpenAIServing:
             raise from_value_error(e, req.renames()) from None
         except Exception as e:  # a template that fails on this conversation (jinja2 errors)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{random_id()}"
         runs = await self._submit(
             rid, [(None, prompt_ids)], params, req.kv_transfer_params, req.renames(), arrival
         )
