@@ -6,8 +6,9 @@ RMSNorm before it, the SwiGLU after it or the rotary + cache store after a qkv p
 in, wins on others. At start-up on a GPU each group of layers of the same shape is timed along
 every path it has (`choose_small_m_kernels`); the layers keep the winner in their `gemv` /
 `fuse_*` flags (layers/linear.py). Before that, the GEMV's own launch shape is timed per weight
-shape (`tune_gemv_launch`: rows per program, columns a step, warps). `ATOM_SMALL_M_KERNELS` overrides the timing, or adds a check of
-the choices on a whole batch-1 step ("checked", `refine_small_m_kernels`).
+shape (`tune_gemv_launch`: rows per program, columns a step, warps). `ATOM_SMALL_M_KERNELS`
+overrides the timing, or adds a check of the choices on a whole batch-1 step ("checked",
+`refine_small_m_kernels`).
 
 The step check was the default until kernels were launched with programmatic dependent launch.
 Since then it ranks paths against what W2 measures: on an H200 it swapped Qwen3-0.6B's fused
