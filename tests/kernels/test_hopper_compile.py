@@ -6,7 +6,8 @@ two branches runs there and fails to build on a GPU (the Dv-split GDN decode ker
 Triton compiles for an sm_90 target without a GPU (its wheel carries ptxas), so this test builds
 the launch variants that matter, in a subprocess with the interpreter off: the fused GDN decode
 unsplit and split, the GEMV plain, with SwiGLU, with the RMSNorm in front (split and not) and
-with the QK-norm + rotary epilogue.
+with the QK-norm + rotary epilogue, decode attention's split and merge kernels at head_dim 128
+and 256.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from atom_kernels import gdn_decode, gemv
+    from atom_kernels import decode_attention, gdn_decode, gemv
 
     def build(fn, pointers, floats, consts):
         names = fn.arg_names
@@ -75,6 +76,22 @@ SCRIPT = textwrap.dedent(
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
         except Exception as exc:
             failed.append(f"gemv {name}: {exc}")
+    attn_ptrs = {
+        "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
+        "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+    }
+    for head_dim, splits in ((128, 32), (256, 1)):
+        block_n = decode_attention.decode_config(head_dim)["block_n"]
+        consts = dict(GROUP=2, HEAD_DIM=head_dim, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_G=16,
+                      BLOCK_N=block_n, BLOCK_D=head_dim, IEEE_DOT=False, PDL=False)
+        merge = dict(HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=min(8, splits),
+                     BLOCK_D=head_dim, BLOCK_N=block_n, PDL=False)
+        for fn, c in ((decode_attention._decode_split_kernel, consts),
+                      (decode_attention._decode_merge_kernel, merge)):
+            try:
+                build(fn, attn_ptrs, {"scale_log2"}, c)
+            except Exception as exc:
+                failed.append(f"{fn.__name__} head_dim={head_dim}: {exc}")
     print("\\n\\n".join(failed))
     sys.exit(1 if failed else 0)
     """
