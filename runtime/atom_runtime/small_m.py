@@ -135,16 +135,10 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
             use_small_m_path(layers, paths[-1])
             continue
         fns = _one_row_paths(layers[0])
-        usable = []
-        for path in paths:
-            try:
-                fns[path](layers[0].weight)  # builds its kernels
-                torch.cuda.synchronize()
-                usable.append(path)
-            except Exception as exc:  # a kernel this GPU's Triton cannot build or run
-                if path == "cublas":
-                    raise
-                log.warning("one-row %s: the %s path failed (%s); not used", key, path, exc)
+        weight = layers[0].weight
+        fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
+        built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
+        usable = ["cublas", *built]
         times = graph_times(
             *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable)  # noqa: B023
         )
@@ -161,11 +155,25 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     return choice
 
 
-def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int]:
+def _that_build(candidates: list, build, what: str) -> list:
+    """The candidates whose kernels build and run on this GPU (`build(candidate)` once each,
+    which also compiles them before any timing); a failure is logged and that one left out."""
+    usable = []
+    for candidate in candidates:
+        try:
+            build(candidate)
+            torch.cuda.synchronize()
+            usable.append(candidate)
+        except Exception as exc:  # a kernel this GPU's Triton cannot build or run
+            log.warning("%s: %s failed (%s); not used", what, candidate, exc)
+    return usable
+
+
+def tune_gemv_launch(layers: list[LinearBase]) -> None:
     """Time the Triton GEMV's launch shapes (`gemv.launch_candidates`) on a one-row product
     through every layer of a group (weights streaming from memory) and make the fastest the
     shape every later launch on that weight shape uses, fused paths included: the paths are
-    then timed, and the graphs captured, with it. Returns the shape kept."""
+    then timed, and the graphs captured, with it."""
     from atom_kernels import gemv as gemv_kernels
 
     like = layers[0].weight
@@ -173,16 +181,12 @@ def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int]:
     gemv_kernels.set_launch_shape(n, k, None)
     x = torch.randn(1, k, dtype=like.dtype, device=like.device)
     mp = torch.cuda.get_device_properties(like.device).multi_processor_count
-    usable = []
-    for cfg in gemv_kernels.launch_candidates(n, k, mp):
-        try:
-            gemv_kernels.gemv(x, like, **cfg)  # builds its kernel
-            torch.cuda.synchronize()
-            usable.append(cfg)
-        except Exception as exc:  # a shape this GPU's Triton cannot build or run
-            log.warning("one-row %dx%d GEMV launch %s failed (%s); not used", n, k, cfg, exc)
+    candidates = gemv_kernels.launch_candidates(n, k, mp)
+    usable = _that_build(
+        candidates, lambda cfg: gemv_kernels.gemv(x, like, **cfg), f"one-row {n}x{k} GEMV launch"
+    )
     if not usable:
-        return gemv_kernels.gemv_config(n, k, mp)
+        return
     times = graph_times(
         *(lambda cfg=cfg: [gemv_kernels.gemv(x, m.weight, **cfg) for m in layers] for cfg in usable)
     )
@@ -199,7 +203,6 @@ def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int]:
         ),
         f"n{best['block_n']}/k{best['block_k']}/w{best['num_warps']}",
     )
-    return best
 
 
 def refine_small_m_kernels(

@@ -90,9 +90,6 @@ class GatedAttention(nn.Module):
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x))
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj."""
         t, hd, nh = qkv.shape[0], self.head_dim, self.num_heads
@@ -198,9 +195,6 @@ class GatedDeltaNet(nn.Module):
             self._copy_shard(5, a.reshape(nv, -1))
         else:
             raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mix(self.in_proj(x))
 
     def mix(self, proj: torch.Tensor) -> torch.Tensor:
         """The layer from in_proj's output on: conv, gates, recurrence, gated norm, out_proj."""

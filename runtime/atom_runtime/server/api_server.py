@@ -386,7 +386,7 @@ class GenerationFastPath:
     streaming request (py-spy, `benchmarks/serve_cpu_cost.py --tiny --output-len 1`); at
     W1's admission burst that CPU is what delays the streams already running."""
 
-    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # handler names
 
     def __init__(self, app, state: ServerState, check_key) -> None:
         self.app = app
@@ -400,10 +400,7 @@ class GenerationFastPath:
         request = Request(scope, receive, send)
         try:
             await self.check_key(request)
-            serving = self.state.require_serving()
-            response = await (serving.completions if name == "completions" else serving.chat)(
-                request
-            )
+            response = await getattr(self.state.require_serving(), name)(request)
         except APIError as exc:
             response = json_response(exc.body(), exc.status)
         except ClientGone:
