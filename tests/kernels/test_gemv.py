@@ -277,8 +277,10 @@ def test_a_timed_launch_shape_is_used_for_its_weight_shape_only(gemv_mod, device
     try:
         assert gemv_mod.gemv_config(n, k, sms) == shape
         assert gemv_mod.gemv_config(n, k + 128, sms) == gemv_mod.rule_config(n, k + 128, sms)
-        for act in (None, "silu_mul"):
-            x, w, b = _inputs(n, k, torch.float32, device, bias=True, act=act)
+        for act in (None, "silu_mul"):  # both on an [n, k] weight (SwiGLU: n / 2 outputs)
+            outputs = n if act is None else n // 2
+            x, w, b = _inputs(outputs, k, torch.float32, device, bias=True, act=act)
+            assert w.shape == (n, k)
             got = gemv_mod.gemv(x, w, b, act=act)
             torch.testing.assert_close(got, _want(x, w, b, act), **TOL[torch.float32])
     finally:
