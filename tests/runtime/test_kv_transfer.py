@@ -524,7 +524,11 @@ class _FakeProducer:
                 continue
             conn.settimeout(None)
             accepted += 1
-            (size,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+            header = conn.recv(4, socket.MSG_WAITALL)
+            if len(header) < 4:  # closed before its hello (the consumer aborted): nothing to serve
+                conn.close()
+                continue
+            (size,) = struct.unpack(">I", header)
             hello = msgspec.msgpack.decode(conn.recv(size, socket.MSG_WAITALL))
             assert hello["ticket"] == "fake-ticket"
             start, end = plan[hello["index"]]
