@@ -26,6 +26,9 @@
 #   gdnsplit (the fused GDN decode with Dv split: tests, sweep, W2 and trace of the dense hybrid)
 #   gemvh4 (the GEMV's launch shapes on the dense hybrid's projections)
 #   w2all (W2 on the 0.6B, 8B and dense hybrid, with the start-up's one-row choices logged)
+#   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
+#   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
+#   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
@@ -224,6 +227,37 @@ for stage in ${*:-tests bench kernels peer}; do
       python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$H4', load_format='dummy')" 2>&1 | grep 'one-row' | cut -c1-400
       atom bench latency --load-format dummy --model $H4 --output-json "$OUT/json/w2_qwen3.5_4b.json"
       python3 benchmarks/trace_decode.py --model $H4 --out "$OUT/json/trace_h4.json" 2>&1 | grep -v -i warn | head -24 ;;
+    early)
+      # The GEMV loading its first ATOM_GEMV_EARLY columns before the PDL wait (0: one step,
+      # as before): W2 on the dense hybrid, the 8B and the 0.6B, in one call.
+      for model in $H4 $L8 $Q3; do
+        for early in 0 512 1024; do
+          echo "== $(basename $model) ATOM_GEMV_EARLY=$early"
+          ATOM_GEMV_EARLY=$early atom bench latency --load-format dummy --model $model --output-json "$OUT/json/w2_$(basename $model)_early$early.json" 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-400 | head -4
+        done
+      done ;;
+    w2early)
+      # W2 on the three models with the GEMV's default 1,024 early columns, then 2,048 on the
+      # hybrid and the 0.6B, then every GPU engine test.
+      for model in $Q3 $L8 $H4; do
+        echo "== $(basename $model) default"
+        atom bench latency --load-format dummy --model $model --output-json "$OUT/json/w2_$(basename $model).json" 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-400 | head -4
+      done
+      for model in $H4 $Q3; do
+        echo "== $(basename $model) ATOM_GEMV_EARLY=2048"
+        ATOM_GEMV_EARLY=2048 atom bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-400 | head -4
+      done
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py tests/kernels/test_gemv.py > "$OUT/gputests.log" 2>&1
+      tail -5 "$OUT/gputests.log" ;;
+    skipnorm)
+      # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
+      # numerics wrong, timing only) against the real step, dense hybrid and 8B.
+      for model in $H4 $L8; do
+        echo "== $(basename $model) real"
+        atom bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-400 | head -4
+        echo "== $(basename $model) norms skipped"
+        python3 benchmarks/skip_norm_bound.py bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-400 | head -4
+      done ;;
     w2all)
       # W2 on the three models with the start-up's one-row choices (GEMV launch shapes included).
       for model in $Q3 $L8 $H4; do

@@ -16,7 +16,7 @@ On by default where it runs (an NVIDIA GPU of compute capability 9 or more, a Tr
 `launch_pdl`); `ATOM_PDL=0` turns it off. W2 on an H200, off against on in one call: Qwen3-0.6B
 1.232 -> 1.129 ms/token, Llama-3.1-8B 4.445 -> 4.339, the Qwen3.5-4B-shaped hybrid 3.276 ->
 3.078; W1 unchanged (30,216 and 30,179 tok/s): at batch 256 the step is bandwidth-bound. The
-GEMV loads its first weight tile before the wait (docs/kernels.md).
+GEMV loads its first 1,024 weight columns before the wait (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -61,16 +61,17 @@ SCRIPT = textwrap.dedent(
         "part_ptr": "*fp32", "tickets_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64",
         "cos_sin_ptr": "*fp32",
     }
-    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N)
-        "plain": (gemv.PLAIN, False, 1, 16),
-        "swiglu": (gemv.SWIGLU, False, 1, 16),
-        "norm": (gemv.PLAIN, True, 1, 16),
-        "norm, split": (gemv.SWIGLU, True, 2, 16),
-        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128),
+    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N, EARLY)
+        "plain": (gemv.PLAIN, False, 1, 16, 128),
+        "plain, 1,024 columns early": (gemv.PLAIN, False, 1, 16, 1024),
+        "swiglu": (gemv.SWIGLU, False, 1, 16, 128),
+        "norm": (gemv.PLAIN, True, 1, 16, 128),
+        "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512),
+        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128),
     }
-    for name, (mode, norm, split, block_n) in variants.items():
+    for name, (mode, norm, split, block_n, early) in variants.items():
         consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm, SPLIT=split,
-                      TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128,
+                      TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
                       ROW_BLOCK=1024 if norm else 1, HALF=64, HEAD_DIM=128, PDL=False)
         try:
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
