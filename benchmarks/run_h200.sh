@@ -29,6 +29,8 @@
 #   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
+#   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
+#   kernel, TTFT of an 8k prompt with it on and off)
 # What the next session with device time should run first (one call each, ~10 min):
 #   ckpt w5   |   hybrid hybridpeer   |   w4http w3
 #   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
@@ -77,6 +79,13 @@ for stage in ${*:-tests bench kernels peer}; do
       python3 -m pytest -q -p no:cacheprovider -x tests/runtime/test_gpu_engine.py -k "graph_replay or (parity and (qwen3 or llama3))" 2>&1 | tail -3
       atom bench latency --load-format dummy --model $L8 --iters 2 --output-json "$OUT/json/w2_llama_8b.json"
       atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_qwen3_0.6b.json" ;;
+    freshprefill)
+      # Issue 18 item 4: fresh prompts' dense prefill path against SDPA and the paged kernel,
+      # its GPU tests, and TTFT of one 8k prompt and of 8 x 1k with it on and off.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py -k dense 2>&1 | tail -2
+      timeout 120 python3 benchmarks/prefill_dense_bench.py --explore --out "$OUT/json/prefill_dense.json" 2>&1 | grep -v -i "warn\|o = sdpa"
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k "fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -2
+      timeout 90 python3 benchmarks/prefill_dense_bench.py --ttft $L8,$Q3 --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
     gemv)
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_tickets.py tests/kernels/test_triton_kernels_gpu.py 2>&1 | tail -3
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k one_row_paths 2>&1 | tail -3

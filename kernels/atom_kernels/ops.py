@@ -204,6 +204,44 @@ def paged_attention_prefill(
         )
 
 
+@op(triton="varlen_attention.varlen_causal_attention", on="q")
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    chunk_lens: tuple[int, ...],
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of packed chunks that all start at position 0, over their own keys only
+    (fresh prompts: no cached prefix, no earlier chunk), so no cache is read.
+
+    q: `[T, num_heads, head_dim]`, k, v: `[T, num_kv_heads, head_dim]` (num_heads a multiple of
+    num_kv_heads), each with a contiguous last dim (views into the qkv projection are fine);
+    chunk b is rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]` of all three, its lengths also given
+    on the host as `chunk_lens` (summing to T). Query i of a chunk sees keys 0..i of the same
+    chunk. max_seqlen_q is the longest chunk. Returns `[T, num_heads, head_dim]`. On a GPU this
+    is torch's flash attention (`varlen_attention.supported` says whether it runs there)."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, heads, "
+            "head_dim] with one head_dim"
+        )
+    if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)}: same tokens, num_heads a multiple of "
+            "num_kv_heads"
+        )
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("q, k and v need a contiguous last dim")
+    if cu_seqlens_q.shape[0] != len(chunk_lens) + 1 or sum(chunk_lens) != q.shape[0]:
+        raise ValueError(
+            f"{len(chunk_lens)} chunks of {sum(chunk_lens)} tokens for {q.shape[0]} query rows "
+            f"and {cu_seqlens_q.shape[0]} cu_seqlens_q entries"
+        )
+
+
 @op(triton="norm.rms_norm", on="x")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (`[T, H]`), computed in fp32; returns x.dtype."""

@@ -120,6 +120,26 @@ def paged_attention_prefill(
     return out
 
 
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    chunk_lens: tuple[int, ...],
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of packed chunks, each over its own keys only (every chunk at position 0)."""
+    out = torch.empty_like(q)
+    lo = 0
+    for n in chunk_lens:
+        hi = lo + n
+        if n:
+            out[lo:hi] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale, 0).to(out.dtype)
+        lo = hi
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dim, in fp32; output in x.dtype."""
     xf = x.float()

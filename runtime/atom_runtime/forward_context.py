@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -19,6 +20,20 @@ class AttentionMetadata:
     decode_only: bool  # every sequence runs exactly one new token
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B+1], for mixed/prefill batches
     max_seqlen_q: int = 1
+    # Host chunk lengths when every chunk starts at position 0 (fresh prompts: attention over
+    # the step's own K/V only, `fresh_chunk_lengths`); None otherwise, and in captured graphs.
+    fresh_chunks: tuple[int, ...] | None = None
+
+
+def fresh_chunk_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> tuple[int, ...] | None:
+    """Each chunk's length when every chunk of a step starts at position 0, i.e. each sequence
+    holds nothing but its chunk (`seq_lens` equals the chunk lengths); else None. A decode row
+    or a chunk over a cached prefix or an earlier chunk makes it None. Host arrays only, so
+    deciding costs no device sync."""
+    chunks = np.diff(cu_seqlens_q)
+    if len(chunks) == 0 or not np.array_equal(chunks, seq_lens):
+        return None
+    return tuple(chunks.tolist())
 
 
 _current: AttentionMetadata | None = None

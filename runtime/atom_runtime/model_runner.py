@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from atom_kernels import varlen_attention
 from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from atom_runtime.cuda_graphs import (
     DecodeGraphs,
@@ -33,6 +34,7 @@ from atom_runtime.engine.protocol import StepInputs
 from atom_runtime.forward_context import (
     AttentionMetadata,
     StateMetadata,
+    fresh_chunk_lengths,
     padding_state_metadata,
     set_attention_metadata,
     set_state_metadata,
@@ -55,6 +57,9 @@ from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
+# "1": fresh prompts attend densely (varlen_attention.py) where the device runs it. Off by
+# default until the path is measured in the engine: cuDNN builds a plan per new prompt length.
+DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
 
 
 class ModelRunner:
@@ -75,6 +80,7 @@ class ModelRunner:
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
+        self.dense_prefill = self._enable_dense_prefill(attn)
         # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
         state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
         self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
@@ -105,6 +111,24 @@ class ModelRunner:
         self.prefill_graphs = PrefillGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
+
+    def _enable_dense_prefill(self, layers: list) -> bool:
+        """With ATOM_DENSE_PREFILL=1, turn on the attention layers' dense path for fresh prompts
+        when torch's attention kernels run on this device for their heads (a start-up probe;
+        never on CPU)."""
+        on = (
+            os.environ.get(DENSE_PREFILL_ENV, "0") == "1"
+            and self.device.type == "cuda"
+            and varlen_attention.supported(
+                self.device, self.dtype, layers[0].num_heads, layers[0].num_kv_heads,
+                layers[0].head_dim,
+            )
+        )  # fmt: skip
+        for layer in layers:
+            layer.dense_prefill = on
+        if on:
+            log.info("fresh prompts attend densely (torch SDPA / flash attention)")
+        return on
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -235,6 +259,7 @@ class ModelRunner:
             decode_only=False,
             cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             max_seqlen_q=tokens,
+            fresh_chunks=(tokens,),  # the path a whole-budget prompt takes
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
@@ -407,6 +432,9 @@ class ModelRunner:
             decode_only=decode_only,
             cu_seqlens_q=None if decode_only else d["cu_seqlens_q"],
             max_seqlen_q=inputs.max_seqlen_q,
+            fresh_chunks=(
+                None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
+            ),
         )
         input_ids = d["input_ids"]
         if inputs.pending_sources is not None:

@@ -333,3 +333,76 @@ def test_gemv_falls_back_to_the_reduce_kernel_when_capture_needs_new_counters(ke
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gemv.gemv(x, w, merge="kernel"))
+
+
+def _qkv_views(total, num_heads, num_kv_heads, head_dim, dtype, seed, q_gate=False):
+    """q, k, v as the attention layer holds them after `prepare`: views into one fused qkv
+    tensor (q strided past its output gates with `q_gate`)."""
+    g = torch.Generator().manual_seed(seed)
+    q_width = (2 if q_gate else 1) * head_dim
+    q_end, kv = num_heads * q_width, num_kv_heads * head_dim
+    qkv = torch.randn(total, q_end + 2 * kv, generator=g).to(dtype).cuda()
+    q = qkv[:, :q_end].view(total, num_heads, q_width)[..., :head_dim]
+    k = qkv[:, q_end : q_end + kv].view(total, num_kv_heads, head_dim)
+    v = qkv[:, q_end + kv :].view(total, num_kv_heads, head_dim)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "q_gate"),
+    [(32, 8, 128, False), (16, 8, 128, False), (16, 4, 256, True), (12, 12, 64, False)],
+)
+@pytest.mark.parametrize(
+    "lens",
+    [(300, 1, 37, 130, 5), (777,), (2048, 2100)],
+    ids=["flash-short-chunks", "sdpa-one-chunk", "flash-long-chunks"],
+)
+def test_dense_prefill_of_fresh_chunks_matches_the_reference(
+    num_heads, num_kv_heads, head_dim, q_gate, dtype, lens
+):
+    """The dense path on strided q/k/v views, each of its ways: several chunks of awkward lengths
+    (a one-token chunk among them) in one flash launch, one chunk through SDPA: the torch
+    reference's output, and `supported` says so."""
+    from atom_kernels import varlen_attention
+
+    q, k, v = _qkv_views(sum(lens), num_heads, num_kv_heads, head_dim, dtype, 70, q_gate)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    args = (q, k, v, cu, lens, head_dim**-0.5, max(lens))
+    got = ops.varlen_causal_attention(*args)
+    torch.testing.assert_close(got, reference.varlen_causal_attention(*args), **BF16_TOL)
+    assert varlen_attention.supported(
+        torch.device("cuda"), dtype, num_heads, num_kv_heads, head_dim
+    )
+
+
+def test_dense_prefill_is_not_offered_for_fp32():
+    from atom_kernels import varlen_attention
+
+    assert not varlen_attention.supported(torch.device("cuda"), torch.float32, 16, 8, 128)
+
+
+def test_dense_prefill_replays_in_a_cuda_graph_with_new_chunks():
+    """Captured once, the dense op stays correct when q/k/v and the chunk offsets change in place
+    (chunks no longer than the captured longest, which sizes the launch)."""
+    q, k, v = _qkv_views(1024, 32, 8, 128, torch.bfloat16, 71)
+    cu = torch.tensor([0, 700, 1000, 1024], dtype=torch.int32, device="cuda")
+    scale = 128**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.varlen_causal_attention(q, k, v, cu, (700, 300, 24), scale, 700)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.varlen_causal_attention(q, k, v, cu, (700, 300, 24), scale, 700)
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    cu.copy_(torch.tensor([0, 600, 1000, 1024], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference.varlen_causal_attention(q, k, v, cu, (600, 400, 24), scale, 700)
+    torch.testing.assert_close(out, want, **BF16_TOL)

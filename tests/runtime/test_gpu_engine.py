@@ -256,3 +256,75 @@ def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypa
     assert not llm.engine.executor.prefill_graphs
     assert llm.engine.executor.graphs, "the decode graphs are captured all the same"
     assert _greedy(llm, prompts) == want
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
+    tiny_models, kind, monkeypatch
+):
+    """bf16 (the dense kernels' dtypes), ATOM_DENSE_PREFILL=1: a step of fresh prompts runs the
+    dense path (four short
+    prompts: one flash launch; one prompt: SDPA), a prompt over a cached prefix does not, and
+    the first token's top logprobs of the dense path match the paged kernel's within bf16's
+    resolution. Eager with no prefill graphs, so flipping the layers' flag takes effect."""
+    from atom_kernels import ops
+
+    monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
+    llm = LLM(
+        str(tiny_models[kind]),
+        dtype="bfloat16",
+        device="cuda",
+        num_gpu_blocks_override=256,
+        enforce_eager=True,
+        prefill_graph_max_tokens=0,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    runner = llm.engine.executor
+    assert runner.dense_prefill
+    layers = runner.model.attention_layers()
+    calls = []
+    real = ops.varlen_causal_attention
+    monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a: calls.append(a[4]) or real(*a))
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    steps = [PROMPTS[2:6], PROMPTS[6:7]]  # 16 + 17 + 40 + 97 tokens; 130 tokens alone
+
+    def first_logprobs():
+        return [
+            o.outputs[0].logprobs[0]
+            for prompts in steps
+            for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            )
+        ]
+
+    dense = first_logprobs()
+    assert calls == [(16, 17, 40, 97)] * len(layers) + [(130,)] * len(layers)
+    for layer in layers:
+        layer.dense_prefill = False
+    paged = first_logprobs()
+    assert len(calls) == 2 * len(layers)  # the flag off: the paged kernel only
+    for want, got in zip(paged, dense, strict=True):
+        common = set(want) & set(got)
+        assert len(common) >= 3
+        for token in common:
+            assert got[token] == pytest.approx(want[token], abs=0.08)
+
+
+def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkeypatch):
+    """bf16, dense path on: the prompt's first run is one fresh step; its second run hits the
+    prefix cache, so its chunk starts past position 0 and takes the paged kernel."""
+    from atom_kernels import ops
+
+    monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
+    llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", device="cuda",
+              num_gpu_blocks_override=256, enforce_eager=True)  # fmt: skip
+    n_layers = len(llm.engine.executor.model.attention_layers())
+    calls = []
+    real = ops.varlen_causal_attention
+    monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a: calls.append(a[4]) or real(*a))
+    prompt = PROMPTS[6]  # 130 tokens: 8 full blocks cached after the first run
+    _greedy(llm, [prompt], 2)
+    assert calls == [(130,)] * n_layers
+    _greedy(llm, [prompt + _prompts(31, [20])[0]], 2)
+    assert calls == [(130,)] * n_layers

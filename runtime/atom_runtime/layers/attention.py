@@ -2,8 +2,11 @@
 
 `prepare` turns the fused qkv projection into attention inputs in one kernel (QK-norm when the
 model has it, rotary, this step's K/V written into the cache at the slot mapping); `forward`
-attends: the decode kernel when every sequence runs one token, the variable-length prefill kernel
-otherwise (a chunk of length one is a decode there too, so mixed batches are correct).
+attends: the decode kernel when every sequence runs one token; when every chunk starts at
+position 0 (fresh prompts) and `dense_prefill` is on (set by the model runner at start-up with
+ATOM_DENSE_PREFILL=1 where torch's attention kernels run), dense attention over the step's own
+q/k/v; otherwise the paged variable-length prefill kernel (a chunk of length one is a decode
+there too, so mixed batches are correct).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Set by the model runner (opt-in, where `varlen_attention.supported` on its device):
+        # fresh prompts then attend densely. False on CPU (the paged path is the only one there).
+        self.dense_prefill = False
 
     def prepare(
         self,
@@ -36,11 +42,12 @@ class PagedAttention(nn.Module):
         eps: float = 1e-6,
         *,
         q_gate: bool = False,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the fused qkv projection: QK-norm (optional), rotary (over the cos_sin_cache's
         rotary_dim), and this step's K/V into the cache, in one pass. `q_gate`: each q head is
-        followed by its output gate in qkv (gated attention). Returns q as [T, num_heads,
-        head_dim] (a view into qkv; strided past the gates with `q_gate`)."""
+        followed by its output gate in qkv (gated attention). Returns (q, k, v) as [T, heads,
+        head_dim] views into qkv, normed and rotated (q strided past the gates with `q_gate`):
+        `forward` takes k and v for the dense path of fresh prompts."""
         self._check_bound()
         meta = get_attention_metadata()
         ops.qk_norm_rope_store_(
@@ -59,8 +66,12 @@ class PagedAttention(nn.Module):
             q_gate,
         )
         q_width = (2 if q_gate else 1) * self.head_dim
-        q = qkv[:, : self.num_heads * q_width].view(-1, self.num_heads, q_width)
-        return q[..., : self.head_dim]
+        q_end = self.num_heads * q_width
+        kv_width = self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_end].view(-1, self.num_heads, q_width)[..., : self.head_dim]
+        k = qkv[:, q_end : q_end + kv_width].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_end + kv_width :].view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def prepare_one_row(
         self,
@@ -117,13 +128,21 @@ class PagedAttention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache not allocated: the model runner binds it before forward")
 
-    def forward(self, q: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention of q ([T, num_heads, head_dim]) over the cache, whose K/V for this step
-        `prepare` already stored. Returns [T, num_heads * head_dim]."""
+        `prepare` already stored. k, v: this step's own keys and values ([T, num_kv_heads,
+        head_dim], from `prepare`); with them, a step of fresh prompts attends over them alone,
+        densely, when `dense_prefill` is on. Returns [T, num_heads * head_dim]."""
         meta = get_attention_metadata()
         if meta.decode_only:
             out = ops.paged_attention_decode(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        elif self.dense_prefill and k is not None and meta.fresh_chunks is not None:
+            out = ops.varlen_causal_attention(
+                q, k, v, meta.cu_seqlens_q, meta.fresh_chunks, self.scale, meta.max_seqlen_q
             )
         else:
             out = ops.paged_attention_prefill(

@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
         if self.q_norm is not None:
-            q = self.attn.prepare(
+            q, k, v = self.attn.prepare(
                 qkv,
                 positions,
                 self.rotary.cos_sin_cache,
@@ -89,8 +89,8 @@ class LlamaAttention(nn.Module):
                 self.q_norm.eps,
             )
         else:
-            q = self.attn.prepare(qkv, positions, self.rotary.cos_sin_cache)
-        return self.o_proj(self.attn(q))
+            q, k, v = self.attn.prepare(qkv, positions, self.rotary.cos_sin_cache)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):

@@ -94,12 +94,12 @@ class GatedAttention(nn.Module):
         """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj."""
         t, hd, nh = qkv.shape[0], self.head_dim, self.num_heads
         # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
-        q = self.attn.prepare(
+        q, k, v = self.attn.prepare(
             qkv, positions, self.rotary.cos_sin_cache, self.q_norm.weight, self.k_norm.weight,
             self.q_norm.eps, q_gate=True,
         )  # fmt: skip
         gate = qkv[:, : nh * 2 * hd].view(t, nh, 2 * hd)[..., hd:]
-        out = ops.sigmoid_gate_mul(self.attn(q).view(t, nh, hd), gate)
+        out = ops.sigmoid_gate_mul(self.attn(q, k, v).view(t, nh, hd), gate)
         return self.o_proj(out.view(t, nh * hd))
 
 
