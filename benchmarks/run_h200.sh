@@ -29,6 +29,7 @@
 #   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
+#   producernorm (W2 with the norm's add and sums of squares in the GEMV before it, on and off)
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
 # What the next session with device time should run first (one call each, ~10 min):
@@ -258,6 +259,16 @@ for stage in ${*:-tests bench kernels peer}; do
       done
       python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py tests/kernels/test_gemv.py > "$OUT/gputests.log" 2>&1
       tail -5 "$OUT/gputests.log" ;;
+    producernorm)
+      # The residual add and the norm's sums of squares in the GEMV that writes the row, the
+      # next GEMV norming from them (ATOM_NORM_IN_PRODUCER=1): W2 on the 8B and the hybrid with
+      # it on, then off, each with its start-up choices.
+      for model in $L8 $H4; do
+        for on in 1 0; do
+          echo "== $(basename $model) ATOM_NORM_IN_PRODUCER=$on"
+          ATOM_NORM_IN_PRODUCER=$on atom bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-500 | head -4
+        done
+      done ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
       # numerics wrong, timing only) against the real step, dense hybrid and 8B.

@@ -119,6 +119,9 @@ def _epilogue(
     slot_ptr,
     qn_ptr,
     kn_ptr,
+    add_ptr,
+    sq_out_ptr,
+    block_id,
     qk_eps,
     cos_sin_stride,
     cache_stride_slot,
@@ -128,17 +131,28 @@ def _epilogue(
     MODE: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
-    hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs."""
+    hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. ADD (PLAIN only):
+    the output is y + add (the residual add of the norm after it, rounded as
+    `fused_add_rms_norm` rounds it), and the block's sum of its squares goes to
+    sq_out[block_id] for the next GEMV's norm."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
         if MODE != 0:
             y2 += tl.load(bias_ptr + second, mask=mask, other=0.0).to(tl.float32)
     if MODE == 0:
-        tl.store(out_ptr + offs, y.to(dtype), mask=mask)
+        if ADD:
+            r = tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = (y.to(dtype).to(tl.float32) + r).to(dtype)
+            tl.store(out_ptr + offs, h, mask=mask)
+            hf = tl.where(mask, h.to(tl.float32), 0.0)
+            tl.store(sq_out_ptr + block_id, tl.sum(hf * hf, axis=0))
+        else:
+            tl.store(out_ptr + offs, y.to(dtype), mask=mask)
     elif MODE == 1:
         tl.store(out_ptr + offs, _swiglu(y, y2, dtype).to(dtype), mask=mask)
     else:
@@ -193,6 +207,8 @@ def _finish_block(
     slot_ptr,
     qn_ptr,
     kn_ptr,
+    add_ptr,
+    sq_out_ptr,
     qk_eps,
     cos_sin_stride,
     cache_stride_slot,
@@ -203,6 +219,7 @@ def _finish_block(
     BLOCK_N: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     """The epilogue of one program's block from its rows' fp32 sums `y` (a paired MODE's rows
     interleaved first, second, ...)."""
@@ -215,8 +232,9 @@ def _finish_block(
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     _epilogue(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
-        cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, pid_n, qk_eps,
+        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
+        HEAD_DIM, ADD,
     )  # fmt: skip
 
 
@@ -263,6 +281,9 @@ def _gemv_kernel(
     slot_ptr,
     qn_ptr,
     kn_ptr,
+    add_ptr,
+    sq_out_ptr,
+    sq_in_ptr,
     N,
     K,
     w_stride,
@@ -273,6 +294,7 @@ def _gemv_kernel(
     cache_stride_slot,
     num_heads,
     num_kv_heads,
+    num_parts,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     NORM: tl.constexpr,
@@ -286,6 +308,8 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
     EARLY: tl.constexpr = 128,
+    ADD: tl.constexpr = False,
+    NORM_PARTS: tl.constexpr = 0,
 ):
     # N counts the weight's rows. A program multiplies BLOCK_N rows; a paired MODE has N // 2
     # outputs, each from two rows, and its programs take BLOCK_N // 2 outputs with their rows
@@ -320,7 +344,12 @@ def _gemv_kernel(
     wait_for_inputs(PDL)
     dtype = x_ptr.dtype.element_ty
     inv_rms = 0.0
-    if NORM:
+    if NORM and NORM_PARTS > 0:
+        # The row was summed by the GEMV that wrote it (ADD): its blocks' sums of squares.
+        parts = tl.arange(0, NORM_PARTS)
+        sq = tl.load(sq_in_ptr + parts, mask=parts < num_parts, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    elif NORM:
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
         # (Names differ from the loop's below: Triton would carry them into the loop.)
@@ -350,8 +379,9 @@ def _gemv_kernel(
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
-            num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
+            slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, qk_eps, cos_sin_stride,
+            cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
+            ADD,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
@@ -368,9 +398,9 @@ def _gemv_kernel(
                     total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
                 _finish_block(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
-                    cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF,
-                    HEAD_DIM,
+                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, qk_eps,
+                    cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE,
+                    BLOCK_N, HALF, HEAD_DIM, ADD,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -387,6 +417,8 @@ def _gemv_reduce_kernel(
     slot_ptr,
     qn_ptr,
     kn_ptr,
+    add_ptr,
+    sq_out_ptr,
     N,
     qk_eps,
     cos_sin_stride,
@@ -400,6 +432,7 @@ def _gemv_reduce_kernel(
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
+    ADD: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if MODE == 0:
@@ -417,8 +450,9 @@ def _gemv_reduce_kernel(
             y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot,
-        num_heads, num_kv_heads, HAS_BIAS, MODE, HALF, HEAD_DIM,
+        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, tl.program_id(0), qk_eps,
+        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
+        HEAD_DIM, ADD,
     )  # fmt: skip
 
 
@@ -538,6 +572,8 @@ def gemv(
     eps: float = 1e-6,
     merge: str = "tickets",
     early: int | None = None,
+    add: torch.Tensor | None = None,
+    norm_parts: torch.Tensor | None = None,
 ):
     """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
     arguments override the launch shape (tests use them to reach the split path on small
@@ -548,7 +584,12 @@ def gemv(
     k and v into the cache. With `norm_weight` (RMSNorm fused in front) returns
     (y, x + residual) when `residual` is given, else y. `merge` picks how split-K partial rows
     are summed: "tickets" (in the kernel) or "kernel" (a second launch). `early` overrides the
-    columns loaded before the wait (`early_columns`)."""
+    columns loaded before the wait (`early_columns`).
+
+    `add` ([1, N], plain product only): returns (h, sq) with h = y + add, rounded as
+    `fused_add_rms_norm` rounds its sum, and sq the fp32 sums of squares of h's blocks, which
+    another GEMV takes as `norm_parts` (with `norm_weight`, no `residual`) to norm h without
+    summing the row again."""
     if merge not in ("tickets", "kernel"):
         raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
@@ -556,7 +597,11 @@ def gemv(
     if act is not None and rope is not None:
         raise ValueError("act and rope cannot be combined")
     norm = norm_weight is not None
-    if norm and weight.shape[1] > MAX_NORM_ROW:
+    if add is not None and (act is not None or rope is not None):
+        raise ValueError("add= goes with the plain product only (no act, no rope)")
+    if norm_parts is not None and (not norm or residual is not None):
+        raise ValueError("norm_parts= needs norm_weight= and no residual= (the row is summed)")
+    if norm and norm_parts is None and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
@@ -586,6 +631,10 @@ def gemv(
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, programs_n) if merge == "tickets" else None
+    sq_out = None
+    if add is not None:  # one sum of squares per block that writes the output
+        writers = programs_n if split == 1 or tickets is not None else triton.cdiv(n_out, 1024)
+        sq_out = torch.empty(writers, dtype=torch.float32, device=x.device)
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.k_cache, rope.v_cache)
         rope_args += (rope.slot_mapping,)
@@ -611,6 +660,9 @@ def gemv(
         parts if parts is not None else out,
         tickets if tickets is not None else out,
         *rope_args,
+        add if add is not None else out,
+        sq_out if sq_out is not None else out,
+        norm_parts if norm_parts is not None else out,
         n,
         k,
         weight.stride(0),
@@ -618,16 +670,19 @@ def gemv(
         eps,
         qk_eps,
         *rope_ints,
+        norm_parts.numel() if norm_parts is not None else 0,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
         TICKETS=tickets is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ROW_BLOCK=triton.next_power_of_2(k) if norm else 1,
+        ROW_BLOCK=triton.next_power_of_2(k) if norm and norm_parts is None else 1,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         EARLY=early_columns(block_k, k_per_split, cfg if early is None else {"early": early}),
+        ADD=add is not None,
+        NORM_PARTS=triton.next_power_of_2(norm_parts.numel()) if norm_parts is not None else 0,
         **consts,
         **pdl.options(x.device),
     )
@@ -638,15 +693,20 @@ def gemv(
             bias if bias is not None else parts,
             out,
             *rope_args,
+            add if add is not None else out,
+            sq_out if sq_out is not None else out,
             n,
             qk_eps,
             *rope_ints,
             SPLIT=split,
             BLOCK=block,
             num_warps=4,
+            ADD=add is not None,
             **consts,
             **pdl.options(x.device),
         )
+    if sq_out is not None:
+        return out, sq_out
     return out if residual_out is None else (out, residual_out)
 
 
@@ -727,6 +787,30 @@ def rms_norm_linear_small_m(
     """See `atom_kernels.ops.rms_norm_linear_small_m`: one launch with the norm inside the GEMV,
     or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
     return _normed_gemv(x, residual, norm_weight, eps, weight, bias, act=act)
+
+
+def linear_add_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.linear_add_small_m`."""
+    return gemv(x, weight, bias, add=residual)
+
+
+def rms_norm_parts_linear_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.rms_norm_parts_linear_small_m`."""
+    return gemv(x, weight, bias, act=act, norm_weight=norm_weight, norm_parts=sq, eps=eps)
 
 
 def _normed_gemv(x, residual, norm_weight, eps, weight, bias, **epilogue):

@@ -462,6 +462,47 @@ def rms_norm_linear_small_m(
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
 
 
+@op(triton="gemv.linear_add_small_m", on="x")
+def linear_add_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_small_m(x, weight, bias)` plus `residual` ([1, N]), the sum rounded to x's dtype
+    as `fused_add_rms_norm` rounds it, and its sum of squares for the RMSNorm that follows:
+    returns (h, sq), sq an fp32 vector whose sum is the sum of h's squares (on a GPU one entry
+    per block of outputs, from the GEMV's epilogue; one entry elsewhere). The norm after it then
+    needs no pass of its own over h (`rms_norm_parts_linear_small_m`)."""
+    _check_small_m(x, weight, bias, None)
+    if residual.shape != (1, weight.shape[0]) or not residual.is_contiguous():
+        raise ValueError(
+            f"residual {tuple(residual.shape)} must be one contiguous row [1, {weight.shape[0]}]"
+        )
+
+
+@op(triton="gemv.rms_norm_parts_linear_small_m", on="x")
+def rms_norm_parts_linear_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`linear_small_m(rms_norm(x), ...)` (with `act`) for a row x whose sum of squares is
+    `sq.sum()` (from `linear_add_small_m`): on a GPU the GEMV norms each step of x as it reads
+    it, with no pass over the row first; elsewhere the reference norm and `F.linear`."""
+    k = weight.shape[1]
+    _check_small_m(x, weight, bias, act)
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
+    if sq.dim() != 1 or sq.dtype != torch.float32 or sq.numel() == 0:
+        raise ValueError(f"sq must be a non-empty fp32 vector (got {tuple(sq.shape)} {sq.dtype})")
+
+
 @op(triton="gemv.rms_norm_linear_rope_store_small_m", on="x")
 def rms_norm_linear_rope_store_small_m(
     x: torch.Tensor,

@@ -274,6 +274,33 @@ def rms_norm_linear_small_m(
     return linear_small_m(normed, weight, bias, act=act), total
 
 
+def linear_add_small_m(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(x) + residual rounded to x's dtype, [sum of its squares])."""
+    h = (torch.nn.functional.linear(x, weight, bias).float() + residual.float()).to(x.dtype)
+    return h, h.float().pow(2).sum().reshape(1)
+
+
+def rms_norm_parts_linear_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """The RMSNorm of x from its sum of squares `sq.sum()`, then `linear_small_m`."""
+    inv_rms = torch.rsqrt(sq.sum() / x.shape[-1] + eps)
+    normed = (x.float() * inv_rms * norm_weight.float()).to(x.dtype)
+    return linear_small_m(normed, weight, bias, act=act)
+
+
 def _add_and_norm(x, residual, norm_weight, eps):
     """(norm(x + residual), x + residual) with the residual left as it was, or (norm(x), x)."""
     if residual is None:

@@ -45,6 +45,15 @@ REFINE_MARGIN = 0.01
 # choices on a whole batch-1 step (`refine_small_m_kernels`); "cublas": always cuBLAS;
 # "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
 SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
+# "1": the residual add and the RMSNorm's sum of squares move into the GEMV that writes the row
+# (o_proj, down, out_proj: "gemv+add"), and the GEMV after the norm norms from those sums
+# ("gemv+sumnorm"), so the norm needs no launch of its own. Off by default until measured.
+NORM_IN_PRODUCER_ENV = "ATOM_NORM_IN_PRODUCER"
+
+
+def norm_in_producer() -> bool:
+    """ATOM_NORM_IN_PRODUCER=1: offer the "gemv+add" and "gemv+sumnorm" paths."""
+    return os.environ.get(NORM_IN_PRODUCER_ENV, "0") == "1"
 
 
 def select_small_m_kernels(
@@ -76,14 +85,18 @@ def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
             n, k = module.weight.shape
             norm = "rmsnorm+" if module.norm_before else ""
             act = f"+{module.act_after}" if module.act_after else ""
-            groups[f"{norm}{n}x{k}{act}"].append(module)
+            adds = "+residual" if module.residual_after and norm_in_producer() else ""
+            groups[f"{norm}{n}x{k}{act}{adds}"].append(module)
     return groups
 
 
 def small_m_paths(layer: LinearBase) -> list[str]:
     """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
     has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope" (with
-    QK-norm when the model has it), "gemv+norm+rope"."""
+    QK-norm when the model has it), "gemv+norm+rope"; with ATOM_NORM_IN_PRODUCER=1 also
+    "gemv+add" (the residual add and the next norm's sums of squares in the epilogue) for a
+    layer whose output goes to the residual stream, "gemv+sumnorm" and "gemv+sumnorm+act" (the
+    norm from those sums) for one after a norm."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
@@ -97,6 +110,13 @@ def small_m_paths(layer: LinearBase) -> list[str]:
         paths.append("gemv+act")
         if layer.norm_before:
             paths.append("gemv+norm+act")
+    if norm_in_producer():
+        if layer.residual_after:
+            paths.append("gemv+add")
+        if layer.norm_before:
+            paths.append("gemv+sumnorm")
+            if layer.act_after is not None:
+                paths.append("gemv+sumnorm+act")
     return paths
 
 
@@ -106,6 +126,8 @@ def use_small_m_path(layers: list[LinearBase], path: str) -> None:
         m.fuse_norm = "+norm" in path
         m.fuse_act = "+act" in path
         m.fuse_rope = "+rope" in path
+        m.add_residual = "+add" in path
+        m.fuse_norm_parts = "+sumnorm" in path
 
 
 def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
@@ -144,6 +166,10 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
         )
         timed = dict(zip(usable, times, strict=True))
         choice[key] = min(timed, key=timed.get)
+        if choice[key] == "gemv" and "gemv+add" in timed:
+            # The add costs the epilogue a residual load and saves the norm after it its
+            # add and its pass over the row: timed alone it cannot show what it saves there.
+            choice[key] = "gemv+add"
         use_small_m_path(layers, choice[key])
         log.info(
             "one-row %s projections (%d layers): %s -> %s",
@@ -285,6 +311,9 @@ def _one_row_paths(layer: LinearBase) -> dict:
     x = torch.randn(1, k, dtype=like.dtype, device=like.device)
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+    # Stand-ins for a producer's residual row and its blocks' sums of squares (16 rows each).
+    out_residual = torch.randn(1, like.shape[0], dtype=like.dtype, device=like.device)
+    sq = torch.ones(-(-k // 16), dtype=torch.float32, device=like.device)
     rope = _rope_target(layer) if layer.rope_after else None
     qk_norms = (None, None)
     if layer.qk_norm_after:  # stand-in QK-norm weights for a QK-norm model's qkv
@@ -294,6 +323,15 @@ def _one_row_paths(layer: LinearBase) -> dict:
         fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
 
         def run(w):
+            if path == "gemv+add":
+                return ops.linear_add_small_m(x, w, out_residual)
+            if "+sumnorm" in path:
+                y = ops.rms_norm_parts_linear_small_m(
+                    x, sq, norm_w, 1e-6, w, act=act if fuse_act else None
+                )
+                if rope is not None:
+                    ops.qk_norm_rope_store_(y, rope[0], rope[1], *qk_norms, 1e-6, *rope[2:])
+                return ops.silu_and_mul(y) if act is not None and not fuse_act else y
             if fuse_norm and fuse_rope:
                 return ops.rms_norm_linear_rope_store_small_m(
                     x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6

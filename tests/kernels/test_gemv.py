@@ -538,3 +538,56 @@ def test_linear_rope_store_small_m_checks_and_routes(gemv_mod, device):
         ops.linear_rope_store_small_m(
             x, w, None, one, cos_sin, *bad, one, heads, kv_heads, head_dim
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("split", "block_k", "merge"), [(1, None, "tickets"), (3, 32, "tickets"), (3, 32, "kernel")]
+)
+@pytest.mark.parametrize("act", [None, "silu_mul"])
+def test_gemv_add_then_norm_from_its_parts(gemv_mod, device, dtype, split, block_k, merge, act):
+    """A producer GEMV that adds the residual and leaves its blocks' sums of squares, then a
+    consumer GEMV that norms from those sums: the same as F.linear, fused_add_rms_norm and
+    F.linear (+ SwiGLU) one after the other."""
+    hidden, k_in, n_next = 300, 200, 37
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k_in, generator=g).to(dtype).to(device)
+    w_out = (torch.randn(hidden, k_in, generator=g) / k_in**0.5).to(dtype).to(device)
+    residual = torch.randn(1, hidden, generator=g).to(dtype).to(device)
+    rows = 2 * n_next if act else n_next
+    w_next = (torch.randn(rows, hidden, generator=g) / hidden**0.5).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+
+    h, sq = gemv_mod.gemv(x, w_out, add=residual, split=split, block_k=block_k, merge=merge)
+    want_normed, want_h = reference.fused_add_rms_norm(
+        F.linear(x, w_out), residual.clone(), norm_w, 1e-6
+    )
+    torch.testing.assert_close(h, want_h, **TOL[dtype])
+    torch.testing.assert_close(sq.sum(), h.float().pow(2).sum(), rtol=1e-4, atol=1e-4)
+
+    y = gemv_mod.gemv(h, w_next, act=act, norm_weight=norm_w, norm_parts=sq, eps=1e-6)
+    torch.testing.assert_close(
+        y, _want(reference.rms_norm(h, norm_w, 1e-6), w_next, None, act), **TOL[dtype]
+    )
+    assert want_normed.shape == h.shape
+
+
+def test_gemv_add_and_norm_parts_refuse_what_they_do_not_fit(gemv_mod, device):
+    x, w = torch.randn(1, 64, device=device), torch.randn(32, 64, device=device)
+    with pytest.raises(ValueError, match="plain product"):
+        gemv_mod.gemv(
+            x,
+            torch.randn(64, 64, device=device),
+            add=torch.randn(1, 32, device=device),
+            act="silu_mul",
+        )
+    with pytest.raises(ValueError, match="norm_parts"):
+        gemv_mod.gemv(x, w, norm_parts=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="norm_parts"):
+        gemv_mod.gemv(
+            x,
+            w,
+            norm_weight=torch.ones(64, device=device),
+            residual=x,
+            norm_parts=torch.ones(2, device=device),
+        )

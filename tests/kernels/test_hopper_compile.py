@@ -58,21 +58,25 @@ SCRIPT = textwrap.dedent(
         except Exception as exc:
             failed.append(f"gdn_decode V_SPLIT={v_split}: {exc}")
     gemv_ptrs = {
-        "part_ptr": "*fp32", "tickets_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64",
-        "cos_sin_ptr": "*fp32",
+        "part_ptr": "*fp32", "sq_out_ptr": "*fp32", "sq_in_ptr": "*fp32", "tickets_ptr": "*i32",
+        "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32",
     }
-    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N, EARLY)
-        "plain": (gemv.PLAIN, False, 1, 16, 128),
-        "plain, 1,024 columns early": (gemv.PLAIN, False, 1, 16, 1024),
-        "swiglu": (gemv.SWIGLU, False, 1, 16, 128),
-        "norm": (gemv.PLAIN, True, 1, 16, 128),
-        "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512),
-        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128),
+    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N, EARLY, ADD, NORM_PARTS)
+        "plain": (gemv.PLAIN, False, 1, 16, 128, False, 0),
+        "plain, 1,024 columns early": (gemv.PLAIN, False, 1, 16, 1024, False, 0),
+        "plain + residual add and sums of squares, split": (
+            gemv.PLAIN, False, 4, 16, 128, True, 0),
+        "swiglu": (gemv.SWIGLU, False, 1, 16, 128, False, 0),
+        "norm": (gemv.PLAIN, True, 1, 16, 128, False, 0),
+        "norm from sums of squares, swiglu": (gemv.SWIGLU, True, 1, 16, 1024, False, 256),
+        "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512, False, 0),
+        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128, False, 0),
     }
-    for name, (mode, norm, split, block_n, early) in variants.items():
-        consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm, SPLIT=split,
-                      TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
-                      ROW_BLOCK=1024 if norm else 1, HALF=64, HEAD_DIM=128, PDL=False)
+    for name, (mode, norm, split, block_n, early, add, parts) in variants.items():
+        consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm and not parts,
+                      SPLIT=split, TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
+                      ROW_BLOCK=1024 if norm and not parts else 1, HALF=64, HEAD_DIM=128,
+                      PDL=False, ADD=add, NORM_PARTS=parts)
         try:
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
         except Exception as exc:

@@ -14,7 +14,7 @@ from torch import nn
 
 from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
-from atom_runtime.layers.norm import RMSNorm
+from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.weights import copy_weight
 
 
@@ -42,6 +42,10 @@ class LinearBase(nn.Module):
         # QK-norm before rotary when `qk_norm_after`: the GEMV can do all of it in its epilogue.
         self.rope_after = False
         self.qk_norm_after = False
+        # A projection whose output the model adds to the residual stream (o_proj, down,
+        # out_proj: `forward_adding`): its GEMV can do the add and leave the sums of squares
+        # the next norm needs.
+        self.residual_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
         # group at start-up (small_m.py), with the norm, the activation or the
         # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else
@@ -50,6 +54,11 @@ class LinearBase(nn.Module):
         self.fuse_norm = False
         self.fuse_act = False
         self.fuse_rope = False
+        # Producer and consumer of a `SummedRow` (ATOM_NORM_IN_PRODUCER=1, small_m.py): the
+        # GEMV adds the residual in its epilogue (`add_residual`), and the GEMV after the next
+        # norm norms from the sums of squares it left (`fuse_norm_parts`).
+        self.add_residual = False
+        self.fuse_norm_parts = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """act_after(x @ W.T + b)."""
@@ -59,10 +68,21 @@ class LinearBase(nn.Module):
             return y if fused is not None else self._activate(y)
         return self._activate(F.linear(x, self.weight, self._bias()))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None, norm: RMSNorm
+    ):
         """`norm` (an RMSNorm, adding `residual` first when given), then this layer. Returns
-        (output, residual after the add; x itself without a residual). A one-row x runs the
-        norm inside the GEMV when the layer's group chose that."""
+        (output, residual after the add; x itself without a residual, or when `residual` is a
+        `SummedRow`: x is the sum already). A one-row x runs the norm inside the GEMV when the
+        layer's group chose that, from the SummedRow's sums of squares when it has them."""
+        if isinstance(residual, SummedRow):
+            if self.gemv and self.fuse_norm_parts and x.shape[0] == 1:
+                fused = self.act_after if self.fuse_act else None
+                y = ops.rms_norm_parts_linear_small_m(
+                    x, residual.sq, norm.weight, norm.eps, self.weight, self._bias(), act=fused
+                )
+                return (y if fused is not None else self._activate(y)), x
+            residual = None  # the add is done: norm x alone
         if self.gemv and self.fuse_norm and x.shape[0] == 1:
             fused = self.act_after if self.fuse_act else None
             y, residual = ops.rms_norm_linear_small_m(
@@ -71,6 +91,22 @@ class LinearBase(nn.Module):
             return (y if fused is not None else self._activate(y)), residual
         normed, residual = norm.with_residual(x, residual)
         return self(normed), residual
+
+    def forward_adding(self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None):
+        """This layer, whose output the model adds to `residual` at the next norm. Returns
+        (output, residual) as they go on to that norm: (self(x), residual), or, for a one-row
+        x when the layer's group adds in its GEMV (`add_residual`, one rank), (x's output +
+        residual, SummedRow with the sums of squares)."""
+        if (
+            self.gemv
+            and self.add_residual
+            and x.shape[0] == 1
+            and isinstance(residual, torch.Tensor)
+            and tp_size() == 1
+        ):
+            h, sq = ops.linear_add_small_m(x, self.weight, residual, self._bias())
+            return h, SummedRow(sq)
+        return self(x), residual
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether this input goes through the GEMV with rotary and the cache store in its

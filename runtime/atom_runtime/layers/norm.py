@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -7,8 +9,19 @@ from atom_kernels import ops
 from atom_runtime.layers.weights import copy_weight
 
 
+class SummedRow(NamedTuple):
+    """What a layer passes on in place of the residual when the projection that wrote the row
+    already added the residual to it (`LinearBase.forward_adding`): the row is hidden +
+    residual, and `sq` holds that GEMV's sums of squares of it (their sum is the row's), from
+    which the GEMV after the next RMSNorm norms it (`LinearBase.forward_normed`). Any other
+    consumer norms the row as it is: the add is done."""
+
+    sq: torch.Tensor
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm; given a residual, adds it first and returns (normed, new residual)."""
+    """RMSNorm; given a residual, adds it first and returns (normed, new residual). Given a
+    `SummedRow`, the row already holds the sum: returns (normed, the row)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -19,9 +32,11 @@ class RMSNorm(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)  # replicated: every rank holds the whole vector
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None = None):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
+        if isinstance(residual, SummedRow):
+            return ops.rms_norm(x, self.weight, self.eps), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor | None):

@@ -16,7 +16,7 @@ from atom_runtime.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from atom_runtime.layers.norm import RMSNorm
+from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.rotary import RotaryEmbedding
 from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
@@ -37,6 +37,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.qkv_proj.norm_before = True  # the decoder layer calls it with its input norm
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj.residual_after = True  # the decoder layer adds it to the residual stream
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -58,7 +59,7 @@ class LlamaAttention(nn.Module):
 
     def attend_normed(self, positions, hidden, residual, norm):
         """`norm` (adding `residual` first when given), the qkv projection, attention, o_proj.
-        Returns (output, residual after the add)."""
+        Returns (output, residual after the add), as `o_proj.forward_adding` passes them on."""
         proj = self.qkv_proj
         if proj.fuses_rope(hidden):
             rope = (positions, self.rotary.cos_sin_cache)
@@ -66,6 +67,8 @@ class LlamaAttention(nn.Module):
                 rope += (self.q_norm.weight, self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
             if proj.fuse_norm:  # the input norm in the same launch
+                if isinstance(residual, SummedRow):
+                    residual = None  # o_proj/down's GEMV added it: norm the row alone
                 q, residual = self.attn.prepare_one_row_normed(
                     hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
                     eps=eps,
@@ -73,12 +76,16 @@ class LlamaAttention(nn.Module):
             else:
                 normed, residual = norm.with_residual(hidden, residual)
                 q = self.attn.prepare_one_row(normed, proj.weight, proj.bias, *rope, eps=eps)
-            return self.o_proj(self.attn(q)), residual
+            return self.o_proj.forward_adding(self.attn(q), residual)
         qkv, residual = proj.forward_normed(hidden, residual, norm)
-        return self.attend(positions, qkv), residual
+        return self.o_proj.forward_adding(self.attention(positions, qkv), residual)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
+        return self.o_proj(self.attention(positions, qkv))
+
+    def attention(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """`attend` up to o_proj: QK-norm, rotary, cache, attention, [T, heads * head_dim]."""
         if self.q_norm is not None:
             q, k, v = self.attn.prepare(
                 qkv,
@@ -90,7 +97,7 @@ class LlamaAttention(nn.Module):
             )
         else:
             q, k, v = self.attn.prepare(qkv, positions, self.rotary.cos_sin_cache)
-        return self.o_proj(self.attn(q, k, v))
+        return self.attn(q, k, v)
 
 
 class LlamaMLP(nn.Module):
@@ -100,6 +107,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.norm_before = True
         self.gate_up_proj.act_after = "silu_mul"  # it returns silu(gate) * up
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj.residual_after = True  # the decoder layer adds it to the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -121,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = mlp.gate_up_proj.forward_normed(
             hidden, residual, self.post_attention_layernorm
         )
-        return mlp.down_proj(h), residual
+        return mlp.down_proj.forward_adding(h, residual)
 
 
 class LlamaForCausalLM(CausalLM):
