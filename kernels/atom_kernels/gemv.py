@@ -813,6 +813,33 @@ def rms_norm_parts_linear_small_m(
     return gemv(x, weight, bias, act=act, norm_weight=norm_weight, norm_parts=sq, eps=eps)
 
 
+def rms_norm_parts_linear_rope_store_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.rms_norm_parts_linear_rope_store_small_m`."""
+    rope = RopeStore(
+        positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
+    return gemv(x, weight, bias, rope=rope, norm_weight=norm_weight, norm_parts=sq, eps=eps)
+
+
 def _normed_gemv(x, residual, norm_weight, eps, weight, bias, **epilogue):
     """The RMSNorm (after adding `residual`, when given) then the GEMV with `epilogue`: the norm
     in the GEMV's prologue, or, for a row longer than MAX_NORM_ROW, the Triton norm first.

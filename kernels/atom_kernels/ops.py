@@ -534,6 +534,36 @@ def rms_norm_linear_rope_store_small_m(
     )  # fmt: skip
 
 
+@op(triton="gemv.rms_norm_parts_linear_rope_store_small_m", on="x")
+def rms_norm_parts_linear_rope_store_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> torch.Tensor:
+    """`rms_norm_linear_rope_store_small_m` for a row x already summed with its residual, whose
+    sum of squares is `sq.sum()` (`linear_add_small_m`): returns qkv. On a GPU one GEMV launch
+    that norms each step of x as it reads it."""
+    rms_norm_parts_linear_small_m.op.check(x, sq, norm_weight, eps, weight, bias)
+    linear_rope_store_small_m.op.check(
+        x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+        num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Hybrid (linear-attention) models. Shapes: T tokens of the batch packed back to back, B
 # sequences, S slots in the state pool. query_start_loc int32 [B+1] (0 first); slot_ids int32

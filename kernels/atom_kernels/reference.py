@@ -296,9 +296,12 @@ def rms_norm_parts_linear_small_m(
     act: str | None = None,
 ) -> torch.Tensor:
     """The RMSNorm of x from its sum of squares `sq.sum()`, then `linear_small_m`."""
+    return linear_small_m(_norm_from_parts(x, sq, norm_weight, eps), weight, bias, act=act)
+
+
+def _norm_from_parts(x, sq, norm_weight, eps):
     inv_rms = torch.rsqrt(sq.sum() / x.shape[-1] + eps)
-    normed = (x.float() * inv_rms * norm_weight.float()).to(x.dtype)
-    return linear_small_m(normed, weight, bias, act=act)
+    return (x.float() * inv_rms * norm_weight.float()).to(x.dtype)
 
 
 def _add_and_norm(x, residual, norm_weight, eps):
@@ -335,6 +338,32 @@ def rms_norm_linear_rope_store_small_m(
         num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
     )  # fmt: skip
     return qkv, total
+
+
+def rms_norm_parts_linear_rope_store_small_m(
+    x: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    qk_eps: float = 1e-6,
+) -> torch.Tensor:
+    """The norm of x from its sum of squares, then `linear_rope_store_small_m`."""
+    return linear_rope_store_small_m(
+        _norm_from_parts(x, sq, norm_weight, eps), weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

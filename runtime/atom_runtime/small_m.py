@@ -95,8 +95,8 @@ def small_m_paths(layer: LinearBase) -> list[str]:
     has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope" (with
     QK-norm when the model has it), "gemv+norm+rope"; with ATOM_NORM_IN_PRODUCER=1 also
     "gemv+add" (the residual add and the next norm's sums of squares in the epilogue) for a
-    layer whose output goes to the residual stream, "gemv+sumnorm" and "gemv+sumnorm+act" (the
-    norm from those sums) for one after a norm."""
+    layer whose output goes to the residual stream, "gemv+sumnorm", "gemv+sumnorm+act" and
+    "gemv+sumnorm+rope" (the norm from those sums) for one after a norm."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
@@ -117,6 +117,8 @@ def small_m_paths(layer: LinearBase) -> list[str]:
             paths.append("gemv+sumnorm")
             if layer.act_after is not None:
                 paths.append("gemv+sumnorm+act")
+            if "gemv+rope" in paths:
+                paths.append("gemv+sumnorm+rope")
     return paths
 
 
@@ -325,6 +327,10 @@ def _one_row_paths(layer: LinearBase) -> dict:
         def run(w):
             if path == "gemv+add":
                 return ops.linear_add_small_m(x, w, out_residual)
+            if "+sumnorm" in path and fuse_rope:
+                return ops.rms_norm_parts_linear_rope_store_small_m(
+                    x, sq, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
+                )
             if "+sumnorm" in path:
                 y = ops.rms_norm_parts_linear_small_m(
                     x, sq, norm_w, 1e-6, w, act=act if fuse_act else None

@@ -591,3 +591,36 @@ def test_gemv_add_and_norm_parts_refuse_what_they_do_not_fit(gemv_mod, device):
             residual=x,
             norm_parts=torch.ones(2, device=device),
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gemv_rope_store_norms_from_the_parts_as_from_the_row(gemv_mod, device, dtype, qk_norm):
+    """The qkv GEMV with rotary + cache store (and QK-norm) norming its input from a producer's
+    sums of squares gives what it gives with the norm computed from the row in its prologue."""
+    heads, kv_heads, head_dim, hidden = 4, 2, 16, 96
+    n = (heads + 2 * kv_heads) * head_dim
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 64, generator=g).to(dtype).to(device)
+    w_out = (torch.randn(hidden, 64, generator=g) / 8).to(dtype).to(device)
+    residual = torch.randn(1, hidden, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, hidden, generator=g) / hidden**0.5).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+    angles = torch.rand(8, head_dim // 2, generator=g) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    qk = (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device) if qk_norm else None
+    caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(4)]
+    pos, slot = torch.tensor([5], device=device), torch.tensor([6], device=device)
+    h, sq = gemv_mod.gemv(x, w_out, add=residual)
+    got = gemv_mod.rms_norm_parts_linear_rope_store_small_m(
+        h, sq, norm_w, 1e-6, w, None, pos, cos_sin, caches[0], caches[1], slot, heads,
+        kv_heads, head_dim, qk, qk, 1e-6,
+    )  # fmt: skip
+    want, _ = gemv_mod.rms_norm_linear_rope_store_small_m(
+        h, None, norm_w, 1e-6, w, None, pos, cos_sin, caches[2], caches[3], slot, heads,
+        kv_heads, head_dim, qk, qk, 1e-6,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(caches[0], caches[2], **TOL[dtype])
+    torch.testing.assert_close(caches[1], caches[3], **TOL[dtype])
+    assert caches[0].abs().sum() > 0

@@ -71,6 +71,7 @@ SCRIPT = textwrap.dedent(
         "norm from sums of squares, swiglu": (gemv.SWIGLU, True, 1, 16, 1024, False, 256),
         "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512, False, 0),
         "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128, False, 0),
+        "norm from sums of squares + qk-norm + rope": (gemv.NORM_ROPE, True, 4, 128, 512, False, 32),
     }
     for name, (mode, norm, split, block_n, early, add, parts) in variants.items():
         consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm and not parts,

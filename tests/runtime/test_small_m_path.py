@@ -138,6 +138,7 @@ def test_norm_in_the_producer_gives_the_same_tokens(request, models, kind):
     assert any(m.residual_after for m in layers) and any(m.norm_before for m in layers)
     combos = [  # (add, parts, norm, act, rope)
         (True, True, False, True, False),
+        (True, True, False, True, True),
         (True, True, False, False, False),
         (True, False, True, True, False),
         (True, False, False, False, False),

@@ -110,10 +110,20 @@ class PagedAttention(nn.Module):
         k_norm_weight: torch.Tensor | None = None,
         *,
         eps: float = 1e-6,
+        sq: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prepare_one_row` with the layer's input RMSNorm (after adding `residual`) in the
-        same launch. Returns (q, x + residual) (x itself without a residual)."""
+        same launch. Returns (q, x + residual) (x itself without a residual). With `sq` (x is
+        already summed, `sq` its sums of squares from the GEMV that wrote it; no residual) the
+        GEMV norms x from those sums."""
         self._check_bound()
+        if sq is not None:
+            qkv = ops.rms_norm_parts_linear_rope_store_small_m(
+                x, sq, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
+                self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.num_heads,
+                self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
+            )  # fmt: skip
+            return self._one_row_q(qkv), x
         qkv, residual = ops.rms_norm_linear_rope_store_small_m(
             x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
             self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.num_heads,

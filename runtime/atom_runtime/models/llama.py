@@ -66,12 +66,16 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 rope += (self.q_norm.weight, self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
-            if proj.fuse_norm:  # the input norm in the same launch
-                if isinstance(residual, SummedRow):
-                    residual = None  # o_proj/down's GEMV added it: norm the row alone
+            summed = isinstance(residual, SummedRow)  # down's GEMV added the residual
+            if summed and proj.fuse_norm_parts:  # the norm from its sums of squares
                 q, residual = self.attn.prepare_one_row_normed(
-                    hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
-                    eps=eps,
+                    hidden, None, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
+                    eps=eps, sq=residual.sq,
+                )  # fmt: skip
+            elif proj.fuse_norm:  # the input norm in the same launch
+                q, residual = self.attn.prepare_one_row_normed(
+                    hidden, None if summed else residual, norm.weight, norm.eps, proj.weight,
+                    proj.bias, *rope, eps=eps,
                 )  # fmt: skip
             else:
                 normed, residual = norm.with_residual(hidden, residual)
