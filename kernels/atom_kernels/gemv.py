@@ -119,7 +119,7 @@ def _epilogue(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add_ptr,
+    add,
     sq_out_ptr,
     block_id,
     qk_eps,
@@ -136,9 +136,9 @@ def _epilogue(
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
     hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. ADD (PLAIN only):
-    the output is y + add (the residual add of the norm after it, rounded as
-    `fused_add_rms_norm` rounds it), and the block's sum of its squares goes to
-    sq_out[block_id] for the next GEMV's norm."""
+    the output is y + add (`add`: the residual at `offs`, fp32, loaded by the caller as early
+    as it can; the residual add of the norm after it, rounded as `fused_add_rms_norm` rounds
+    it), and the block's sum of its squares goes to sq_out[block_id] for the next GEMV's norm."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
@@ -146,8 +146,7 @@ def _epilogue(
             y2 += tl.load(bias_ptr + second, mask=mask, other=0.0).to(tl.float32)
     if MODE == 0:
         if ADD:
-            r = tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            h = (y.to(dtype).to(tl.float32) + r).to(dtype)
+            h = (y.to(dtype).to(tl.float32) + add).to(dtype)
             tl.store(out_ptr + offs, h, mask=mask)
             hf = tl.where(mask, h.to(tl.float32), 0.0)
             tl.store(sq_out_ptr + block_id, tl.sum(hf * hf, axis=0))
@@ -207,7 +206,7 @@ def _finish_block(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add_ptr,
+    add,
     sq_out_ptr,
     qk_eps,
     cos_sin_stride,
@@ -232,7 +231,7 @@ def _finish_block(
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     _epilogue(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, pid_n, qk_eps,
+        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, pid_n, qk_eps,
         cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
         HEAD_DIM, ADD,
     )  # fmt: skip
@@ -343,6 +342,10 @@ def _gemv_kernel(
     )
     wait_for_inputs(PDL)
     dtype = x_ptr.dtype.element_ty
+    add = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if ADD and SPLIT == 1:
+        # Requested now, used after the loop: the wait for it overlaps the weights' stream.
+        add = tl.load(add_ptr + row_n, mask=row_mask, other=0.0).to(tl.float32)
     inv_rms = 0.0
     if NORM and NORM_PARTS > 0:
         # The row was summed by the GEMV that wrote it (ADD): its blocks' sums of squares.
@@ -379,7 +382,7 @@ def _gemv_kernel(
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, qk_eps, cos_sin_stride,
+            slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, qk_eps, cos_sin_stride,
             cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
             ADD,
         )  # fmt: skip
@@ -392,13 +395,15 @@ def _gemv_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT - 1:
+                if ADD:
+                    add = tl.load(add_ptr + row_n, mask=row_mask, other=0.0).to(tl.float32)
                 total = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
                     part = part_ptr + s * N + row_n
                     total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
                 _finish_block(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, qk_eps,
+                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, qk_eps,
                     cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE,
                     BLOCK_N, HALF, HEAD_DIM, ADD,
                 )  # fmt: skip
@@ -442,6 +447,9 @@ def _gemv_reduce_kernel(
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_out
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
+    add = tl.zeros([BLOCK], dtype=tl.float32)
+    if ADD:
+        add = tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     y2 = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
@@ -450,7 +458,7 @@ def _gemv_reduce_kernel(
             y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add_ptr, sq_out_ptr, tl.program_id(0), qk_eps,
+        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, tl.program_id(0), qk_eps,
         cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
         HEAD_DIM, ADD,
     )  # fmt: skip

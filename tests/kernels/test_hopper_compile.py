@@ -82,6 +82,12 @@ SCRIPT = textwrap.dedent(
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
         except Exception as exc:
             failed.append(f"gemv {name}: {exc}")
+    reduce_consts = dict(HAS_BIAS=False, MODE=gemv.PLAIN, SPLIT=4, BLOCK=1024, HALF=1,
+                         HEAD_DIM=2, PDL=False, ADD=True)
+    try:
+        build(gemv._gemv_reduce_kernel, gemv_ptrs, {"qk_eps"}, reduce_consts)
+    except Exception as exc:
+        failed.append(f"gemv reduce kernel + residual add: {exc}")
     attn_ptrs = {
         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
