@@ -262,7 +262,8 @@ for stage in ${*:-tests bench kernels peer}; do
     producernorm)
       # The residual add and the norm's sums of squares in the GEMV that writes the row, the
       # next GEMV norming from them (ATOM_NORM_IN_PRODUCER=1): W2 on the 8B and the hybrid with
-      # it on, then off, each with its start-up choices.
+      # it on, then off, each with its start-up choices; first its bf16 GPU test.
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k norm_in_the_producer 2>&1 | tail -2
       for model in $L8 $H4; do
         for on in 1 0; do
           echo "== $(basename $model) ATOM_NORM_IN_PRODUCER=$on"
