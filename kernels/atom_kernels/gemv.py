@@ -464,15 +464,19 @@ def _gemv_reduce_kernel(
     )  # fmt: skip
 
 
-def early_columns(block_k: int, k_per_split: int, config: dict[str, int]) -> int:
+def early_columns(
+    block_k: int, k_per_split: int, config: dict[str, int], pdl_on: bool = True
+) -> int:
     """Columns a program loads before waiting on the kernel before (programmatic dependent
-    launch): the launch shape's `early`, else `ATOM_GEMV_EARLY`, else 1,024; rounded down to a
-    power-of-two multiple of block_k (one step at least), at most the split's columns rounded
-    up to one. On an H200, W2 with 1,024 against one 128-column step, same call: Qwen3-0.6B
+    launch): the launch shape's `early`, else `ATOM_GEMV_EARLY`, else 1,024 where the kernels
+    launch with PDL and one step elsewhere (nothing to overlap there: AMD GPUs, older NVIDIA
+    ones, the interpreter); rounded down to a power-of-two multiple of block_k (one step at
+    least), at most the split's columns rounded up to one. On an H200, W2 with 1,024 against one 128-column step, same call: Qwen3-0.6B
     0.939 -> 0.858 ms/token (K = 1,024: a program's whole slice is in flight before the wait),
     the Qwen3.5-4B-shaped hybrid 2.867 -> 2.743, Llama-3.1-8B 4.291 -> 4.298 (512 lost on all
     three: 0.990, 3.022, 4.372)."""
-    want = int(config.get("early", os.environ.get("ATOM_GEMV_EARLY", "1024"))) or block_k
+    default = "1024" if pdl_on else "0"
+    want = int(config.get("early", os.environ.get("ATOM_GEMV_EARLY", default))) or block_k
     cap = triton.next_power_of_2(triton.cdiv(k_per_split, block_k)) * block_k
     early = block_k
     while early * 2 <= min(want, cap):
@@ -688,7 +692,9 @@ def gemv(
         ROW_BLOCK=triton.next_power_of_2(k) if norm and norm_parts is None else 1,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
-        EARLY=early_columns(block_k, k_per_split, cfg if early is None else {"early": early}),
+        EARLY=early_columns(
+            block_k, k_per_split, cfg if early is None else {"early": early}, pdl.enabled(x.device)
+        ),
         ADD=add is not None,
         NORM_PARTS=triton.next_power_of_2(norm_parts.numel()) if norm_parts is not None else 0,
         **consts,

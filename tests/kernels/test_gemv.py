@@ -64,15 +64,14 @@ def _want(x, w, b, act):
 @pytest.mark.parametrize(("split", "block_k"), PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act", [None, "silu_mul"])
-@pytest.mark.parametrize("early", [None, "one step"])
+@pytest.mark.parametrize("early", [None, 1024])
 def test_gemv_matches_linear(gemv_mod, device, dtype, n, k, split, block_k, bias, act, early):
-    """`early`: the columns loaded before the wait are the default (most or all of a split at
-    these sizes, so the loop hardly runs) or one step (every later step goes through the loop)."""
+    """`early`: the columns loaded before the wait are the default (one step off Hopper: every
+    later step goes through the loop) or 1,024 (most or all of a split at these sizes, so the
+    loop hardly runs)."""
     if block_k is not None:  # the requested split really is what launches
         assert gemv_mod.split_k(k, split, block_k)[1] == split
     x, w, b = _inputs(n, k, dtype, device, bias=bias, act=act)
-    one_step = block_k or gemv_mod.gemv_config(w.shape[0], k, 1)["block_k"]
-    early = one_step if early == "one step" else None
     got = gemv_mod.gemv(x, w, b, act=act, split=split, block_k=block_k, early=early)
     want = _want(x, w, b, act)
     assert got.shape == (1, n) and got.dtype == dtype
@@ -83,7 +82,8 @@ def test_early_columns_are_a_power_of_two_multiple_of_a_step_within_the_split(mo
     from atom_kernels.gemv import early_columns
 
     monkeypatch.delenv("ATOM_GEMV_EARLY", raising=False)
-    assert early_columns(128, 2560, {}) == 1024  # the default
+    assert early_columns(128, 2560, {}) == 1024  # the default under PDL
+    assert early_columns(128, 2560, {}, pdl_on=False) == 128  # one step without it
     assert early_columns(128, 2560, {"early": 128}) == 128
     assert early_columns(128, 2560, {"early": 700}) == 512  # rounded down to 4 steps
     assert early_columns(128, 300, {}) == 512  # 3 steps, rounded up to 4
