@@ -32,10 +32,10 @@
 #   producernorm (W2 with the norm's add and sums of squares in the GEMV before it, on and off)
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
-# What the next session with device time should run first (one call each, ~10 min):
-#   ckpt w5   |   hybrid hybridpeer   |   w4http w3
-#   ckpt (issue 15's GPU tests: restore vs recompute in bf16 under CUDA graphs and eager, the
-#   checkpoint copy reference on the GPU, the byte-copy kernel compiled)
+# What the next session with device time should run first (one call each, ~5-10 min):
+#   producernorm   |   freshprefill   |   gputests
+#   (the two opt-in paths built on 2026-12-02 without device time to measure them: turn each on
+#   by default only if it wins; then every GPU engine test on the final code)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
