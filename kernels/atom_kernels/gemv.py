@@ -471,10 +471,10 @@ def early_columns(
     launch): the launch shape's `early`, else `ATOM_GEMV_EARLY`, else 1,024 where the kernels
     launch with PDL and one step elsewhere (nothing to overlap there: AMD GPUs, older NVIDIA
     ones, the interpreter); rounded down to a power-of-two multiple of block_k (one step at
-    least), at most the split's columns rounded up to one. On an H200, W2 with 1,024 against one 128-column step, same call: Qwen3-0.6B
-    0.939 -> 0.858 ms/token (K = 1,024: a program's whole slice is in flight before the wait),
-    the Qwen3.5-4B-shaped hybrid 2.867 -> 2.743, Llama-3.1-8B 4.291 -> 4.298 (512 lost on all
-    three: 0.990, 3.022, 4.372)."""
+    least), at most the split's columns rounded up to one. On an H200, W2 with 1,024 against
+    one 128-column step, same call: Qwen3-0.6B 0.939 -> 0.858 ms/token (K = 1,024: a program's
+    whole slice is in flight before the wait), the Qwen3.5-4B-shaped hybrid 2.867 -> 2.743,
+    Llama-3.1-8B 4.291 -> 4.298 (512 lost on all three: 0.990, 3.022, 4.372)."""
     default = "1024" if pdl_on else "0"
     want = int(config.get("early", os.environ.get("ATOM_GEMV_EARLY", default))) or block_k
     cap = triton.next_power_of_2(triton.cdiv(k_per_split, block_k)) * block_k

@@ -331,18 +331,15 @@ def _one_row_paths(layer: LinearBase) -> dict:
                 return ops.rms_norm_parts_linear_rope_store_small_m(
                     x, sq, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
                 )
-            if "+sumnorm" in path:
-                y = ops.rms_norm_parts_linear_small_m(
-                    x, sq, norm_w, 1e-6, w, act=act if fuse_act else None
-                )
-                if rope is not None:
-                    ops.qk_norm_rope_store_(y, rope[0], rope[1], *qk_norms, 1e-6, *rope[2:])
-                return ops.silu_and_mul(y) if act is not None and not fuse_act else y
             if fuse_norm and fuse_rope:
                 return ops.rms_norm_linear_rope_store_small_m(
                     x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
                 )[0]
-            if fuse_norm:
+            if "+sumnorm" in path:
+                y = ops.rms_norm_parts_linear_small_m(
+                    x, sq, norm_w, 1e-6, w, act=act if fuse_act else None
+                )
+            elif fuse_norm:
                 y = ops.rms_norm_linear_small_m(
                     x, residual, norm_w, 1e-6, w, act=act if fuse_act else None
                 )[0]
