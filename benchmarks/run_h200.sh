@@ -29,6 +29,8 @@
 #   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
+#   pnlog (the start-up's one-row timings per path with it offered)
+#   producernorm2 (the same: start-up timings per path, and every group forced onto its GEMV)
 #   producernorm (W2 with the norm's add and sums of squares in the GEMV before it, on and off)
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
@@ -263,12 +265,30 @@ for stage in ${*:-tests bench kernels peer}; do
       # The residual add and the norm's sums of squares in the GEMV that writes the row, the
       # next GEMV norming from them (ATOM_NORM_IN_PRODUCER=1): W2 on the 8B and the hybrid with
       # it on, then off, each with its start-up choices; first its bf16 GPU test.
-      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k norm_in_the_producer 2>&1 | tail -2
+      [ "${PN_TEST:-1}" = 1 ] && python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py -k norm_in_the_producer 2>&1 | tail -2
       for model in $L8 $H4; do
         for on in 1 0; do
           echo "== $(basename $model) ATOM_NORM_IN_PRODUCER=$on"
-          ATOM_NORM_IN_PRODUCER=$on atom bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row\|error" | cut -c1-500 | head -4
+          ATOM_NORM_IN_PRODUCER=$on python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO); from atom_runtime.cli import main; sys.exit(main())" bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row paths\|projections (\|error" | sed "s/.*one-row/one-row/" | cut -c1-420 | head -10
         done
+      done ;;
+    producernorm2)
+      # The norm-in-producer path's per-group start-up timings (every path, us per layer), then
+      # W2 with every group forced onto its most fused path (ATOM_SMALL_M_KERNELS=gemv: the
+      # consumers norm from the producers' sums) with it on and off, 8B and dense hybrid.
+      for model in $L8 $H4; do
+        echo "== $(basename $model) ATOM_NORM_IN_PRODUCER=1 auto"
+        ATOM_NORM_IN_PRODUCER=1 python3 -c "import logging, sys; logging.basicConfig(level='INFO'); from atom_runtime.cli import main; sys.exit(main())" bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|projections\|error" | sed 's/.*one-row/one-row/' | cut -c1-330
+        for on in 1 0; do
+          echo "== $(basename $model) ATOM_NORM_IN_PRODUCER=$on forced onto the GEMV"
+          ATOM_SMALL_M_KERNELS=gemv ATOM_NORM_IN_PRODUCER=$on atom bench latency --load-format dummy --model $model 2>&1 | grep -i "W2:\|one-row paths\|error" | cut -c1-400 | head -3
+        done
+      done ;;
+    pnlog)
+      # The start-up's per-group one-row timings (every path, us per layer) with the
+      # norm-in-producer paths offered, 8B and dense hybrid.
+      for model in $L8 $H4; do
+        ATOM_NORM_IN_PRODUCER=1 python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$model', load_format='dummy')" 2>&1 | grep 'one-row' | sed 's/.*one-row/one-row/' | cut -c1-400
       done ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,

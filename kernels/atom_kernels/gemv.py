@@ -121,6 +121,8 @@ def _epilogue(
     kn_ptr,
     add,
     sq_out_ptr,
+    next_norm_ptr,
+    scaled_out_ptr,
     block_id,
     qk_eps,
     cos_sin_stride,
@@ -138,7 +140,8 @@ def _epilogue(
     hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. ADD (PLAIN only):
     the output is y + add (`add`: the residual at `offs`, fp32, loaded by the caller as early
     as it can; the residual add of the norm after it, rounded as `fused_add_rms_norm` rounds
-    it), and the block's sum of its squares goes to sq_out[block_id] for the next GEMV's norm."""
+    it), the block's sum of its squares goes to sq_out[block_id], and h times the next
+    RMSNorm's weight (rounded) to scaled_out: the next GEMV's input (`NORM_PARTS`)."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
@@ -150,6 +153,8 @@ def _epilogue(
             tl.store(out_ptr + offs, h, mask=mask)
             hf = tl.where(mask, h.to(tl.float32), 0.0)
             tl.store(sq_out_ptr + block_id, tl.sum(hf * hf, axis=0))
+            g = tl.load(next_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(scaled_out_ptr + offs, (hf * g).to(dtype), mask=mask)
         else:
             tl.store(out_ptr + offs, y.to(dtype), mask=mask)
     elif MODE == 1:
@@ -208,6 +213,8 @@ def _finish_block(
     kn_ptr,
     add,
     sq_out_ptr,
+    next_norm_ptr,
+    scaled_out_ptr,
     qk_eps,
     cos_sin_stride,
     cache_stride_slot,
@@ -231,9 +238,9 @@ def _finish_block(
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     _epilogue(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, pid_n, qk_eps,
-        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
-        HEAD_DIM, ADD,
+        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
+        scaled_out_ptr, pid_n, qk_eps, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads,
+        HAS_BIAS, MODE, HALF, HEAD_DIM, ADD,
     )  # fmt: skip
 
 
@@ -282,6 +289,8 @@ def _gemv_kernel(
     kn_ptr,
     add_ptr,
     sq_out_ptr,
+    next_norm_ptr,
+    scaled_out_ptr,
     sq_in_ptr,
     N,
     K,
@@ -347,12 +356,15 @@ def _gemv_kernel(
         # Requested now, used after the loop: the wait for it overlaps the weights' stream.
         add = tl.load(add_ptr + row_n, mask=row_mask, other=0.0).to(tl.float32)
     inv_rms = 0.0
-    if NORM and NORM_PARTS > 0:
-        # The row was summed by the GEMV that wrote it (ADD): its blocks' sums of squares.
+    parts_scale = 1.0
+    if NORM_PARTS > 0:
+        # x is the row already times the norm's weight, from the GEMV that wrote it (ADD), and
+        # these are its blocks' sums of squares: the norm is one scale of the sums, after the
+        # loop, so the loop is the plain product's. Requested now, the wait overlaps the loop.
         parts = tl.arange(0, NORM_PARTS)
         sq = tl.load(sq_in_ptr + parts, mask=parts < num_parts, other=0.0)
-        inv_rms = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    elif NORM:
+        parts_scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if NORM:
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
         # (Names differ from the loop's below: Triton would carry them into the loop.)
@@ -379,12 +391,14 @@ def _gemv_kernel(
         w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1) + head
+    if NORM_PARTS > 0:
+        y = y * parts_scale  # a split's partial sums too: the scale distributes over them
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, qk_eps, cos_sin_stride,
-            cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM,
-            ADD,
+            slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr, qk_eps,
+            cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N,
+            HALF, HEAD_DIM, ADD,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
@@ -403,9 +417,9 @@ def _gemv_kernel(
                     total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
                 _finish_block(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, qk_eps,
-                    cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE,
-                    BLOCK_N, HALF, HEAD_DIM, ADD,
+                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
+                    scaled_out_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
+                    num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM, ADD,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -424,6 +438,8 @@ def _gemv_reduce_kernel(
     kn_ptr,
     add_ptr,
     sq_out_ptr,
+    next_norm_ptr,
+    scaled_out_ptr,
     N,
     qk_eps,
     cos_sin_stride,
@@ -458,7 +474,8 @@ def _gemv_reduce_kernel(
             y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, tl.program_id(0), qk_eps,
+        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr,
+        tl.program_id(0), qk_eps,
         cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
         HEAD_DIM, ADD,
     )  # fmt: skip
@@ -585,6 +602,7 @@ def gemv(
     merge: str = "tickets",
     early: int | None = None,
     add: torch.Tensor | None = None,
+    next_norm_weight: torch.Tensor | None = None,
     norm_parts: torch.Tensor | None = None,
 ):
     """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
@@ -598,10 +616,12 @@ def gemv(
     are summed: "tickets" (in the kernel) or "kernel" (a second launch). `early` overrides the
     columns loaded before the wait (`early_columns`).
 
-    `add` ([1, N], plain product only): returns (h, sq) with h = y + add, rounded as
-    `fused_add_rms_norm` rounds its sum, and sq the fp32 sums of squares of h's blocks, which
-    another GEMV takes as `norm_parts` (with `norm_weight`, no `residual`) to norm h without
-    summing the row again."""
+    `add` ([1, N], plain product only, with `next_norm_weight` [N]): returns (h, sq, scaled)
+    with h = y + add, rounded as `fused_add_rms_norm` rounds its sum, sq the fp32 sums of
+    squares of h's blocks and scaled = h * next_norm_weight, rounded. Another GEMV takes
+    `scaled` as its x and sq as `norm_parts` (no `norm_weight`, no `residual`): it multiplies W
+    by the row as any GEMV does and scales its sums by the inverse RMS of h, which is the RMSNorm
+    of h without a pass over the row and without a step in its loop."""
     if merge not in ("tickets", "kernel"):
         raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
@@ -611,8 +631,12 @@ def gemv(
     norm = norm_weight is not None
     if add is not None and (act is not None or rope is not None):
         raise ValueError("add= goes with the plain product only (no act, no rope)")
-    if norm_parts is not None and (not norm or residual is not None):
-        raise ValueError("norm_parts= needs norm_weight= and no residual= (the row is summed)")
+    if norm_parts is not None and (norm or residual is not None):
+        raise ValueError(
+            "norm_parts= takes a row already times the norm's weight: no norm_weight=, no residual="
+        )
+    if (add is None) != (next_norm_weight is None):
+        raise ValueError("add= and next_norm_weight= go together")
     if norm and norm_parts is None and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
@@ -643,10 +667,11 @@ def gemv(
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, programs_n) if merge == "tickets" else None
-    sq_out = None
+    sq_out = scaled = None
     if add is not None:  # one sum of squares per block that writes the output
         writers = programs_n if split == 1 or tickets is not None else triton.cdiv(n_out, 1024)
         sq_out = torch.empty(writers, dtype=torch.float32, device=x.device)
+        scaled = torch.empty_like(out)
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.k_cache, rope.v_cache)
         rope_args += (rope.slot_mapping,)
@@ -674,6 +699,8 @@ def gemv(
         *rope_args,
         add if add is not None else out,
         sq_out if sq_out is not None else out,
+        next_norm_weight if add is not None else out,
+        scaled if scaled is not None else out,
         norm_parts if norm_parts is not None else out,
         n,
         k,
@@ -709,6 +736,8 @@ def gemv(
             *rope_args,
             add if add is not None else out,
             sq_out if sq_out is not None else out,
+            next_norm_weight if add is not None else out,
+            scaled if scaled is not None else out,
             n,
             qk_eps,
             *rope_ints,
@@ -720,7 +749,7 @@ def gemv(
             **pdl.options(x.device),
         )
     if sq_out is not None:
-        return out, sq_out
+        return out, sq_out, scaled
     return out if residual_out is None else (out, residual_out)
 
 
@@ -807,30 +836,29 @@ def linear_add_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
     residual: torch.Tensor,
+    next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.linear_add_small_m`."""
-    return gemv(x, weight, bias, add=residual)
+    return gemv(x, weight, bias, add=residual, next_norm_weight=next_norm_weight)
 
 
-def rms_norm_parts_linear_small_m(
-    x: torch.Tensor,
+def rms_scaled_linear_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
 ) -> torch.Tensor:
-    """See `atom_kernels.ops.rms_norm_parts_linear_small_m`."""
-    return gemv(x, weight, bias, act=act, norm_weight=norm_weight, norm_parts=sq, eps=eps)
+    """See `atom_kernels.ops.rms_scaled_linear_small_m`."""
+    return gemv(scaled, weight, bias, act=act, norm_parts=sq, eps=eps)
 
 
-def rms_norm_parts_linear_rope_store_small_m(
-    x: torch.Tensor,
+def rms_scaled_linear_rope_store_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -846,12 +874,12 @@ def rms_norm_parts_linear_rope_store_small_m(
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """See `atom_kernels.ops.rms_norm_parts_linear_rope_store_small_m`."""
+    """See `atom_kernels.ops.rms_scaled_linear_rope_store_small_m`."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
         head_dim, q_norm_weight, k_norm_weight, qk_eps,
     )  # fmt: skip
-    return gemv(x, weight, bias, rope=rope, norm_weight=norm_weight, norm_parts=sq, eps=eps)
+    return gemv(scaled, weight, bias, rope=rope, norm_parts=sq, eps=eps)
 
 
 def _normed_gemv(x, residual, norm_weight, eps, weight, bias, **epilogue):

@@ -467,38 +467,40 @@ def linear_add_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
     residual: torch.Tensor,
+    next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_small_m(x, weight, bias)` plus `residual` ([1, N]), the sum rounded to x's dtype
-    as `fused_add_rms_norm` rounds it, and its sum of squares for the RMSNorm that follows:
-    returns (h, sq), sq an fp32 vector whose sum is the sum of h's squares (on a GPU one entry
-    per block of outputs, from the GEMV's epilogue; one entry elsewhere). The norm after it then
-    needs no pass of its own over h (`rms_norm_parts_linear_small_m`)."""
+    as `fused_add_rms_norm` rounds it, with what the RMSNorm after it needs: returns
+    (h, sq, scaled), sq an fp32 vector whose sum is the sum of h's squares (on a GPU one entry
+    per block of outputs, from the GEMV's epilogue; one entry elsewhere) and scaled = h times
+    that norm's weight `next_norm_weight` ([N]), rounded. The GEMV after the norm then takes
+    `scaled` and sq (`rms_scaled_linear_small_m`): the norm needs no launch of its own."""
     _check_small_m(x, weight, bias, None)
-    if residual.shape != (1, weight.shape[0]) or not residual.is_contiguous():
-        raise ValueError(
-            f"residual {tuple(residual.shape)} must be one contiguous row [1, {weight.shape[0]}]"
-        )
+    n = weight.shape[0]
+    if residual.shape != (1, n) or not residual.is_contiguous():
+        raise ValueError(f"residual {tuple(residual.shape)} must be one contiguous row [1, {n}]")
+    if next_norm_weight.shape != (n,):
+        raise ValueError(f"next_norm_weight {tuple(next_norm_weight.shape)} must be [{n}]")
 
 
-@op(triton="gemv.rms_norm_parts_linear_small_m", on="x")
-def rms_norm_parts_linear_small_m(
-    x: torch.Tensor,
+@op(triton="gemv.rms_scaled_linear_small_m", on="scaled")
+def rms_scaled_linear_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
 ) -> torch.Tensor:
-    """`linear_small_m(rms_norm(x), ...)` (with `act`) for a row x whose sum of squares is
-    `sq.sum()` (from `linear_add_small_m`): on a GPU the GEMV norms each step of x as it reads
-    it, with no pass over the row first; elsewhere the reference norm and `F.linear`."""
-    k = weight.shape[1]
-    _check_small_m(x, weight, bias, act)
-    if norm_weight.shape != (k,):
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
+    """`linear_small_m(rms_norm(h), ...)` (with `act`) from what `linear_add_small_m` left of
+    the row h: `scaled` (h times the norm's weight) and `sq` (sq.sum() is the sum of h's
+    squares). W times `scaled`, scaled by h's inverse RMS, is W times the normed row: on a GPU
+    the plain GEMV's loop with one multiply of its sums after it, no pass over the row and no
+    norm launch (the normed row is not rounded to the dtype before the product, as the
+    unfused path rounds it: the results differ in the last bits)."""
+    _check_small_m(scaled, weight, bias, act)
     if sq.dim() != 1 or sq.dtype != torch.float32 or sq.numel() == 0:
         raise ValueError(f"sq must be a non-empty fp32 vector (got {tuple(sq.shape)} {sq.dtype})")
 
@@ -534,11 +536,10 @@ def rms_norm_linear_rope_store_small_m(
     )  # fmt: skip
 
 
-@op(triton="gemv.rms_norm_parts_linear_rope_store_small_m", on="x")
-def rms_norm_parts_linear_rope_store_small_m(
-    x: torch.Tensor,
+@op(triton="gemv.rms_scaled_linear_rope_store_small_m", on="scaled")
+def rms_scaled_linear_rope_store_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -554,13 +555,12 @@ def rms_norm_parts_linear_rope_store_small_m(
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """`rms_norm_linear_rope_store_small_m` for a row x already summed with its residual, whose
-    sum of squares is `sq.sum()` (`linear_add_small_m`): returns qkv. On a GPU one GEMV launch
-    that norms each step of x as it reads it."""
-    rms_norm_parts_linear_small_m.op.check(x, sq, norm_weight, eps, weight, bias)
+    """`rms_norm_linear_rope_store_small_m` from what `linear_add_small_m` left of the row (see
+    `rms_scaled_linear_small_m`): returns qkv. On a GPU one GEMV launch."""
+    rms_scaled_linear_small_m.op.check(scaled, sq, eps, weight, bias)
     linear_rope_store_small_m.op.check(
-        x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-        num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        scaled, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
     )  # fmt: skip
 
 

@@ -278,30 +278,35 @@ def linear_add_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
     residual: torch.Tensor,
+    next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(x) + residual rounded to x's dtype, [sum of its squares])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h = F.linear(x) + residual rounded to x's dtype, [sum of h's squares], h times
+    next_norm_weight rounded)."""
     h = (torch.nn.functional.linear(x, weight, bias).float() + residual.float()).to(x.dtype)
-    return h, h.float().pow(2).sum().reshape(1)
+    scaled = (h.float() * next_norm_weight.float()).to(x.dtype)
+    return h, h.float().pow(2).sum().reshape(1), scaled
 
 
-def rms_norm_parts_linear_small_m(
-    x: torch.Tensor,
+def rms_scaled_linear_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
 ) -> torch.Tensor:
-    """The RMSNorm of x from its sum of squares `sq.sum()`, then `linear_small_m`."""
-    return linear_small_m(_norm_from_parts(x, sq, norm_weight, eps), weight, bias, act=act)
+    """The product of W and a row already times the norm's weight, scaled by the row's inverse
+    RMS from `sq.sum()`, then the bias and `act`."""
+    y = _scaled_product(scaled, sq, eps, weight, bias)
+    return y if act is None else silu_and_mul(y)
 
 
-def _norm_from_parts(x, sq, norm_weight, eps):
-    inv_rms = torch.rsqrt(sq.sum() / x.shape[-1] + eps)
-    return (x.float() * inv_rms * norm_weight.float()).to(x.dtype)
+def _scaled_product(scaled, sq, eps, weight, bias):
+    inv_rms = torch.rsqrt(sq.sum() / scaled.shape[-1] + eps)
+    y = torch.nn.functional.linear(scaled.float(), weight.float()) * inv_rms
+    return (y if bias is None else y + bias.float()).to(scaled.dtype)
 
 
 def _add_and_norm(x, residual, norm_weight, eps):
@@ -340,10 +345,9 @@ def rms_norm_linear_rope_store_small_m(
     return qkv, total
 
 
-def rms_norm_parts_linear_rope_store_small_m(
-    x: torch.Tensor,
+def rms_scaled_linear_rope_store_small_m(
+    scaled: torch.Tensor,
     sq: torch.Tensor,
-    norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -359,11 +363,14 @@ def rms_norm_parts_linear_rope_store_small_m(
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """The norm of x from its sum of squares, then `linear_rope_store_small_m`."""
-    return linear_rope_store_small_m(
-        _norm_from_parts(x, sq, norm_weight, eps), weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+    """`rms_scaled_linear_small_m`'s product, then QK-norm, rotary and the cache store as
+    `linear_rope_store_small_m` finishes it."""
+    qkv = _scaled_product(scaled, sq, eps, weight, bias)
+    qk_norm_rope_store_(
+        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, k_cache, v_cache,
+        slot_mapping, num_heads, num_kv_heads, head_dim,
     )  # fmt: skip
+    return qkv
 
 
 # ---------------------------------------------------------------------------------------------

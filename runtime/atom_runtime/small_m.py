@@ -45,9 +45,10 @@ REFINE_MARGIN = 0.01
 # choices on a whole batch-1 step (`refine_small_m_kernels`); "cublas": always cuBLAS;
 # "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
 SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
-# "1": the residual add and the RMSNorm's sum of squares move into the GEMV that writes the row
-# (o_proj, down, out_proj: "gemv+add"), and the GEMV after the norm norms from those sums
-# ("gemv+sumnorm"), so the norm needs no launch of its own. Off by default until measured.
+# "1": the residual add, the RMSNorm's sum of squares and the row times the norm's weight move
+# into the GEMV that writes the row (o_proj, down, out_proj: "gemv+add"), and the GEMV after the
+# norm multiplies by that row and scales its sums by the inverse RMS ("gemv+sumnorm"), so the
+# norm needs no launch of its own. Off by default until measured.
 NORM_IN_PRODUCER_ENV = "ATOM_NORM_IN_PRODUCER"
 
 
@@ -94,9 +95,10 @@ def small_m_paths(layer: LinearBase) -> list[str]:
     """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
     has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope" (with
     QK-norm when the model has it), "gemv+norm+rope"; with ATOM_NORM_IN_PRODUCER=1 also
-    "gemv+add" (the residual add and the next norm's sums of squares in the epilogue) for a
-    layer whose output goes to the residual stream, "gemv+sumnorm", "gemv+sumnorm+act" and
-    "gemv+sumnorm+rope" (the norm from those sums) for one after a norm."""
+    "gemv+add" (the residual add, the next norm's sums of squares and the row times its weight
+    in the epilogue) for a layer whose output goes to the residual stream, "gemv+sumnorm",
+    "gemv+sumnorm+act" and "gemv+sumnorm+rope" (the normed input from those) for one after a
+    norm."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
@@ -163,21 +165,25 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
         fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
         built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
         usable = ["cublas", *built]
-        times = graph_times(
-            *(lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable)  # noqa: B023
-        )
-        timed = dict(zip(usable, times, strict=True))
+        runs = [lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable]  # noqa: B023
+        adds = "gemv+add" in usable
+        if adds:  # and the norm's launch after each layer, which the add path saves
+            runs.append(_norm_launches(layers))
+        times = graph_times(*runs)
+        timed = dict(zip(usable, times[: len(usable)], strict=True))
         choice[key] = min(timed, key=timed.get)
-        if choice[key] == "gemv" and "gemv+add" in timed:
-            # The add costs the epilogue a residual load and saves the norm after it its
-            # add and its pass over the row: timed alone it cannot show what it saves there.
+        if adds and timed["gemv+add"] < timed[choice[key]] + times[-1]:
+            # The add path leaves the norm after it nothing to launch (the next GEMV takes the
+            # row from this one's epilogue): timed alone it cannot show that, so it wins when
+            # it costs less than the fastest path and that norm's launch.
             choice[key] = "gemv+add"
         use_small_m_path(layers, choice[key])
         log.info(
-            "one-row %s projections (%d layers): %s -> %s",
+            "one-row %s projections (%d layers): %s%s -> %s",
             key,
             len(layers),
             ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
+            f"; the norm after it {times[-1] * 1e3 / len(layers):.1f} us" if adds else "",
             choice[key],
         )
     return choice
@@ -303,6 +309,15 @@ def refine_small_m_kernels(
     return choice
 
 
+def _norm_launches(layers: list[LinearBase]):
+    """A function launching the residual add + RMSNorm of one output row of each layer, as the
+    norm after a projection that adds to the residual stream runs without the add path."""
+    like = layers[0].weight
+    row = torch.randn(1, like.shape[0], dtype=like.dtype, device=like.device)
+    residual, weight = torch.randn_like(row), torch.ones_like(row[0])
+    return lambda: [ops.fused_add_rms_norm(row, residual, weight, 1e-6) for _ in layers]
+
+
 def _one_row_paths(layer: LinearBase) -> dict:
     """{path name: function of a weight}: a one-row product with that weight along each of the
     layer's paths, with the add + RMSNorm before it, the activation after it, and the rotary +
@@ -313,8 +328,10 @@ def _one_row_paths(layer: LinearBase) -> dict:
     x = torch.randn(1, k, dtype=like.dtype, device=like.device)
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
-    # Stand-ins for a producer's residual row and its blocks' sums of squares (16 rows each).
+    # Stand-ins for a producer's residual row and the next norm's weight, and for a consumer's
+    # sums of squares from its producer (blocks of 16 rows; x stands in for the scaled row).
     out_residual = torch.randn(1, like.shape[0], dtype=like.dtype, device=like.device)
+    next_norm_w = torch.ones(like.shape[0], dtype=like.dtype, device=like.device)
     sq = torch.ones(-(-k // 16), dtype=torch.float32, device=like.device)
     rope = _rope_target(layer) if layer.rope_after else None
     qk_norms = (None, None)
@@ -326,19 +343,17 @@ def _one_row_paths(layer: LinearBase) -> dict:
 
         def run(w):
             if path == "gemv+add":
-                return ops.linear_add_small_m(x, w, out_residual)
+                return ops.linear_add_small_m(x, w, out_residual, next_norm_w)
             if "+sumnorm" in path and fuse_rope:
-                return ops.rms_norm_parts_linear_rope_store_small_m(
-                    x, sq, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
+                return ops.rms_scaled_linear_rope_store_small_m(
+                    x, sq, 1e-6, w, None, *rope, *qk_norms, 1e-6
                 )
             if fuse_norm and fuse_rope:
                 return ops.rms_norm_linear_rope_store_small_m(
                     x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
                 )[0]
             if "+sumnorm" in path:
-                y = ops.rms_norm_parts_linear_small_m(
-                    x, sq, norm_w, 1e-6, w, act=act if fuse_act else None
-                )
+                y = ops.rms_scaled_linear_small_m(x, sq, 1e-6, w, act=act if fuse_act else None)
             elif fuse_norm:
                 y = ops.rms_norm_linear_small_m(
                     x, residual, norm_w, 1e-6, w, act=act if fuse_act else None

@@ -546,9 +546,9 @@ def test_linear_rope_store_small_m_checks_and_routes(gemv_mod, device):
 )
 @pytest.mark.parametrize("act", [None, "silu_mul"])
 def test_gemv_add_then_norm_from_its_parts(gemv_mod, device, dtype, split, block_k, merge, act):
-    """A producer GEMV that adds the residual and leaves its blocks' sums of squares, then a
-    consumer GEMV that norms from those sums: the same as F.linear, fused_add_rms_norm and
-    F.linear (+ SwiGLU) one after the other."""
+    """A producer GEMV that adds the residual and leaves its blocks' sums of squares and the row
+    times the next norm's weight, then a consumer GEMV that takes those: the same as F.linear,
+    fused_add_rms_norm and F.linear (+ SwiGLU) one after the other."""
     hidden, k_in, n_next = 300, 200, 37
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, k_in, generator=g).to(dtype).to(device)
@@ -558,18 +558,22 @@ def test_gemv_add_then_norm_from_its_parts(gemv_mod, device, dtype, split, block
     w_next = (torch.randn(rows, hidden, generator=g) / hidden**0.5).to(dtype).to(device)
     norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
 
-    h, sq = gemv_mod.gemv(x, w_out, add=residual, split=split, block_k=block_k, merge=merge)
+    h, sq, scaled = gemv_mod.gemv(
+        x, w_out, add=residual, next_norm_weight=norm_w, split=split, block_k=block_k,
+        merge=merge,
+    )  # fmt: skip
     want_normed, want_h = reference.fused_add_rms_norm(
         F.linear(x, w_out), residual.clone(), norm_w, 1e-6
     )
     torch.testing.assert_close(h, want_h, **TOL[dtype])
     torch.testing.assert_close(sq.sum(), h.float().pow(2).sum(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scaled, (h.float() * norm_w.float()).to(dtype), **TOL[dtype])
 
-    y = gemv_mod.gemv(h, w_next, act=act, norm_weight=norm_w, norm_parts=sq, eps=1e-6)
+    y = gemv_mod.gemv(scaled, w_next, act=act, norm_parts=sq, eps=1e-6)
+    torch.testing.assert_close(y, _want(want_normed, w_next, None, act), **TOL[dtype])
     torch.testing.assert_close(
-        y, _want(reference.rms_norm(h, norm_w, 1e-6), w_next, None, act), **TOL[dtype]
+        y, reference.rms_scaled_linear_small_m(scaled, sq, 1e-6, w_next, act=act), **TOL[dtype]
     )
-    assert want_normed.shape == h.shape
 
 
 def test_gemv_add_and_norm_parts_refuse_what_they_do_not_fit(gemv_mod, device):
@@ -581,8 +585,12 @@ def test_gemv_add_and_norm_parts_refuse_what_they_do_not_fit(gemv_mod, device):
             add=torch.randn(1, 32, device=device),
             act="silu_mul",
         )
+    with pytest.raises(ValueError, match="go together"):
+        gemv_mod.gemv(x, torch.randn(64, 64, device=device), add=torch.randn(1, 64, device=device))
     with pytest.raises(ValueError, match="norm_parts"):
-        gemv_mod.gemv(x, w, norm_parts=torch.ones(2, device=device))
+        gemv_mod.gemv(
+            x, w, norm_weight=torch.ones(64, device=device), norm_parts=torch.ones(2, device=device)
+        )
     with pytest.raises(ValueError, match="norm_parts"):
         gemv_mod.gemv(
             x,
@@ -596,8 +604,9 @@ def test_gemv_add_and_norm_parts_refuse_what_they_do_not_fit(gemv_mod, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_gemv_rope_store_norms_from_the_parts_as_from_the_row(gemv_mod, device, dtype, qk_norm):
-    """The qkv GEMV with rotary + cache store (and QK-norm) norming its input from a producer's
-    sums of squares gives what it gives with the norm computed from the row in its prologue."""
+    """The qkv GEMV with rotary + cache store (and QK-norm) taking its normed input from what a
+    producer left (the row times the norm's weight, its sums of squares) gives what it gives
+    with the norm computed from the row in its prologue."""
     heads, kv_heads, head_dim, hidden = 4, 2, 16, 96
     n = (heads + 2 * kv_heads) * head_dim
     g = torch.Generator().manual_seed(8)
@@ -611,10 +620,10 @@ def test_gemv_rope_store_norms_from_the_parts_as_from_the_row(gemv_mod, device, 
     qk = (torch.rand(head_dim, generator=g) + 0.5).to(dtype).to(device) if qk_norm else None
     caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(4)]
     pos, slot = torch.tensor([5], device=device), torch.tensor([6], device=device)
-    h, sq = gemv_mod.gemv(x, w_out, add=residual)
-    got = gemv_mod.rms_norm_parts_linear_rope_store_small_m(
-        h, sq, norm_w, 1e-6, w, None, pos, cos_sin, caches[0], caches[1], slot, heads,
-        kv_heads, head_dim, qk, qk, 1e-6,
+    h, sq, scaled = gemv_mod.gemv(x, w_out, add=residual, next_norm_weight=norm_w)
+    got = gemv_mod.rms_scaled_linear_rope_store_small_m(
+        scaled, sq, 1e-6, w, None, pos, cos_sin, caches[0], caches[1], slot, heads, kv_heads,
+        head_dim, qk, qk, 1e-6,
     )  # fmt: skip
     want, _ = gemv_mod.rms_norm_linear_rope_store_small_m(
         h, None, norm_w, 1e-6, w, None, pos, cos_sin, caches[2], caches[3], slot, heads,

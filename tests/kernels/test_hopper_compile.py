@@ -68,16 +68,18 @@ SCRIPT = textwrap.dedent(
             gemv.PLAIN, False, 4, 16, 128, True, 0),
         "swiglu": (gemv.SWIGLU, False, 1, 16, 128, False, 0),
         "norm": (gemv.PLAIN, True, 1, 16, 128, False, 0),
-        "norm from sums of squares, swiglu": (gemv.SWIGLU, True, 1, 16, 1024, False, 256),
+        "scaled row + sums of squares, swiglu": (gemv.SWIGLU, False, 1, 16, 1024, False, 256),
+        "scaled row + sums of squares, split": (gemv.PLAIN, False, 4, 8, 128, False, 256),
         "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512, False, 0),
         "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128, False, 0),
-        "norm from sums of squares + qk-norm + rope": (gemv.NORM_ROPE, True, 4, 128, 512, False, 32),
+        "scaled row + sums of squares, qk-norm + rope": (
+            gemv.NORM_ROPE, False, 4, 128, 512, False, 32),
     }
     for name, (mode, norm, split, block_n, early, add, parts) in variants.items():
-        consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm and not parts,
-                      SPLIT=split, TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
-                      ROW_BLOCK=1024 if norm and not parts else 1, HALF=64, HEAD_DIM=128,
-                      PDL=False, ADD=add, NORM_PARTS=parts)
+        consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm, SPLIT=split,
+                      TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
+                      ROW_BLOCK=1024 if norm else 1, HALF=64, HEAD_DIM=128, PDL=False, ADD=add,
+                      NORM_PARTS=parts)
         try:
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
         except Exception as exc:

@@ -56,7 +56,8 @@ class LinearBase(nn.Module):
         self.fuse_rope = False
         # Producer and consumer of a `SummedRow` (ATOM_NORM_IN_PRODUCER=1, small_m.py): the
         # GEMV adds the residual in its epilogue (`add_residual`), and the GEMV after the next
-        # norm norms from the sums of squares it left (`fuse_norm_parts`).
+        # norm takes the row times the norm's weight and the sums of squares it left
+        # (`fuse_norm_parts`).
         self.add_residual = False
         self.fuse_norm_parts = False
 
@@ -74,12 +75,13 @@ class LinearBase(nn.Module):
         """`norm` (an RMSNorm, adding `residual` first when given), then this layer. Returns
         (output, residual after the add; x itself without a residual, or when `residual` is a
         `SummedRow`: x is the sum already). A one-row x runs the norm inside the GEMV when the
-        layer's group chose that, from the SummedRow's sums of squares when it has them."""
+        layer's group chose that, from what the SummedRow carries for this norm when it does."""
         if isinstance(residual, SummedRow):
-            if self.gemv and self.fuse_norm_parts and x.shape[0] == 1:
+            scaled = residual.scaled_for(norm)
+            if self.gemv and self.fuse_norm_parts and x.shape[0] == 1 and scaled is not None:
                 fused = self.act_after if self.fuse_act else None
-                y = ops.rms_norm_parts_linear_small_m(
-                    x, residual.sq, norm.weight, norm.eps, self.weight, self._bias(), act=fused
+                y = ops.rms_scaled_linear_small_m(
+                    scaled, residual.sq, norm.eps, self.weight, self._bias(), act=fused
                 )
                 return (y if fused is not None else self._activate(y)), x
             residual = None  # the add is done: norm x alone
@@ -92,11 +94,14 @@ class LinearBase(nn.Module):
         normed, residual = norm.with_residual(x, residual)
         return self(normed), residual
 
-    def forward_adding(self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None):
-        """This layer, whose output the model adds to `residual` at the next norm. Returns
-        (output, residual) as they go on to that norm: (self(x), residual), or, for a one-row
-        x when the layer's group adds in its GEMV (`add_residual`, one rank), (x's output +
-        residual, SummedRow with the sums of squares)."""
+    def forward_adding(
+        self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None, next_norm: RMSNorm
+    ):
+        """This layer, whose output the model adds to `residual` at the next norm, `next_norm`.
+        Returns (output, residual) as they go on to that norm: (self(x), residual), or, for a
+        one-row x when the layer's group adds in its GEMV (`add_residual`, one rank), (x's
+        output + residual, SummedRow with its sums of squares and it times the norm's
+        weight)."""
         if (
             self.gemv
             and self.add_residual
@@ -104,8 +109,10 @@ class LinearBase(nn.Module):
             and isinstance(residual, torch.Tensor)
             and tp_size() == 1
         ):
-            h, sq = ops.linear_add_small_m(x, self.weight, residual, self._bias())
-            return h, SummedRow(sq)
+            h, sq, scaled = ops.linear_add_small_m(
+                x, self.weight, residual, next_norm.weight, self._bias()
+            )
+            return h, SummedRow(sq, scaled, next_norm.weight)
         return self(x), residual
 
     def fuses_rope(self, x: torch.Tensor) -> bool:

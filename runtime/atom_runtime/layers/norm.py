@@ -12,11 +12,18 @@ from atom_runtime.layers.weights import copy_weight
 class SummedRow(NamedTuple):
     """What a layer passes on in place of the residual when the projection that wrote the row
     already added the residual to it (`LinearBase.forward_adding`): the row is hidden +
-    residual, and `sq` holds that GEMV's sums of squares of it (their sum is the row's), from
-    which the GEMV after the next RMSNorm norms it (`LinearBase.forward_normed`). Any other
+    residual, `sq` holds that GEMV's sums of squares of it (their sum is the row's) and
+    `scaled` the row times `norm_weight`, the weight of the RMSNorm it goes to next, from which
+    the GEMV after that norm takes its normed input (`LinearBase.forward_normed`). Any other
     consumer norms the row as it is: the add is done."""
 
     sq: torch.Tensor
+    scaled: torch.Tensor
+    norm_weight: torch.Tensor
+
+    def scaled_for(self, norm: RMSNorm) -> torch.Tensor | None:
+        """`scaled` when it was made with `norm`'s weight, else None."""
+        return self.scaled if self.norm_weight is norm.weight else None
 
 
 class RMSNorm(nn.Module):

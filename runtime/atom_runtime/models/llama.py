@@ -57,9 +57,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))
 
-    def attend_normed(self, positions, hidden, residual, norm):
+    def attend_normed(self, positions, hidden, residual, norm, next_norm):
         """`norm` (adding `residual` first when given), the qkv projection, attention, o_proj.
-        Returns (output, residual after the add), as `o_proj.forward_adding` passes them on."""
+        Returns (output, residual after the add), as `o_proj.forward_adding` passes them on to
+        `next_norm`."""
         proj = self.qkv_proj
         if proj.fuses_rope(hidden):
             rope = (positions, self.rotary.cos_sin_cache)
@@ -67,10 +68,11 @@ class LlamaAttention(nn.Module):
                 rope += (self.q_norm.weight, self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
             summed = isinstance(residual, SummedRow)  # down's GEMV added the residual
-            if summed and proj.fuse_norm_parts:  # the norm from its sums of squares
+            scaled = residual.scaled_for(norm) if summed else None
+            if scaled is not None and proj.fuse_norm_parts:  # the norm from what it left
                 q, residual = self.attn.prepare_one_row_normed(
                     hidden, None, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
-                    eps=eps, sq=residual.sq,
+                    eps=eps, summed=(scaled, residual.sq),
                 )  # fmt: skip
             elif proj.fuse_norm:  # the input norm in the same launch
                 q, residual = self.attn.prepare_one_row_normed(
@@ -80,9 +82,9 @@ class LlamaAttention(nn.Module):
             else:
                 normed, residual = norm.with_residual(hidden, residual)
                 q = self.attn.prepare_one_row(normed, proj.weight, proj.bias, *rope, eps=eps)
-            return self.o_proj.forward_adding(self.attn(q), residual)
+            return self.o_proj.forward_adding(self.attn(q), residual, next_norm)
         qkv, residual = proj.forward_normed(hidden, residual, norm)
-        return self.o_proj.forward_adding(self.attention(positions, qkv), residual)
+        return self.o_proj.forward_adding(self.attention(positions, qkv), residual, next_norm)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
@@ -129,11 +131,13 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm runs with the projection after it (one kernel for a one-row batch when
         # the GEMV won for that shape, see layers.linear).
         attn, mlp = self.self_attn, self.mlp
-        hidden, residual = attn.attend_normed(positions, hidden, residual, self.input_layernorm)
+        hidden, residual = attn.attend_normed(
+            positions, hidden, residual, self.input_layernorm, self.post_attention_layernorm
+        )
         h, residual = mlp.gate_up_proj.forward_normed(
             hidden, residual, self.post_attention_layernorm
         )
-        return mlp.down_proj.forward_adding(h, residual)
+        return mlp.down_proj.forward_adding(h, residual, self.next_norm)
 
 
 class LlamaForCausalLM(CausalLM):

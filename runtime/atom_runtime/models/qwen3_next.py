@@ -90,9 +90,9 @@ class GatedAttention(nn.Module):
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, residual):
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, residual, next_norm):
         """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj. Returns
-        (output, residual) as `o_proj.forward_adding` passes them on to the next norm."""
+        (output, residual) as `o_proj.forward_adding` passes them on to `next_norm`."""
         t, hd, nh = qkv.shape[0], self.head_dim, self.num_heads
         # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
         q, k, v = self.attn.prepare(
@@ -101,7 +101,7 @@ class GatedAttention(nn.Module):
         )  # fmt: skip
         gate = qkv[:, : nh * 2 * hd].view(t, nh, 2 * hd)[..., hd:]
         out = ops.sigmoid_gate_mul(self.attn(q, k, v).view(t, nh, hd), gate)
-        return self.o_proj.forward_adding(out.view(t, nh * hd), residual)
+        return self.o_proj.forward_adding(out.view(t, nh * hd), residual, next_norm)
 
 
 class GatedDeltaNet(nn.Module):
@@ -198,9 +198,9 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
 
-    def mix(self, proj: torch.Tensor, residual):
+    def mix(self, proj: torch.Tensor, residual, next_norm):
         """The layer from in_proj's output on: conv, gates, recurrence, gated norm, out_proj.
-        Returns (output, residual) as `out_proj.forward_adding` passes them on."""
+        Returns (output, residual) as `out_proj.forward_adding` passes them on to `next_norm`."""
         if self.ssm_state.numel() == 0:
             raise RuntimeError("state slots not allocated: the model runner binds them first")
         meta = get_state_metadata()
@@ -215,7 +215,7 @@ class GatedDeltaNet(nn.Module):
                 self.dt_bias, self.norm.weight, self.norm.eps, meta.slot_ids,
                 meta.has_initial_state, self.k_dim**-0.5,
             )  # fmt: skip
-            return self.out_proj.forward_adding(o, residual)
+            return self.out_proj.forward_adding(o, residual, next_norm)
         z = proj[:, self.conv_dim : self.conv_dim + vs]
         b = proj[:, self.conv_dim + vs : self.conv_dim + vs + nv]
         a = proj[:, self.conv_dim + vs + nv :]
@@ -237,7 +237,7 @@ class GatedDeltaNet(nn.Module):
             self.norm.weight,
             self.norm.eps,
         )
-        return self.out_proj.forward_adding(o.reshape(t, vs), residual)
+        return self.out_proj.forward_adding(o.reshape(t, vs), residual, next_norm)
 
 
 class DenseMLP(nn.Module):
@@ -326,18 +326,18 @@ class HybridDecoderLayer(nn.Module):
         # Each norm runs with the projection after it: one kernel for a one-row batch when the
         # GEMV with the norm fused in won for that shape (layers.linear). The MoE's router and
         # shared expert read the normed row, so a MoE layer's post-attention norm runs alone.
-        norm = self.input_layernorm
+        norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if self.is_linear:
             proj, residual = self.linear_attn.in_proj.forward_normed(hidden, residual, norm)
-            mixed, residual = self.linear_attn.mix(proj, residual)
+            mixed, residual = self.linear_attn.mix(proj, residual, post_norm)
         else:
             qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, norm)
-            mixed, residual = self.self_attn.attend(positions, qkv, residual)
+            mixed, residual = self.self_attn.attend(positions, qkv, residual, post_norm)
         if self.dense_mlp:
             gate_up = self.mlp.gate_up_proj
-            h, residual = gate_up.forward_normed(mixed, residual, self.post_attention_layernorm)
-            return self.mlp.down_proj.forward_adding(h, residual)
-        normed, residual = self.post_attention_layernorm(mixed, residual)
+            h, residual = gate_up.forward_normed(mixed, residual, post_norm)
+            return self.mlp.down_proj.forward_adding(h, residual, self.next_norm)
+        normed, residual = post_norm(mixed, residual)
         return self.mlp(normed), residual
 
 
