@@ -3,27 +3,33 @@
     python benchmarks/prefill_dense_bench.py [--out prefill_dense.json] [--explore [all]]
     python benchmarks/prefill_dense_bench.py --ttft benchmarks/configs/qwen3-0.6b,...
 
-Kernels: one 8,192-token prompt, 2 of 4,096, 8 of 1,024 and 5 of mixed lengths, with
-Llama-3.1-8B (32 q / 8 KV heads, head_dim 128), Qwen3-0.6B (16 / 8, 128) and Qwen3.5-4B (16 / 4,
-256) heads, bf16. q, k and v are views into one fused qkv tensor, as the layer holds them.
-Timed: `ops.varlen_causal_attention` (the dense path), the paged Triton kernel over the same
-K/V in 16-token pages scattered at random (its default launch), and torch SDPA on dense
-contiguous [batch, heads, tokens, head_dim] tensors (`enable_gqa`; prompts of mixed lengths one
-call each, times summed), the peer of earlier sessions' figures. TFLOP/s count 4 * head_dim
-FLOPs per visible (query, key, head) pair; `of_sdpa` = SDPA time / this time; `max_err`
-against the fp32 torch reference.
+Kernels: one 8,192-token prompt, one of 5,003 (padded to its 5,120-token bucket on the dense
+path), 2 of 4,096, 8 of 1,024 and 5 of mixed lengths, with Llama-3.1-8B (32 q / 8 KV heads,
+head_dim 128), Qwen3-0.6B (16 / 8, 128) and Qwen3.5-4B (16 / 4, 256) heads, bf16. q, k and v are
+views into one fused qkv tensor, as the layer holds them. Timed: `ops.varlen_causal_attention`
+(the dense path), the paged Triton kernel over the same K/V in 16-token pages scattered at
+random (its default launch), and torch SDPA on dense contiguous [batch, heads, tokens, head_dim]
+tensors (`enable_gqa`; prompts of mixed lengths one call each, times summed), the peer of
+earlier sessions' figures. TFLOP/s count 4 * head_dim FLOPs per visible (query, key, head) pair
+of the real tokens; `of_sdpa` = SDPA time / this time; `max_err` against the fp32 torch
+reference; `engine` is the path the attention layer takes for that step
+(`varlen_attention.takes_dense_path`).
 
 `--explore`: each way of the dense path forced for every shape (one flash launch, SDPA per
 chunk) and SDPA on dense tensors with flash attention forced, then a CUDA-graph capture of the
 dense op replayed with new inputs; `--explore all` adds the public
 `torch.nn.attention.varlen.varlen_attn` and cuDNN's ragged attention.
 
-Before the kernels: the dense op's first call at a few prompt lengths it has not seen, against
-its next call (cuDNN builds a plan per shape).
+Before the kernels (`first_calls`), per head config: SDPA's first call on an unpadded chunk of a
+length it has not seen against its next call (cuDNN builds a plan per shape: what every new
+prompt length cost before the buckets), the engine's start-up warm-up of every bucket of an
+8,192-token budget (count, seconds), then the dense op's first and next call at lengths never
+seen (5,003, 8,001, 1,500, 3,333): after the warm-up a first call should cost what the next does.
 
-`--ttft`: time to first token of one 8,192-token prompt and of 8 prompts of 1,024 (dummy
-weights, one step each) with the dense path on (ATOM_DENSE_PREFILL=1, where the start-up probe
-passes) and off, per model config, best of five.
+`--ttft`: time to first token of one 8,192-token prompt, of one 5,003-token prompt and of 8
+prompts of 1,024 (dummy weights, one step each) with the dense path on (the default, where the
+start-up probe passes) and off, per model config: the first run of each (the engine's first
+sight of 5,003 tokens on the dense path: no plan may be built then) and the best of five.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ import torch
 from kernels_bench import _paged_cache, _time_ms
 
 HEADS = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen3.5-4b": (16, 4, 256)}
-SHAPES = {"1x8192": [8192], "2x4096": [4096] * 2, "8x1024": [1024] * 8,
+SHAPES = {"1x8192": [8192], "1x5003": [5003], "2x4096": [4096] * 2, "8x1024": [1024] * 8,
           "5 mixed": [4000, 2500, 1200, 400, 92]}  # fmt: skip
+NEW_LENGTHS = (5003, 8001, 1500, 3333)  # first_calls: no bucket, none seen before the timing
+BUDGET = 8192  # the engine's default max_num_batched_tokens
 PAGE = 16
 
 
@@ -169,9 +177,12 @@ def err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_kernels(explore: bool) -> list[dict]:
+    from atom_kernels.varlen_attention import takes_dense_path
+
     rows = []
     for model, heads in HEADS.items():
         for shape, lens in SHAPES.items():
+            engine = "dense" if takes_dense_path(tuple(lens), heads[2]) else "paged"
             p = FreshPrefill(heads, lens)
             want = p.want()
             sdpa_ms = p.sdpa_ms()
@@ -189,7 +200,8 @@ def bench_kernels(explore: bool) -> list[dict]:
                     cands += [("varlen_attn", p.varlen_attn, None),
                               ("cudnn varlen", p.cudnn_varlen, None)]  # fmt: skip
             print(f"{model:13s} {shape:7s} {'sdpa dense':16s} {sdpa_ms:7.3f} ms "
-                  f"{p.flops / (sdpa_ms * 1e-3) / 1e12:5.0f} TFLOP/s", flush=True)  # fmt: skip
+                  f"{p.flops / (sdpa_ms * 1e-3) / 1e12:5.0f} TFLOP/s  (engine: {engine})",
+                  flush=True)  # fmt: skip
             rows.append(dict(model=model, shape=shape, impl="sdpa dense", ms=round(sdpa_ms, 4),
                              TFLOP_per_s=round(p.flops / (sdpa_ms * 1e-3) / 1e12, 1)))  # fmt: skip
             for name, fn, post in cands:
@@ -203,7 +215,7 @@ def bench_kernels(explore: bool) -> list[dict]:
                 tflops = p.flops / (ms * 1e-3) / 1e12
                 row = dict(model=model, shape=shape, impl=name, ms=round(ms, 4),
                            TFLOP_per_s=round(tflops, 1), of_sdpa=round(sdpa_ms / ms, 3),
-                           max_err=err(out, want))  # fmt: skip
+                           max_err=err(out, want), engine=engine)  # fmt: skip
                 rows.append(row)
                 print(f"{model:13s} {shape:7s} {name:16s} {ms:7.3f} ms {tflops:5.0f} TFLOP/s "
                       f"{sdpa_ms / ms:5.0%} of SDPA  err {row['max_err']}", flush=True)  # fmt: skip
@@ -230,45 +242,78 @@ def check_graph_capture() -> dict:
     return {"graph_replay_max_err_vs_reference": err(out, p.want())}
 
 
-def first_calls() -> list[dict]:
-    """The dense op's first call at prompt lengths it has not seen (one chunk: cuDNN plans per
-    shape) against its next call at the same length, Llama-3.1-8B heads."""
-    from atom_kernels import ops
+def _first_and_next_ms(fn) -> tuple[float, float]:
+    """Wall-clock milliseconds of fn's first call and of its second, each synchronized."""
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times[0], times[1]
 
+
+@torch.inference_mode()
+def first_calls() -> list[dict]:
+    """Per head config: SDPA's first call on an unpadded chunk of a new length (a plan built)
+    against its next, the engine's warm-up of the BUDGET's buckets, then the dense op's first and
+    next call at NEW_LENGTHS (each padded to a bucket the warm-up built)."""
+    from atom_kernels import varlen_attention
+
+    device = torch.device("cuda")
+    p = FreshPrefill(HEADS["qwen3-0.6b"], [42])
+    varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale)  # cuDNN's own start, not a plan
     rows = []
-    for n in (8000, 8001, 5003):
-        p = FreshPrefill(HEADS["llama-3.1-8b"], [n])
-        times = []
-        for _ in range(2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ops.varlen_causal_attention(p.q, p.k, p.v, p.cu, p.lens, p.scale, n)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        rows.append(dict(tokens=n, first_ms=round(times[0], 2), next_ms=round(times[1], 3)))
-        print(f"dense op, new length {n}: first call {times[0]:.1f} ms, next {times[1]:.2f} ms",
-              flush=True)  # fmt: skip
+    for model, heads in HEADS.items():
+        p = FreshPrefill(heads, [8000])
+        first, nxt = _first_and_next_ms(
+            lambda p=p: varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale)
+        )
+        rows.append(dict(model=model, path="unpadded sdpa", tokens=8000,
+                         first_ms=round(first, 2), next_ms=round(nxt, 3)))  # fmt: skip
+        print(f"{model:13s} unpadded SDPA, new length 8000: first call {first:.1f} ms, next "
+              f"{nxt:.2f} ms", flush=True)  # fmt: skip
+        t0 = time.perf_counter()
+        warmed = varlen_attention.warm_up(device, torch.bfloat16, *heads, BUDGET)
+        warm_s = time.perf_counter() - t0
+        rows.append(dict(model=model, path="warm-up", buckets=len(warmed),
+                         seconds=round(warm_s, 3)))  # fmt: skip
+        print(f"{model:13s} warm-up: {len(warmed)} buckets ({warmed[0]}-{warmed[-1]} tokens) in "
+              f"{warm_s:.2f} s", flush=True)  # fmt: skip
+        for n in NEW_LENGTHS:
+            p = FreshPrefill(heads, [n])
+            first, nxt = _first_and_next_ms(p.dense)
+            bucket = varlen_attention.bucket_length(n)
+            rows.append(dict(model=model, path="dense op after warm-up", tokens=n, bucket=bucket,
+                             first_ms=round(first, 2), next_ms=round(nxt, 3)))  # fmt: skip
+            print(f"{model:13s} dense op after warm-up, new length {n} (bucket {bucket}): first "
+                  f"call {first:.2f} ms, next {nxt:.2f} ms", flush=True)  # fmt: skip
+        del p
+        torch.cuda.empty_cache()
     return rows
 
 
 def ttft(models: list[str]) -> list[dict]:
-    """Time to first token of one 8,192-token prompt and of 8 prompts of 1,024 (each one step),
-    dense path on and off (same engine: the layers' flag flipped), best of five, prefix caching
-    off, eager."""
+    """Time to first token of one 8,192-token prompt, one of 5,003 and 8 prompts of 1,024 (each
+    one step), dense path on and off (same engine: the layers' flag flipped), five runs each,
+    alternating (dense on first), prefix caching off, eager. Reports each setting's first run
+    (dense on at 5,003 tokens: the engine's first sight of that length, which must find the plan
+    start-up built for its bucket) and its best."""
     from atom_runtime import LLM, SamplingParams
     from atom_runtime.engine.protocol import EngineRequest
 
-    os.environ["ATOM_DENSE_PREFILL"] = "1"  # the start-up probe decides; the runs flip it
+    os.environ["ATOM_DENSE_PREFILL"] = "1"  # the default; the start-up probe decides
     rows = []
     for path in models:
-        llm = LLM(path, load_format="dummy", max_model_len=8320, max_num_batched_tokens=8192,
+        llm = LLM(path, load_format="dummy", max_model_len=8320, max_num_batched_tokens=BUDGET,
                   enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
         engine = llm.engine
         layers = engine.executor.model.attention_layers()
         vocab = engine.model_config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         supported = layers[0].dense_prefill
-        for shape, lens in (("1x8192", [8192]), ("8x1024", [1024] * 8)):
+        for shape, lens in (("1x8192", [8192]), ("1x5003", [5003]), ("8x1024", [1024] * 8)):
             prompts = [[(7919 * j + 31 * i) % (vocab - 200) + 100 for j in range(n)]
                        for i, n in enumerate(lens)]  # fmt: skip
             for dense in ([True, False] * 5) if supported else [False] * 5:
@@ -287,8 +332,11 @@ def ttft(models: list[str]) -> list[dict]:
                 got = [r["ttft_ms"] for r in rows
                        if r["model"] == path and r["shape"] == shape and r["dense"] == dense]  # fmt: skip
                 if got:
-                    print(f"{path} TTFT {shape}, dense {'on ' if dense else 'off'}: best "
-                          f"{min(got):.1f} ms (runs {got})", flush=True)  # fmt: skip
+                    print(f"{path} TTFT {shape}, dense {'on ' if dense else 'off'}: first run "
+                          f"{got[0]:.1f} ms, best {min(got):.1f} ms (runs {got})",
+                          flush=True)  # fmt: skip
+        for layer in layers:
+            layer.dense_prefill = supported
         llm.shutdown()
         del llm, engine, layers
         torch.cuda.empty_cache()

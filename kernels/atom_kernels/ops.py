@@ -221,8 +221,9 @@ def varlen_causal_attention(
     num_kv_heads), each with a contiguous last dim (views into the qkv projection are fine);
     chunk b is rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]` of all three, its lengths also given
     on the host as `chunk_lens` (summing to T). Query i of a chunk sees keys 0..i of the same
-    chunk. max_seqlen_q is the longest chunk. Returns `[T, num_heads, head_dim]`. On a GPU this
-    is torch's flash attention (`varlen_attention.supported` says whether it runs there)."""
+    chunk. max_seqlen_q is the longest chunk. Returns `[T, num_heads, head_dim]`. On a GPU one
+    chunk runs through cuDNN's SDPA padded to its length bucket, several through one launch of
+    torch's flash attention (`varlen_attention`; `supported` says whether it runs there)."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, heads, "

@@ -3,19 +3,25 @@
 When every chunk of a step starts at position 0 (no cached prefix, no earlier chunk), attention
 needs nothing from the paged cache: the step's own q, k and v, which the layer holds densely
 after the qkv projection, are the whole problem. That is the dense attention problem, so torch's
-fused kernels run it instead of the paged Triton kernel (`prefill_attention.py`, about 60% of
-SDPA's throughput on an H200), in one of two ways:
+fused kernels run it instead of the paged Triton kernel (`prefill_attention.py`), in one of two
+ways:
 
-- **One chunk**: torch SDPA on the chunk's [1, heads, tokens, head_dim] view, cuDNN's attention
-  first, flash attention if cuDNN does not take the shapes (never the math or memory-efficient
-  kernels). On an H200 with torch 2.11, cuDNN is what SDPA picks for dense tensors and runs at
-  1.8x the flash kernel. cuDNN builds an execution plan per new shape (tens of ms or more,
-  reported elsewhere), so every new prompt length pays one: not yet measured here.
+- **One chunk**: torch SDPA, cuDNN's attention first, flash attention if cuDNN does not take the
+  shapes (never the math or memory-efficient kernels). cuDNN builds an execution plan per new
+  shape, 64-105 ms on an H200 (first call at 8,000 / 8,001 / 5,003 tokens against 0.8-1.3 ms
+  for the next), so the chunk is padded at its end to a length bucket (`bucket_length`: eight
+  per octave) and the engine builds every bucket's plan at start-up (`warm_up`). Padding at the
+  end is exact: a causal query never sees a key after it, so the real rows' output is the
+  unpadded one; the padded rows are zeros and their output is dropped.
 - **Several chunks**: one launch of torch's flash attention over the packed chunks
   (`aten::_flash_attention_forward` with cumulative lengths, the kernel behind
-  `torch.nn.attention.varlen.varlen_attn`, GQA native): SDPA chunk after chunk left the GPU
-  mostly idle (8 x 1,024 tokens: 21-25% of batched SDPA), and cuDNN's ragged variant rebuilt
-  its plan on every call (60-90 ms).
+  `torch.nn.attention.varlen.varlen_attn`, GQA native, no plan to build): SDPA chunk after chunk
+  left the GPU mostly idle (8 x 1,024 tokens: 21-25% of batched SDPA), and cuDNN's ragged
+  variant rebuilt its plan on every call (60-90 ms).
+
+Which steps come here at all is `takes_dense_path`, read by the attention layer on the host:
+one chunk from `MIN_DENSE_CHUNK` tokens, several only where flash attention beats the paged
+kernel (head_dim above `FLASH_VARLEN_MAX_PAGED_HEAD_DIM`). Its docstring has the figures.
 
 No Triton here: the op registry's "triton" backend is the GPU backend. `supported` is the
 start-up probe: torch builds without these kernels (CPU-only, ROCm builds without flash
@@ -25,6 +31,7 @@ attention) or shapes they do not take answer False, and the engine keeps the pag
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,6 +41,63 @@ log = logging.getLogger(__name__)
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # flash attention's largest head size
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+
+# A lone fresh chunk shorter than this keeps the paged kernel. Below it attention is about 2% of
+# the step's FLOPs (Llama-3.1-8B at 1,024 tokens: some 9 of 450 GFLOP a layer), too little for
+# the dense path's lead to show (8 prompts of 1,024 tokens in one step: the same engine TTFT on
+# an H200 with the dense path on or off) or to pay for more buckets' plans.
+MIN_DENSE_CHUNK = 1024
+# Buckets per power of two: a chunk is padded by less than 1/8 of its length, so its attention
+# does less than 1.27x the causal FLOPs of the unpadded chunk (1.09x on average over 1,024-8,192
+# tokens). Four per octave would allow 1.56x (1.19x on average), as much as cuDNN's whole lead
+# over the paged kernel on Qwen3-0.6B heads (82% against 68% of SDPA). Eight cost 25 plans for
+# 1,024-8,192 tokens, built once at start-up.
+BUCKETS_PER_OCTAVE = 8
+# Several fresh chunks take flash attention only with heads wider than this (see
+# `takes_dense_path`).
+FLASH_VARLEN_MAX_PAGED_HEAD_DIM = 128
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def takes_dense_path(chunk_lens: tuple[int, ...], head_dim: int) -> bool:
+    """Whether a step of fresh chunks (every one starting at position 0) attends here rather
+    than through the paged kernel. Host values only: the layer asks on every prefill step.
+
+    One chunk: from `MIN_DENSE_CHUNK` tokens. One 8,192-token chunk through cuDNN ran at 89% /
+    82% / 93% of SDPA on dense tensors (Llama-3.1-8B 32/8 heads, Qwen3-0.6B 16/8, head_dim 128;
+    Qwen3.5-4B 16/4, head_dim 256) against the paged kernel's 60% / 68% / 42% (H200, torch 2.11);
+    engine TTFT 198 against 217 ms (8B) and 28.3 against 35.8 ms (0.6B).
+
+    Several chunks: only with head_dim above `FLASH_VARLEN_MAX_PAGED_HEAD_DIM`. Flash varlen
+    against the paged kernel, % of SDPA: at head_dim 128, 2 x 4,096 tokens 52-55 against 59-61,
+    8 x 1,024 51-53 against 50, five mixed lengths 77-82 against 87 (no better, often worse); at
+    head_dim 256, 47 against 43, 53 against 40 and 77 against 68."""
+    if len(chunk_lens) == 1:
+        return chunk_lens[0] >= MIN_DENSE_CHUNK
+    return head_dim > FLASH_VARLEN_MAX_PAGED_HEAD_DIM
+
+
+def bucket_length(n: int) -> int:
+    """The padded length of a one-chunk step of n tokens: n rounded up to a multiple of
+    1/`BUCKETS_PER_OCTAVE` of the largest power of two not above n (1,024, 1,152, ..., 2,048,
+    2,304, ...; every length below 8 is its own bucket). Monotone, at least n, and less than
+    n * (1 + 1/BUCKETS_PER_OCTAVE)."""
+    if n < 1:
+        raise ValueError(f"a chunk has at least one token, got {n}")
+    step = max(1, (1 << (n.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+def bucket_lengths(max_tokens: int) -> list[int]:
+    """Every bucket a one-chunk step of `MIN_DENSE_CHUNK` to `max_tokens` tokens pads to,
+    ascending (none when max_tokens is below the minimum): the plans `warm_up` builds."""
+    lengths = []
+    n = MIN_DENSE_CHUNK
+    while n <= max_tokens:
+        lengths.append(bucket_length(n))
+        n = lengths[-1] + 1
+    return lengths
 
 
 def varlen_causal_attention(
@@ -46,24 +110,64 @@ def varlen_causal_attention(
     max_seqlen_q: int,
 ) -> torch.Tensor:
     if len(chunk_lens) == 1:
-        return sdpa_per_chunk(q, k, v, chunk_lens, scale)
+        return padded_chunk_attention(q, k, v, scale, sdpa_causal)
     return flash_varlen(q, k, v, cu_seqlens_q, scale, max_seqlen_q)
+
+
+def padded_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: Attend
+) -> torch.Tensor:
+    """Causal attention of one chunk (q `[n, num_heads, head_dim]`, k, v `[n, num_kv_heads,
+    head_dim]`, any strides with a contiguous last dim) run by `attend` on copies padded at the
+    end to `bucket_length(n)` rows of zeros; returns the first n rows of its output.
+
+    `attend(q, k, v, scale)` is causal attention of `[rows, heads, head_dim]` tensors returning
+    `[rows, num_heads, head_dim]` (`sdpa_causal` on a GPU; a torch reference in the CPU tests).
+    The copies are views into one fresh `[rows, num_heads + 2 * num_kv_heads, head_dim]` tensor,
+    so a bucket always reaches `attend` with the same sizes and strides, the key of cuDNN's plan
+    cache: `warm_up` builds exactly the plans these calls use. One copy of each of q, k, v; only
+    the padded tail is zeroed."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qkv = torch.empty(
+        bucket_length(n), num_heads + 2 * num_kv_heads, head_dim, dtype=q.dtype, device=q.device
+    )
+    qp, kp, vp = _split_heads(qkv, num_heads, num_kv_heads)
+    qp[:n].copy_(q)
+    kp[:n].copy_(k)
+    vp[:n].copy_(v)
+    qkv[n:].zero_()
+    return attend(qp, kp, vp, scale)[:n]
+
+
+def _split_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv_end = num_heads + num_kv_heads
+    return qkv[:, :num_heads], qkv[:, num_heads:kv_end], qkv[:, kv_end:]
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA (cuDNN, else flash) of one chunk on its [1, heads, tokens, head_dim] views;
+    returns [tokens, num_heads, head_dim]."""
+    with sdpa_kernel(_SDPA_BACKENDS):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+    return o[0].transpose(0, 1)
 
 
 def sdpa_per_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_lens: tuple[int, ...], scale: float
 ) -> torch.Tensor:
-    """SDPA (cuDNN, else flash) on each chunk's [1, heads, tokens, head_dim] view, in turn."""
+    """`sdpa_causal` on each chunk in turn, unpadded (the benchmark's comparison for several
+    chunks; the engine never runs it)."""
     outs = []
     lo = 0
-    with sdpa_kernel(_SDPA_BACKENDS):
-        for n in chunk_lens:
-            qs, ks, vs = (t[lo : lo + n].transpose(0, 1)[None] for t in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
-            )
-            outs.append(o[0].transpose(0, 1))
-            lo += n
+    for n in chunk_lens:
+        outs.append(sdpa_causal(q[lo : lo + n], k[lo : lo + n], v[lo : lo + n], scale))
+        lo += n
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -86,13 +190,37 @@ def flash_varlen(
     return out
 
 
+def warm_up(
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_tokens: int,
+) -> list[int]:
+    """Run the one-chunk path once at every bucket of `bucket_lengths(max_tokens)`, so cuDNN
+    builds each plan now and no request pays one; returns those lengths. Each call attends over
+    a zero tensor laid out as `padded_chunk_attention` lays a bucket out and, like a step's, needs
+    no gradient, so its plan-cache key (sizes, strides, dtype, device, causal, whether softmax
+    statistics are kept) is the one a step's chunk of that bucket will look up. Run it on the
+    thread that runs the steps: torch keeps cuDNN's attention plans per thread. Returns once the
+    last call has finished on the device."""
+    lengths = bucket_lengths(max_tokens)
+    for rows in lengths:
+        qkv = torch.zeros(rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        sdpa_causal(*_split_heads(qkv, num_heads, num_kv_heads), head_dim**-0.5)
+        del qkv
+    torch.cuda.synchronize(device)
+    return lengths
+
+
 def supported(
     device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
     """Whether `varlen_causal_attention` runs, and agrees with the torch reference, for these
-    heads on this device: both of its ways (one 42-token chunk alone; chunks of 37 and 5 in one
-    launch), GQA as given, on strided views, through the real calls. Any error or disagreement answers False
-    (logged)."""
+    heads on this device: both of its ways (one 42-token chunk alone, padded to 44 rows; chunks
+    of 37 and 5 in one launch), GQA as given, on strided views, through the real calls. Any error
+    or disagreement answers False (logged)."""
     from atom_kernels import reference
 
     if device.type != "cuda" or dtype not in DTYPES or head_dim > MAX_HEAD_DIM:

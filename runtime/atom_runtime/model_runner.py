@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,11 @@ from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
-# "1": fresh prompts attend densely (varlen_attention.py) where the device runs it. Off by
-# default until the path is measured in the engine: cuDNN builds a plan per new prompt length.
+# Fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's own
+# q/k/v) where the start-up probe passes on a CUDA device, in the steps where that wins
+# (`varlen_attention.takes_dense_path`); cuDNN's plan for every padded prompt length a step can
+# take is built at start-up. On by default: one 8,192-token prompt's TTFT fell from 217 to 198 ms
+# (Llama-3.1-8B) and from 35.8 to 28.3 ms (Qwen3-0.6B) on an H200. "0" keeps the paged kernel.
 DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
 
 
@@ -113,22 +117,39 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []
 
     def _enable_dense_prefill(self, layers: list) -> bool:
-        """With ATOM_DENSE_PREFILL=1, turn on the attention layers' dense path for fresh prompts
+        """Unless ATOM_DENSE_PREFILL=0, turn on the attention layers' dense path for fresh prompts
         when torch's attention kernels run on this device for their heads (a start-up probe;
-        never on CPU)."""
+        never on CPU), then build cuDNN's plan for every length bucket a one-chunk step of the
+        token budget can pad to (`varlen_attention.warm_up`), so no request pays one. This runs
+        before the KV cache is sized and frees what it allocates; the profiling forward then
+        measures the dense path's peak (its whole-budget prompt takes the path a served one
+        does, padded to its bucket)."""
+        first = layers[0]
         on = (
-            os.environ.get(DENSE_PREFILL_ENV, "0") == "1"
+            os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
             and self.device.type == "cuda"
             and varlen_attention.supported(
-                self.device, self.dtype, layers[0].num_heads, layers[0].num_kv_heads,
-                layers[0].head_dim,
+                self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim
             )
-        )  # fmt: skip
+        )
         for layer in layers:
             layer.dense_prefill = on
-        if on:
-            log.info("fresh prompts attend densely (torch SDPA / flash attention)")
-        return on
+        if not on:
+            return False
+        start = time.perf_counter()
+        with torch.inference_mode():
+            lengths = varlen_attention.warm_up(
+                self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
+                self.max_num_batched_tokens,
+            )  # fmt: skip
+        log.info(
+            "fresh prompts attend densely (torch SDPA / flash attention); cuDNN plans for %d "
+            "prompt-length buckets (%s tokens) built in %.2f s",
+            len(lengths),
+            f"{lengths[0]}-{lengths[-1]}" if lengths else "none up to the step budget",
+            time.perf_counter() - start,
+        )
+        return True
 
     # -- KV cache --------------------------------------------------------------------------------
 
@@ -259,7 +280,8 @@ class ModelRunner:
             decode_only=False,
             cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
             max_seqlen_q=tokens,
-            fresh_chunks=(tokens,),  # the path a whole-budget prompt takes
+            # The path a whole-budget prompt takes: on the dense path, padded to its bucket.
+            fresh_chunks=(tokens,),
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)

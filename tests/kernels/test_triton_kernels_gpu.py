@@ -362,8 +362,8 @@ def test_dense_prefill_of_fresh_chunks_matches_the_reference(
     num_heads, num_kv_heads, head_dim, q_gate, dtype, lens
 ):
     """The dense path on strided q/k/v views, each of its ways: several chunks of awkward lengths
-    (a one-token chunk among them) in one flash launch, one chunk through SDPA: the torch
-    reference's output, and `supported` says so."""
+    (a one-token chunk among them) in one flash launch, one chunk through SDPA padded to its
+    bucket (777 -> 832 rows): the torch reference's output, and `supported` says so."""
     from atom_kernels import varlen_attention
 
     q, k, v = _qkv_views(sum(lens), num_heads, num_kv_heads, head_dim, dtype, 70, q_gate)
@@ -383,6 +383,51 @@ def test_dense_prefill_is_not_offered_for_fp32():
     from atom_kernels import varlen_attention
 
     assert not varlen_attention.supported(torch.device("cuda"), torch.float32, 16, 8, 128)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "q_gate"),
+    [(32, 8, 128, False), (16, 8, 128, False), (16, 4, 256, True)],
+)
+@pytest.mark.parametrize("n", [1500, 5003])
+def test_dense_prefill_pads_a_chunk_and_agrees_with_unpadded_sdpa(
+    num_heads, num_kv_heads, head_dim, q_gate, n
+):
+    """One chunk of a length no bucket has (1,500 -> 1,536 rows, 5,003 -> 5,120), padded at its
+    end, gives the output of SDPA (cuDNN, else flash) on the unpadded chunk, bf16."""
+    from atom_kernels import varlen_attention
+
+    q, k, v = _qkv_views(n, num_heads, num_kv_heads, head_dim, torch.bfloat16, 72, q_gate)
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    got = ops.varlen_causal_attention(q, k, v, cu, (n,), scale, n)
+    assert got.shape == (n, num_heads, head_dim)
+    torch.testing.assert_close(got, varlen_attention.sdpa_causal(q, k, v, scale), **BF16_TOL)
+
+
+def test_dense_prefill_after_the_warm_up_new_lengths_find_a_built_plan(monkeypatch):
+    """cuDNN keys its attention plans by the tensors' sizes, strides, dtype and device (and
+    causal, dropout, softmax statistics: constant here). After `warm_up` for a 4,096-token budget,
+    chunks of lengths it never saw reach SDPA with a key the warm-up already presented, so no
+    plan is built for them (the time of those first calls: benchmarks/prefill_dense_bench.py)."""
+    from atom_kernels import varlen_attention
+
+    keys = []
+    real = varlen_attention.sdpa_causal
+
+    def record(q, k, v, scale):
+        keys.append(tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)))
+        return real(q, k, v, scale)
+
+    monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
+    with torch.inference_mode():
+        warmed = varlen_attention.warm_up(torch.device("cuda"), torch.bfloat16, 32, 8, 128, 4096)
+        assert warmed == varlen_attention.bucket_lengths(4096) and len(keys) == len(warmed)
+        for n in (1025, 1500, 3333, 4096):
+            q, k, v = _qkv_views(n, 32, 8, 128, torch.bfloat16, n)
+            cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+            ops.varlen_causal_attention(q, k, v, cu, (n,), 128**-0.5, n)
+            assert keys[-1] in keys[: len(warmed)], n
 
 
 def test_dense_prefill_replays_in_a_cuda_graph_with_new_chunks():

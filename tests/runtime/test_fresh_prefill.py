@@ -1,16 +1,27 @@
-"""Fresh prompts' dense prefill path, on CPU: which attention path a step's metadata picks, the
-metadata the runner builds for each kind of step, and the engine's output with the dense path
+"""Fresh prompts' dense prefill path, on CPU: the length buckets a lone chunk is padded to and
+the exactness of that padding, which attention path a step's metadata and chunks pick, when the
+runner turns the path on (by default, where the probe passes; never on CPU) and warms its plans,
+the metadata the runner builds for each kind of step, and the engine's output with the dense path
 forced on (its op runs the torch reference on CPU) against the paged path. On a GPU the path
 runs torch's SDPA or flash attention (tests/kernels/test_triton_kernels_gpu.py,
 test_gpu_engine.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from atom_kernels import ops, reference
+from atom_kernels import ops, reference, varlen_attention
+from atom_kernels.varlen_attention import (
+    MIN_DENSE_CHUNK,
+    bucket_length,
+    bucket_lengths,
+    padded_chunk_attention,
+    takes_dense_path,
+)
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.forward_context import (
     AttentionMetadata,
@@ -19,7 +30,110 @@ from atom_runtime.forward_context import (
     set_attention_metadata,
 )
 from atom_runtime.layers.attention import PagedAttention
+from atom_runtime.model_runner import DENSE_PREFILL_ENV, ModelRunner
 from tests.runtime.test_parity import _prompts
+
+
+def test_bucket_lengths_round_up_by_less_than_an_eighth():
+    """Every length's bucket is at least the length, never smaller than a shorter length's, and
+    (from the dense path's minimum on) less than 1.125x it; the buckets from 1,024 tokens are
+    eight per octave."""
+    lengths = range(1, 40_000)
+    buckets = [bucket_length(n) for n in lengths]
+    assert all(b >= n for n, b in zip(lengths, buckets, strict=True))
+    assert buckets == sorted(buckets)
+    assert all(b < 1.125 * n for n, b in zip(lengths, buckets, strict=True) if n >= MIN_DENSE_CHUNK)
+    assert [bucket_length(n) for n in (1024, 1025, 1152, 1153, 2047, 2048, 2049, 5003, 8001)] == [
+        1024, 1152, 1152, 1280, 2048, 2048, 2304, 5120, 8192,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one token"):
+        bucket_length(0)
+
+
+@pytest.mark.parametrize(("budget", "count"), [(1023, 0), (1024, 1), (5000, 19), (8192, 25),
+                                               (32768, 41)])  # fmt: skip
+def test_the_warmed_buckets_cover_every_chunk_the_budget_allows(budget, count):
+    """`bucket_lengths(budget)`: eight plans an octave, and every lone chunk from the minimum to
+    the budget pads to one of them (so none builds a plan while serving)."""
+    warmed = bucket_lengths(budget)
+    assert len(warmed) == count
+    assert warmed == sorted(set(warmed))
+    assert {bucket_length(n) for n in range(MIN_DENSE_CHUNK, budget + 1)} == set(warmed)
+
+
+def _qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int):
+    """q (strided past output gates, as gated attention holds it), k and v as views into one
+    fused tensor, fp32."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (2 * heads + 2 * kv_heads) * dim, generator=g)
+    q_end, kv = 2 * heads * dim, kv_heads * dim
+    q = qkv[:, :q_end].view(tokens, heads, 2 * dim)[..., :dim]
+    k = qkv[:, q_end : q_end + kv].view(tokens, kv_heads, dim)
+    v = qkv[:, q_end + kv :].view(tokens, kv_heads, dim)
+    return q, k, v
+
+
+@pytest.mark.parametrize("n", [45, 1100, 1152])
+def test_padding_a_chunk_at_its_end_is_exact_for_its_rows(n):
+    """The one-chunk path pads q/k/v with zero rows at the end up to the bucket and attends over
+    that: each real row's output is the unpadded chunk's (a causal query never sees a later key),
+    checked with the torch reference as the attention (GQA group 3, strided q). A chunk already
+    at a bucket length gets no padding."""
+    q, k, v = _qkv_views(n, 6, 2, 16, seed=n)
+    seen = []
+
+    def attend(qp, kp, vp, scale):
+        seen.append((qp.clone(), kp.clone(), vp.clone()))
+        return reference.causal_attention(qp, kp, vp, scale, 0)
+
+    got = padded_chunk_attention(q, k, v, 0.25, attend)
+    qp, kp, vp = seen[0]
+    rows = bucket_length(n)
+    assert [t.shape[0] for t in (qp, kp, vp)] == [rows] * 3
+    for padded, real in ((qp, q), (kp, k), (vp, v)):
+        assert torch.equal(padded[:n], real)
+        assert not padded[n:].any()
+    assert got.shape == (n, 6, 16)
+    torch.testing.assert_close(got, reference.causal_attention(q, k, v, 0.25, 0))
+
+
+def test_the_warm_up_reaches_attention_with_every_steps_plan_key(monkeypatch):
+    """cuDNN keys its plans by the tensors' sizes, strides and dtype: the warm-up's call for a
+    bucket presents exactly what a step's chunk padded to that bucket does (any length in it, from
+    q/k/v of any layout), so after the warm-up no chunk within the budget meets a new key."""
+    keys = []
+
+    def record(q, k, v, scale):
+        keys.append(tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v)))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warmed = varlen_attention.warm_up(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 2500)
+    assert warmed == bucket_lengths(2500)
+    assert len(keys) == len(warmed)
+    for n in (1024, 1030, 1500, 2047, 2500):
+        q, k, v = (t.to(torch.bfloat16) for t in _qkv_views(n, 4, 2, 8, seed=1))
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        varlen_attention.varlen_causal_attention(q, k, v, cu, (n,), 0.3, n)
+        assert keys[-1] in keys[: len(warmed)], n
+
+
+@pytest.mark.parametrize(
+    ("chunks", "head_dim", "dense"),
+    [
+        ((MIN_DENSE_CHUNK,), 128, True),  # one long chunk: cuDNN, any head size
+        ((8192,), 64, True),
+        ((MIN_DENSE_CHUNK - 1,), 128, False),  # one short chunk: the paged kernel
+        ((MIN_DENSE_CHUNK - 1,), 256, False),
+        ((4096, 4096), 128, False),  # several chunks: flash varlen loses at head_dim 128
+        ((1024,) * 8, 128, False),
+        ((4096, 4096), 256, True),  # and wins at 256
+        ((37, 5), 256, True),
+    ],
+)
+def test_which_fresh_steps_take_the_dense_path(chunks, head_dim, dense):
+    assert takes_dense_path(chunks, head_dim) is dense
 
 
 @pytest.mark.parametrize(
@@ -47,30 +161,34 @@ def _attention_paths(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("decode_only", "fresh", "dense_prefill", "with_kv", "path"),
+    ("decode_only", "fresh", "head_dim", "dense_prefill", "with_kv", "path"),
     [
-        (False, (3, 2), True, True, "varlen_causal_attention"),
-        (False, None, True, True, "paged_attention_prefill"),  # a chunk past position 0
-        (False, (3, 2), False, True, "paged_attention_prefill"),  # no flash attention here
-        (False, (3, 2), True, False, "paged_attention_prefill"),  # one-row paths give q only
-        (True, None, True, True, "paged_attention_decode"),
+        (False, (1030,), 8, True, True, "varlen_causal_attention"),  # one long fresh chunk
+        (False, (1000, 30), 256, True, True, "varlen_causal_attention"),  # several, wide heads
+        (False, (1000, 30), 128, True, True, "paged_attention_prefill"),  # several, head_dim 128
+        (False, (1000,), 256, True, True, "paged_attention_prefill"),  # one short chunk
+        (False, None, 8, True, True, "paged_attention_prefill"),  # a chunk past position 0
+        (False, (1030,), 8, False, True, "paged_attention_prefill"),  # no dense kernels here
+        (False, (1030,), 8, True, False, "paged_attention_prefill"),  # one-row paths give q only
+        (True, None, 8, True, True, "paged_attention_decode"),
     ],
 )
 def test_the_layer_picks_its_attention_path_from_the_metadata(
-    monkeypatch, decode_only, fresh, dense_prefill, with_kv, path
+    monkeypatch, decode_only, fresh, head_dim, dense_prefill, with_kv, path
 ):
     taken = _attention_paths(monkeypatch)
-    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.35)
+    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=0.35)
     layer.dense_prefill = dense_prefill
-    q, k = torch.randn(5, 4, 8), torch.randn(5, 2, 8)
+    q, k = torch.randn(1030, 4, head_dim), torch.randn(1030, 2, head_dim)
+    lens = fresh or (1000, 30)
     set_attention_metadata(
         AttentionMetadata(
-            slot_mapping=torch.arange(5),
-            block_tables=torch.zeros(2, 1, dtype=torch.int32),
-            seq_lens=torch.tensor([3, 2], dtype=torch.int32),
+            slot_mapping=torch.arange(1030),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
             decode_only=decode_only,
-            cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
-            max_seqlen_q=3,
+            cu_seqlens_q=torch.tensor(np.cumsum((0, *lens)), dtype=torch.int32),
+            max_seqlen_q=max(lens),
             fresh_chunks=fresh,
         )
     )
@@ -79,7 +197,41 @@ def test_the_layer_picks_its_attention_path_from_the_metadata(
     finally:
         set_attention_metadata(None)
     assert taken == [path]
-    assert out.shape == (5, 32)
+    assert out.shape == (1030, 4 * head_dim)
+
+
+@pytest.mark.parametrize(
+    ("env", "device", "probe", "on", "calls"),
+    [
+        (None, "cuda", True, True, ["probe", ("warm_up", 1200)]),  # on by default
+        ("1", "cuda", True, True, ["probe", ("warm_up", 1200)]),
+        ("0", "cuda", True, False, []),  # turned off: no probe, no plans
+        (None, "cpu", True, False, []),  # never on CPU
+        (None, "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel only
+    ],
+)
+def test_the_runner_turns_the_dense_path_on_by_default_and_warms_its_plans(
+    monkeypatch, env, device, probe, on, calls
+):
+    """`_enable_dense_prefill` on a stand-in runner (no GPU needed): unless ATOM_DENSE_PREFILL=0,
+    on a CUDA device whose probe passes every attention layer turns the path on and the plans of
+    the step budget's buckets are built; otherwise no layer does."""
+    seen = []
+    monkeypatch.setattr(varlen_attention, "supported", lambda *a: seen.append("probe") or probe)
+    monkeypatch.setattr(
+        varlen_attention, "warm_up", lambda *a: seen.append(("warm_up", a[-1])) or [1024, 1152]
+    )
+    if env is None:
+        monkeypatch.delenv(DENSE_PREFILL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DENSE_PREFILL_ENV, env)
+    runner = SimpleNamespace(
+        device=torch.device(device), dtype=torch.bfloat16, max_num_batched_tokens=1200
+    )
+    layers = [PagedAttention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.35) for _ in "ab"]
+    assert ModelRunner._enable_dense_prefill(runner, layers) is on
+    assert [layer.dense_prefill for layer in layers] == [on, on]
+    assert seen == calls
 
 
 def test_dense_reference_equals_the_paged_reference_of_the_same_keys():
@@ -130,10 +282,11 @@ def _record_fresh_chunks(monkeypatch, first: PagedAttention) -> list:
 
 
 def test_the_runner_marks_only_steps_of_fresh_prompts(tiny_models, monkeypatch):
-    """On CPU the dense path is off (no probe runs), and each step's metadata says whether
-    every chunk starts at position 0: two fresh prompts together, then decodes, then a prompt
-    over their cached prefix, then a long prompt cut into chunks by the token budget (its first
-    chunk fresh, the next not)."""
+    """On CPU the dense path is off though on by default (no probe runs), and each step's
+    metadata says whether every chunk starts at position 0: two fresh prompts together, then
+    decodes, then a prompt over their cached prefix, then a long prompt cut into chunks by the
+    token budget (its first chunk fresh, the next not)."""
+    monkeypatch.delenv(DENSE_PREFILL_ENV, raising=False)
     llm = LLM(
         str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=64,
         max_num_batched_tokens=48, max_num_seqs=4,
@@ -155,6 +308,19 @@ def test_the_runner_marks_only_steps_of_fresh_prompts(tiny_models, monkeypatch):
     assert seen == [(48,), None, "decode"]
 
 
+@pytest.fixture
+def dense_for_any_chunks(monkeypatch) -> list:
+    """The dense path's routing thresholds lowered so that the tiny models' short prompts take
+    it (one chunk of any length, several at any head size); returns the chunk lengths of each
+    call of the dense op."""
+    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 1)
+    monkeypatch.setattr(varlen_attention, "FLASH_VARLEN_MAX_PAGED_HEAD_DIM", 0)
+    calls = []
+    real = ops.varlen_causal_attention
+    monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a: calls.append(a[4]) or real(*a))
+    return calls
+
+
 def _tokens_and_logprobs(folder, prompts, dense: bool, **kw):
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     llm = LLM(str(folder), dtype="float32", enable_prefix_caching=False, **kw)
@@ -172,18 +338,38 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
-def test_the_dense_path_gives_the_paged_paths_tokens(tiny_models, kind):
+def test_the_dense_path_gives_the_paged_paths_tokens(tiny_models, kind, dense_for_any_chunks):
     """The layers' dense path forced on (its op is the torch reference on CPU): the k and v
     views `prepare` returns give the tokens and logprobs of the paged path (fp32)."""
     prompts = _prompts(41, [1, 5, 17, 40])
     kw = dict(num_gpu_blocks_override=64)
     on = _tokens_and_logprobs(tiny_models[kind], prompts, True, **kw)
+    assert dense_for_any_chunks and dense_for_any_chunks[0] == (1, 5, 17, 40)
+    dense_for_any_chunks.clear()
     _assert_same(on, _tokens_and_logprobs(tiny_models[kind], prompts, False, **kw))
+    assert dense_for_any_chunks == []
 
 
-def test_the_dense_path_gives_the_paged_paths_tokens_in_gated_attention(tiny_hybrid_models):
+def test_the_dense_path_gives_the_paged_paths_tokens_in_gated_attention(
+    tiny_hybrid_models, dense_for_any_chunks
+):
     """The hybrid's gated attention (q strided past its output gates, partial rotary)."""
     prompts = _prompts(42, [5, 23])
     kw = dict(num_gpu_blocks_override=64, max_num_seqs=2)
     on = _tokens_and_logprobs(tiny_hybrid_models["qwen3_5"], prompts, True, **kw)
+    assert dense_for_any_chunks and dense_for_any_chunks[0] == (5, 23)
     _assert_same(on, _tokens_and_logprobs(tiny_hybrid_models["qwen3_5"], prompts, False, **kw))
+
+
+def test_short_fresh_prompts_keep_the_paged_kernel_in_the_engine(tiny_models, monkeypatch):
+    """With the dense path on and its real thresholds, the tiny model's fresh prompts (a step of
+    several at head_dim 32, then one of 40 tokens) never reach the dense op."""
+    calls = []
+    monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a: calls.append(a[4]))
+    llm = LLM(str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=64)
+    for layer in llm.engine.executor.model.attention_layers():
+        layer.dense_prefill = True
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for prompts in (_prompts(43, [20, 9]), _prompts(44, [40])):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert calls == []

@@ -291,18 +291,29 @@ def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypa
     assert _greedy(llm, prompts) == want
 
 
+def _dense_for_short_prompts(monkeypatch) -> None:
+    """The dense path's routing thresholds lowered for the tiny models (head_dim 16 and 32, at
+    most 1,024 positions): one fresh chunk from 64 tokens, several at any head size. Set before
+    the engine starts, so its warm-up builds the plans of the buckets from 64 tokens."""
+    from atom_kernels import varlen_attention
+
+    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 64)
+    monkeypatch.setattr(varlen_attention, "FLASH_VARLEN_MAX_PAGED_HEAD_DIM", 0)
+
+
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
     tiny_models, kind, monkeypatch
 ):
-    """bf16 (the dense kernels' dtypes), ATOM_DENSE_PREFILL=1: a step of fresh prompts runs the
-    dense path (four short
-    prompts: one flash launch; one prompt: SDPA), a prompt over a cached prefix does not, and
-    the first token's top logprobs of the dense path match the paged kernel's within bf16's
-    resolution. Eager with no prefill graphs, so flipping the layers' flag takes effect."""
+    """bf16 (the dense kernels' dtypes), the dense path on by default, its thresholds lowered: a
+    step of fresh prompts runs the dense path (four short prompts: one flash launch; one prompt:
+    SDPA, padded), and the first token's top logprobs of the dense path match the paged kernel's
+    within bf16's resolution. Eager with no prefill graphs, so flipping the layers' flag takes
+    effect."""
     from atom_kernels import ops
 
-    monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
+    monkeypatch.delenv("ATOM_DENSE_PREFILL", raising=False)
+    _dense_for_short_prompts(monkeypatch)
     llm = LLM(
         str(tiny_models[kind]),
         dtype="bfloat16",
@@ -311,6 +322,7 @@ def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
         enforce_eager=True,
         prefill_graph_max_tokens=0,
         max_num_seqs=8,
+        max_num_batched_tokens=512,
         enable_prefix_caching=False,
     )
     runner = llm.engine.executor
@@ -345,13 +357,16 @@ def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
 
 
 def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkeypatch):
-    """bf16, dense path on: the prompt's first run is one fresh step; its second run hits the
-    prefix cache, so its chunk starts past position 0 and takes the paged kernel."""
+    """bf16, dense path on (thresholds lowered): the prompt's first run is one fresh step; its
+    second run hits the prefix cache, so its chunk starts past position 0 and takes the paged
+    kernel."""
     from atom_kernels import ops
 
     monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
+    _dense_for_short_prompts(monkeypatch)
     llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", device="cuda",
-              num_gpu_blocks_override=256, enforce_eager=True)  # fmt: skip
+              num_gpu_blocks_override=256, enforce_eager=True,
+              max_num_batched_tokens=512)  # fmt: skip
     n_layers = len(llm.engine.executor.model.attention_layers())
     calls = []
     real = ops.varlen_causal_attention
@@ -361,3 +376,40 @@ def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkey
     assert calls == [(130,)] * n_layers
     _greedy(llm, [prompt + _prompts(31, [20])[0]], 2)
     assert calls == [(130,)] * n_layers
+
+
+def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
+    tiny_models, monkeypatch, caplog
+):
+    """bf16, the dense path on by default (thresholds lowered to 64 tokens): the start-up builds
+    one cuDNN plan per bucket of the 512-token budget (and logs it), and prompts of lengths the
+    engine never saw reach SDPA with a plan-cache key (sizes, strides, dtype, device) start-up
+    already presented, so no request builds a plan."""
+    from atom_kernels import varlen_attention
+
+    monkeypatch.delenv("ATOM_DENSE_PREFILL", raising=False)
+    _dense_for_short_prompts(monkeypatch)
+    keys = []
+    real = varlen_attention.sdpa_causal
+
+    def record(q, k, v, scale):
+        keys.append(tuple((t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v)))
+        return real(q, k, v, scale)
+
+    monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
+    kw = dict(dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, enforce_eager=True,
+              max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
+    with caplog.at_level("INFO", logger="atom_runtime.model_runner"):
+        llm = LLM(str(tiny_models["qwen3"]), **kw)
+    runner = llm.engine.executor
+    assert runner.dense_prefill
+    warmed = varlen_attention.bucket_lengths(512)
+    assert f"cuDNN plans for {len(warmed)} prompt-length buckets (64-512 tokens)" in caplog.text
+    at_start = set(keys)
+    started = len(keys)
+    prompts = _prompts(32, [77, 333, 501])
+    for p in prompts:
+        _greedy(llm, [p], 2)
+    served = keys[started:]
+    assert len(served) == len(prompts) * len(runner.model.attention_layers())
+    assert set(served) <= at_start

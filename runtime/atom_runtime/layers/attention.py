@@ -3,8 +3,9 @@
 `prepare` turns the fused qkv projection into attention inputs in one kernel (QK-norm when the
 model has it, rotary, this step's K/V written into the cache at the slot mapping); `forward`
 attends: the decode kernel when every sequence runs one token; when every chunk starts at
-position 0 (fresh prompts) and `dense_prefill` is on (set by the model runner at start-up with
-ATOM_DENSE_PREFILL=1 where torch's attention kernels run), dense attention over the step's own
+position 0 (fresh prompts), `dense_prefill` is on (set by the model runner at start-up where
+torch's attention kernels run, unless ATOM_DENSE_PREFILL=0) and the chunks are of a kind the
+dense kernels win on (`varlen_attention.takes_dense_path`), dense attention over the step's own
 q/k/v; otherwise the paged variable-length prefill kernel (a chunk of length one is a decode
 there too, so mixed batches are correct).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_kernels import ops
+from atom_kernels import ops, varlen_attention
 from atom_runtime.forward_context import get_attention_metadata
 
 
@@ -28,8 +29,9 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # Set by the model runner (opt-in, where `varlen_attention.supported` on its device):
-        # fresh prompts then attend densely. False on CPU (the paged path is the only one there).
+        # Set by the model runner (where `varlen_attention.supported` on its device, unless
+        # ATOM_DENSE_PREFILL=0): fresh prompts then may attend densely. False on CPU (the paged
+        # path is the only one there).
         self.dense_prefill = False
 
     def prepare(
@@ -144,13 +146,19 @@ class PagedAttention(nn.Module):
         """Attention of q ([T, num_heads, head_dim]) over the cache, whose K/V for this step
         `prepare` already stored. k, v: this step's own keys and values ([T, num_kv_heads,
         head_dim], from `prepare`); with them, a step of fresh prompts attends over them alone,
-        densely, when `dense_prefill` is on. Returns [T, num_heads * head_dim]."""
+        densely, when `dense_prefill` is on and `varlen_attention.takes_dense_path` says the dense
+        kernels win on its chunks. Returns [T, num_heads * head_dim]."""
         meta = get_attention_metadata()
         if meta.decode_only:
             out = ops.paged_attention_decode(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale
             )
-        elif self.dense_prefill and k is not None and meta.fresh_chunks is not None:
+        elif (
+            self.dense_prefill
+            and k is not None
+            and meta.fresh_chunks is not None
+            and varlen_attention.takes_dense_path(meta.fresh_chunks, self.head_dim)
+        ):
             out = ops.varlen_causal_attention(
                 q, k, v, meta.cu_seqlens_q, meta.fresh_chunks, self.scale, meta.max_seqlen_q
             )
