@@ -307,7 +307,7 @@ for stage in ${*:-tests bench kernels peer}; do
       timeout 120 python3 benchmarks/prefill_dense_bench.py --ttft $L8,$Q3 --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
     gputests4)
       # The GPU engine tests under a 4-minute cap (what finishes in it is reported).
-      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
+      timeout ${GPUTESTS_CAP:-240} python3 -m pytest -v -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
       tail -5 "$OUT/gputests.log"; grep -c PASSED "$OUT/gputests.log" ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
