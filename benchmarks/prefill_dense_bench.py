@@ -49,6 +49,9 @@ SHAPES = {"1x8192": [8192], "1x5003": [5003], "2x4096": [4096] * 2, "8x1024": [1
           "5 mixed": [4000, 2500, 1200, 400, 92]}  # fmt: skip
 NEW_LENGTHS = (5003, 8001, 1500, 3333)  # first_calls: no bucket, none seen before the timing
 BUDGET = 8192  # the engine's default max_num_batched_tokens
+# --ttft's steps: one prompt of 8,192 and one of 5,003 tokens, 8 of 1,024 (--ttft-lengths
+# replaces them with one prompt of each length given).
+TTFT_SHAPES = {"1x8192": [8192], "1x5003": [5003], "8x1024": [1024] * 8}
 PAGE = 16
 
 
@@ -303,7 +306,7 @@ def ttft(models: list[str]) -> list[dict]:
     from atom_runtime import LLM, SamplingParams
     from atom_runtime.engine.protocol import EngineRequest
 
-    os.environ["ATOM_DENSE_PREFILL"] = "1"  # the default; the start-up probe decides
+    os.environ["ATOM_DENSE_PREFILL"] = "1"  # opted in; the start-up probe decides
     rows = []
     for path in models:
         llm = LLM(path, load_format="dummy", max_model_len=8320, max_num_batched_tokens=BUDGET,
@@ -313,7 +316,7 @@ def ttft(models: list[str]) -> list[dict]:
         vocab = engine.model_config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         supported = layers[0].dense_prefill
-        for shape, lens in (("1x8192", [8192]), ("1x5003", [5003]), ("8x1024", [1024] * 8)):
+        for shape, lens in TTFT_SHAPES.items():
             prompts = [[(7919 * j + 31 * i) % (vocab - 200) + 100 for j in range(n)]
                        for i, n in enumerate(lens)]  # fmt: skip
             for dense in ([True, False] * 5) if supported else [False] * 5:
@@ -348,7 +351,11 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--explore", nargs="?", const="ways", choices=["ways", "all"])
     ap.add_argument("--ttft", default="", help="comma-separated model configs (TTFT only)")
+    ap.add_argument("--ttft-lengths", default="", help="comma-separated one-prompt lengths")
     args = ap.parse_args()
+    if args.ttft_lengths:
+        TTFT_SHAPES.clear()
+        TTFT_SHAPES.update({f"1x{n}": [int(n)] for n in args.ttft_lengths.split(",")})
     from torch.nn.attention import varlen
 
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name(),

@@ -29,7 +29,8 @@
 #   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
-#   w2shapes (W2 with the GEMV's wider launch candidates) densecheck (the dense prefill as shipped)
+#   crossover (dense prefill vs the paged kernel by prompt length)
+#   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
 #   producernorm2 (the same: start-up timings per path, and every group forced onto its GEMV)
 #   producernorm (W2 with the norm's add and sums of squares in the GEMV before it, on and off)
@@ -292,8 +293,7 @@ for stage in ${*:-tests bench kernels peer}; do
         ATOM_NORM_IN_PRODUCER=1 python3 -c "import logging; logging.basicConfig(level=logging.INFO); from atom_runtime import LLM; LLM('$model', load_format='dummy')" 2>&1 | grep 'one-row' | sed 's/.*one-row/one-row/' | cut -c1-400
       done ;;
     w2shapes)
-      # W2 on the three models with the GEMV's launch candidates (eight rows a program with
-      # 256-column steps or 4 warps, four rows), the start-up's launch-shape choices logged.
+      # W2 on the three models, the start-up's launch-shape timings and choices logged.
       for model in ${W2_MODELS:-$L8 $H4 $Q3}; do
         echo "== $(basename $model)"
         python3 -c "import logging, sys; logging.basicConfig(level=logging.INFO); from atom_runtime.cli import main; sys.exit(main())" bench latency --load-format dummy --model $model --output-json "$OUT/json/w2_$(basename $model).json" 2>&1 | grep -i "W2:\|launch shapes\|one-row paths\|error" | sed "s/.*one-row/one-row/" | cut -c1-420
@@ -304,11 +304,14 @@ for stage in ${*:-tests bench kernels peer}; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
     densettft)
-      timeout 120 python3 benchmarks/prefill_dense_bench.py --ttft $L8,$Q3 --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
+      timeout 120 python3 benchmarks/prefill_dense_bench.py --ttft ${TTFT_MODELS:-$L8,$Q3} ${TTFT_LENGTHS:+--ttft-lengths $TTFT_LENGTHS} --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
     gputests4)
       # The GPU engine tests under a 4-minute cap (what finishes in it is reported).
       timeout ${GPUTESTS_CAP:-240} python3 -m pytest -v -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
       tail -5 "$OUT/gputests.log"; grep -c PASSED "$OUT/gputests.log" ;;
+    crossover)
+      # Dense prefill against the paged kernel by prompt length, per head config.
+      (cd benchmarks && timeout 150 python3 dense_crossover.py --out "$OUT/json/dense_crossover.json" 2>&1 | grep -v -i "warn\|o = sdpa") ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
       # numerics wrong, timing only) against the real step, dense hybrid and 8B.

@@ -58,11 +58,13 @@ from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
-# Fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's own
-# q/k/v) where the start-up probe passes on a CUDA device, in the steps where that wins
-# (`varlen_attention.takes_dense_path`); cuDNN's plan for every padded prompt length a step can
-# take is built at start-up. On by default: one 8,192-token prompt's TTFT fell from 217 to 198 ms
-# (Llama-3.1-8B) and from 35.8 to 28.3 ms (Qwen3-0.6B) on an H200. "0" keeps the paged kernel.
+# "1": fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's
+# own q/k/v) where the start-up probe passes on a CUDA device, in the steps
+# `varlen_attention.takes_dense_path` picks; cuDNN's plan for every padded prompt length a step
+# can take is built at start-up. Off by default: on an H200 one 8,192-token prompt's TTFT fell
+# from 227 to 203 ms (Llama-3.1-8B) and from 35.9 to 30.4 ms (Qwen3-0.6B), but one of 5,003
+# tokens rose from 19.5 to 26.7 ms on Qwen3-0.6B, where the kernels alone favour the dense path
+# by 7%; until that is understood the paged kernel stays the default (docs/kernels.md).
 DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
 
 
@@ -117,7 +119,7 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []
 
     def _enable_dense_prefill(self, layers: list) -> bool:
-        """Unless ATOM_DENSE_PREFILL=0, turn on the attention layers' dense path for fresh prompts
+        """With ATOM_DENSE_PREFILL=1, turn on the attention layers' dense path for fresh prompts
         when torch's attention kernels run on this device for their heads (a start-up probe;
         never on CPU), then build cuDNN's plan for every length bucket a one-chunk step of the
         token budget can pad to (`varlen_attention.warm_up`), so no request pays one. This runs
@@ -126,7 +128,7 @@ class ModelRunner:
         does, padded to its bucket)."""
         first = layers[0]
         on = (
-            os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
+            os.environ.get(DENSE_PREFILL_ENV, "0") == "1"
             and self.device.type == "cuda"
             and varlen_attention.supported(
                 self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim

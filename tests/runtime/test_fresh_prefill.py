@@ -1,6 +1,6 @@
 """Fresh prompts' dense prefill path, on CPU: the length buckets a lone chunk is padded to and
 the exactness of that padding, which attention path a step's metadata and chunks pick, when the
-runner turns the path on (by default, where the probe passes; never on CPU) and warms its plans,
+runner turns the path on (when asked, where the probe passes; never on CPU) and warms its plans,
 the metadata the runner builds for each kind of step, and the engine's output with the dense path
 forced on (its op runs the torch reference on CPU) against the paged path. On a GPU the path
 runs torch's SDPA or flash attention (tests/kernels/test_triton_kernels_gpu.py,
@@ -203,17 +203,17 @@ def test_the_layer_picks_its_attention_path_from_the_metadata(
 @pytest.mark.parametrize(
     ("env", "device", "probe", "on", "calls"),
     [
-        (None, "cuda", True, True, ["probe", ("warm_up", 1200)]),  # on by default
+        (None, "cuda", True, False, []),  # off by default: no probe, no plans
         ("1", "cuda", True, True, ["probe", ("warm_up", 1200)]),
-        ("0", "cuda", True, False, []),  # turned off: no probe, no plans
-        (None, "cpu", True, False, []),  # never on CPU
-        (None, "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel only
+        ("0", "cuda", True, False, []),
+        ("1", "cpu", True, False, []),  # never on CPU
+        ("1", "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel only
     ],
 )
-def test_the_runner_turns_the_dense_path_on_by_default_and_warms_its_plans(
+def test_the_runner_turns_the_dense_path_on_when_asked_and_warms_its_plans(
     monkeypatch, env, device, probe, on, calls
 ):
-    """`_enable_dense_prefill` on a stand-in runner (no GPU needed): unless ATOM_DENSE_PREFILL=0,
+    """`_enable_dense_prefill` on a stand-in runner (no GPU needed): with ATOM_DENSE_PREFILL=1,
     on a CUDA device whose probe passes every attention layer turns the path on and the plans of
     the step budget's buckets are built; otherwise no layer does."""
     seen = []
@@ -282,11 +282,11 @@ def _record_fresh_chunks(monkeypatch, first: PagedAttention) -> list:
 
 
 def test_the_runner_marks_only_steps_of_fresh_prompts(tiny_models, monkeypatch):
-    """On CPU the dense path is off though on by default (no probe runs), and each step's
+    """On CPU the dense path stays off even when asked for (no probe runs), and each step's
     metadata says whether every chunk starts at position 0: two fresh prompts together, then
     decodes, then a prompt over their cached prefix, then a long prompt cut into chunks by the
     token budget (its first chunk fresh, the next not)."""
-    monkeypatch.delenv(DENSE_PREFILL_ENV, raising=False)
+    monkeypatch.setenv(DENSE_PREFILL_ENV, "1")
     llm = LLM(
         str(tiny_models["qwen3"]), dtype="float32", num_gpu_blocks_override=64,
         max_num_batched_tokens=48, max_num_seqs=4,

@@ -305,14 +305,14 @@ def _dense_for_short_prompts(monkeypatch) -> None:
 def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
     tiny_models, kind, monkeypatch
 ):
-    """bf16 (the dense kernels' dtypes), the dense path on by default, its thresholds lowered: a
+    """bf16 (the dense kernels' dtypes), the dense path turned on, its thresholds lowered: a
     step of fresh prompts runs the dense path (four short prompts: one flash launch; one prompt:
     SDPA, padded), and the first token's top logprobs of the dense path match the paged kernel's
     within bf16's resolution. Eager with no prefill graphs, so flipping the layers' flag takes
     effect."""
     from atom_kernels import ops
 
-    monkeypatch.delenv("ATOM_DENSE_PREFILL", raising=False)
+    monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
     _dense_for_short_prompts(monkeypatch)
     llm = LLM(
         str(tiny_models[kind]),
@@ -381,13 +381,13 @@ def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkey
 def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
     tiny_models, monkeypatch, caplog
 ):
-    """bf16, the dense path on by default (thresholds lowered to 64 tokens): the start-up builds
+    """bf16, the dense path turned on (thresholds lowered to 64 tokens): the start-up builds
     one cuDNN plan per bucket of the 512-token budget (and logs it), and prompts of lengths the
     engine never saw reach SDPA with a plan-cache key (sizes, strides, dtype, device) start-up
     already presented, so no request builds a plan."""
     from atom_kernels import varlen_attention
 
-    monkeypatch.delenv("ATOM_DENSE_PREFILL", raising=False)
+    monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
     _dense_for_short_prompts(monkeypatch)
     keys = []
     real = varlen_attention.sdpa_causal

@@ -4,7 +4,7 @@
 model has it, rotary, this step's K/V written into the cache at the slot mapping); `forward`
 attends: the decode kernel when every sequence runs one token; when every chunk starts at
 position 0 (fresh prompts), `dense_prefill` is on (set by the model runner at start-up where
-torch's attention kernels run, unless ATOM_DENSE_PREFILL=0) and the chunks are of a kind the
+torch's attention kernels run, with ATOM_DENSE_PREFILL=1) and the chunks are of a kind the
 dense kernels win on (`varlen_attention.takes_dense_path`), dense attention over the step's own
 q/k/v; otherwise the paged variable-length prefill kernel (a chunk of length one is a decode
 there too, so mixed batches are correct).
@@ -29,8 +29,8 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # Set by the model runner (where `varlen_attention.supported` on its device, unless
-        # ATOM_DENSE_PREFILL=0): fresh prompts then may attend densely. False on CPU (the paged
+        # Set by the model runner (where `varlen_attention.supported` on its device, with
+        # ATOM_DENSE_PREFILL=1): fresh prompts then may attend densely. False on CPU (the paged
         # path is the only one there).
         self.dense_prefill = False
 
