@@ -67,7 +67,9 @@ def takes_dense_path(chunk_lens: tuple[int, ...], head_dim: int) -> bool:
     One chunk: from `MIN_DENSE_CHUNK` tokens. One 8,192-token chunk through cuDNN ran at 89% /
     82% / 93% of SDPA on dense tensors (Llama-3.1-8B 32/8 heads, Qwen3-0.6B 16/8, head_dim 128;
     Qwen3.5-4B 16/4, head_dim 256) against the paged kernel's 60% / 68% / 42% (H200, torch 2.11);
-    engine TTFT 198 against 217 ms (8B) and 28.3 against 35.8 ms (0.6B).
+    engine TTFT 203 against 227 ms (8B) and 30.4 against 35.9 ms (0.6B). Shorter chunks win less
+    or lose (`benchmarks/dense_crossover.py`; docs/kernels.md, where one engine loss at 5,003
+    tokens on Qwen3-0.6B keeps the whole path opt-in).
 
     Several chunks: only with head_dim above `FLASH_VARLEN_MAX_PAGED_HEAD_DIM`. Flash varlen
     against the paged kernel, % of SDPA: at head_dim 128, 2 x 4,096 tokens 52-55 against 59-61,
