@@ -29,6 +29,7 @@
 #   early (W2 on the three models with the GEMV's early columns at 1, 4 and 8 steps)
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
+#   denseprofile (a fresh prompt's prefill step traced, dense path on and off)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -36,10 +37,10 @@
 #   producernorm (W2 with the norm's add and sums of squares in the GEMV before it, on and off)
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
-# What the next session with device time should run first (one call each, ~5-10 min):
-#   producernorm   |   freshprefill   |   gputests
-#   (the two opt-in paths built on 2026-12-02 without device time to measure them: turn each on
-#   by default only if it wins; then every GPU engine test on the final code)
+# What the next session with device time should run first:
+#   denseprofile (then fix what it shows and re-run densettft with TTFT_LENGTHS=3072,5003,6144,8192;
+#   turn ATOM_DENSE_PREFILL on by default if no length loses)  |  gemv (the compiled GEMV tests
+#   on the norm-in-producer kernel's second form, not yet run on a GPU)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
@@ -312,6 +313,10 @@ for stage in ${*:-tests bench kernels peer}; do
     crossover)
       # Dense prefill against the paged kernel by prompt length, per head config.
       (cd benchmarks && timeout 150 python3 dense_crossover.py --out "$OUT/json/dense_crossover.json" 2>&1 | grep -v -i "warn\|o = sdpa") ;;
+    denseprofile)
+      # Why a 5,003-token prompt of Qwen3-0.6B was slower with the dense prefill path (26.7 against
+      # 19.5 ms) when its kernel alone is faster: the step's kernels, dense on and off.
+      timeout 240 python3 benchmarks/trace_fresh_prefill.py --model $Q3 --lengths 5003,8192 --out "$OUT/json/trace_fresh_prefill.json" 2>&1 | grep -v -i "warn" | cut -c1-140 | tail -60 ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
       # numerics wrong, timing only) against the real step, dense hybrid and 8B.
