@@ -36,22 +36,43 @@ def one_prompt(engine, prompt: list[int], params: SamplingParams) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+# The caching allocator's counters that say whether a step went back to the driver for memory
+# (a nearly full GPU: each of those can free cached blocks and synchronize).
+ALLOCATOR_COUNTERS = (
+    "num_alloc_retries",
+    "num_device_alloc",
+    "num_device_free",
+    "num_sync_all_streams",
+)
+# Runtime calls that stall the host or the device.
+STALLS = ("cudaMalloc", "cudaFree", "cudaDeviceSynchronize", "cudaStreamSynchronize")
+
+
 def trace(engine, prompt: list[int], params: SamplingParams, top: int) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    before = torch.cuda.memory_stats()
     with torch.profiler.profile(activities=acts) as prof:
         wall = one_prompt(engine, prompt, params)
+    after = torch.cuda.memory_stats()
     kernels = collections.defaultdict(lambda: [0, 0.0])
+    stalls = collections.defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels[ev.name[:90]]
             k[0] += 1
             k[1] += ev.device_time
+        elif ev.name.startswith(STALLS):
+            k = stalls[ev.name]
+            k[0] += 1
+            k[1] += ev.cpu_time_total
     gpu_us = sum(v[1] for v in kernels.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "wall_ms": wall,
         "gpu_ms": gpu_us / 1e3,
         "kernels": [(name, count, round(us, 1)) for name, (count, us) in ranked],
+        "stalls": {name: (count, round(us, 1)) for name, (count, us) in stalls.items()},
+        "allocator": {c: after.get(c, 0) - before.get(c, 0) for c in ALLOCATOR_COUNTERS},
     }
 
 
@@ -83,6 +104,7 @@ def main() -> None:
             print(f"\n{n} tokens, dense {'on' if dense else 'off'}: best {best:.2f} ms untraced; "
                   f"traced wall {got['wall_ms']:.2f} ms, GPU kernels {got['gpu_ms']:.2f} ms",
                   flush=True)  # fmt: skip
+            print(f"  allocator {got['allocator']}; runtime stalls (calls, us) {got['stalls']}")
             for name, count, us in got["kernels"]:
                 print(f"  {us / 1e3:8.3f} ms  {count:4d}x  {name}", flush=True)
     llm.shutdown()
