@@ -316,7 +316,7 @@ for stage in ${*:-tests bench kernels peer}; do
     denseprofile)
       # Why a 5,003-token prompt of Qwen3-0.6B was slower with the dense prefill path (26.7 against
       # 19.5 ms) when its kernel alone is faster: the step's kernels, dense on and off.
-      timeout 240 python3 benchmarks/trace_fresh_prefill.py --model $Q3 --lengths 5003,8192 --out "$OUT/json/trace_fresh_prefill.json" 2>&1 | grep -v -i "warn" | cut -c1-140 | tail -60 ;;
+      timeout 240 python3 benchmarks/trace_fresh_prefill.py --model $Q3 --lengths 5003,8192 --out "$OUT/json/trace_fresh_prefill.json" 2>&1 | grep -v -i "warn" | cut -c1-260 | tail -70 ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
       # numerics wrong, timing only) against the real step, dense hybrid and 8B.
