@@ -640,7 +640,7 @@ def gemv(
         )
     if (add is None) != (next_norm_weight is None):
         raise ValueError("add= and next_norm_weight= go together")
-    if norm and norm_parts is None and weight.shape[1] > MAX_NORM_ROW:
+    if norm and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
     n, k = weight.shape
@@ -719,7 +719,7 @@ def gemv(
         TICKETS=tickets is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ROW_BLOCK=triton.next_power_of_2(k) if norm and norm_parts is None else 1,
+        ROW_BLOCK=triton.next_power_of_2(k) if norm else 1,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         EARLY=early_columns(

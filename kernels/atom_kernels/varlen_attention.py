@@ -160,19 +160,6 @@ def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return o[0].transpose(0, 1)
 
 
-def sdpa_per_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_lens: tuple[int, ...], scale: float
-) -> torch.Tensor:
-    """`sdpa_causal` on each chunk in turn, unpadded (the benchmark's comparison for several
-    chunks; the engine never runs it)."""
-    outs = []
-    lo = 0
-    for n in chunk_lens:
-        outs.append(sdpa_causal(q[lo : lo + n], k[lo : lo + n], v[lo : lo + n], scale))
-        lo += n
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
 def flash_varlen(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -48,7 +48,8 @@ SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
 # "1": the residual add, the RMSNorm's sum of squares and the row times the norm's weight move
 # into the GEMV that writes the row (o_proj, down, out_proj: "gemv+add"), and the GEMV after the
 # norm multiplies by that row and scales its sums by the inverse RMS ("gemv+sumnorm"), so the
-# norm needs no launch of its own. Off by default until measured.
+# norm needs no launch of its own. Off by default: on an H200 it made the whole batch-1 step
+# slower though each fused GEMV won alone (docs/kernels.md).
 NORM_IN_PRODUCER_ENV = "ATOM_NORM_IN_PRODUCER"
 
 

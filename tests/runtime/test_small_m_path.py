@@ -125,8 +125,9 @@ def _set_one_row_flags(layers, *, add, parts, norm, act, rope):
 )  # fmt: skip
 def test_norm_in_the_producer_gives_the_same_tokens(request, models, kind):
     """o_proj / down / out_proj adding the residual in their GEMV and leaving the sums of
-    squares (a `SummedRow` in place of the residual), and the GEMV after the next norm norming
-    from those sums or on its own (fused, unfused, with rotary), give the plain path's tokens
+    squares and the row times the next norm's weight (a `SummedRow` in place of the residual),
+    and the GEMV after that norm taking its input from those or norming on its own (fused,
+    unfused, with rotary), give the plain path's tokens
     and log-probabilities. On CPU the ops are their torch references: this checks the
     plumbing through the decoder layers, the final norm and a MoE layer's own norm."""
     folder = request.getfixturevalue(models)[kind]
