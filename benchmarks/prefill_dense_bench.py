@@ -304,28 +304,40 @@ def first_calls() -> list[dict]:
     return rows
 
 
+def fresh_prompt_engine(path: str):
+    """The engine the TTFT figures come from (dense path opted in, the start-up probe deciding;
+    dummy weights, prefix caching off, eager, a BUDGET-token step): (llm, its attention layers,
+    whether the dense path is on, a function of (length, seed) giving a prompt)."""
+    from atom_runtime import LLM
+
+    os.environ["ATOM_DENSE_PREFILL"] = "1"
+    llm = LLM(path, load_format="dummy", max_model_len=8320, max_num_batched_tokens=BUDGET,
+              enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
+    layers = llm.engine.executor.model.attention_layers()
+    vocab = llm.engine.model_config.vocab_size
+
+    def prompt(n: int, seed: int = 0) -> list[int]:
+        return [(7919 * j + 31 * seed) % (vocab - 200) + 100 for j in range(n)]
+
+    return llm, layers, layers[0].dense_prefill, prompt
+
+
 def ttft(models: list[str]) -> list[dict]:
     """Time to first token of one 8,192-token prompt, one of 5,003 and 8 prompts of 1,024 (each
     one step), dense path on and off (same engine: the layers' flag flipped), five runs each,
     alternating (dense on first), prefix caching off, eager. Reports each setting's first run
     (dense on at 5,003 tokens: the engine's first sight of that length, which must find the plan
     start-up built for its bucket) and its best."""
-    from atom_runtime import LLM, SamplingParams
+    from atom_runtime import SamplingParams
     from atom_runtime.engine.protocol import EngineRequest
 
-    os.environ["ATOM_DENSE_PREFILL"] = "1"  # opted in; the start-up probe decides
     rows = []
     for path in models:
-        llm = LLM(path, load_format="dummy", max_model_len=8320, max_num_batched_tokens=BUDGET,
-                  enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
+        llm, layers, supported, make_prompt = fresh_prompt_engine(path)
         engine = llm.engine
-        layers = engine.executor.model.attention_layers()
-        vocab = engine.model_config.vocab_size
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        supported = layers[0].dense_prefill
         for shape, lens in TTFT_SHAPES.items():
-            prompts = [[(7919 * j + 31 * i) % (vocab - 200) + 100 for j in range(n)]
-                       for i, n in enumerate(lens)]  # fmt: skip
+            prompts = [make_prompt(n, i) for i, n in enumerate(lens)]
             for dense in ([True, False] * 5) if supported else [False] * 5:
                 for layer in layers:
                     layer.dense_prefill = dense

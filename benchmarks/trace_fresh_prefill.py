@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import time
 
 import torch
+from prefill_dense_bench import fresh_prompt_engine
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import SamplingParams
 from atom_runtime.engine.protocol import EngineRequest
 
 
@@ -83,17 +83,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out")
     args = ap.parse_args()
-    os.environ["ATOM_DENSE_PREFILL"] = "1"
-    llm = LLM(args.model, load_format="dummy", max_model_len=8320, max_num_batched_tokens=8192,
-              enable_prefix_caching=False, enforce_eager=True)  # fmt: skip
+    llm, layers, supported, make_prompt = fresh_prompt_engine(args.model)
     engine = llm.engine
-    layers = engine.executor.model.attention_layers()
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    supported = layers[0].dense_prefill
     result = {}
     for n in (int(x) for x in args.lengths.split(",")):
-        prompt = [(7919 * j) % (vocab - 200) + 100 for j in range(n)]
+        prompt = make_prompt(n)
         for dense in (True, False) if supported else (False,):
             for layer in layers:
                 layer.dense_prefill = dense
