@@ -38,6 +38,7 @@ import argparse
 import inspect
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -51,6 +52,7 @@ NEW_LENGTHS = (5003, 8001, 1500, 3333)  # first_calls: no bucket, none seen befo
 BUDGET = 8192  # the engine's default max_num_batched_tokens
 # --ttft's steps: one prompt of 8,192 and one of 5,003 tokens, 8 of 1,024 (--ttft-lengths
 # replaces them with one prompt of each length given).
+TTFT_RUNS = int(os.environ.get("TTFT_RUNS", "5"))  # runs of each setting, alternating
 TTFT_SHAPES = {"1x8192": [8192], "1x5003": [5003], "8x1024": [1024] * 8}
 PAGE = 16
 
@@ -324,10 +326,10 @@ def fresh_prompt_engine(path: str):
 
 def ttft(models: list[str]) -> list[dict]:
     """Time to first token of one 8,192-token prompt, one of 5,003 and 8 prompts of 1,024 (each
-    one step), dense path on and off (same engine: the layers' flag flipped), five runs each,
+    one step), dense path on and off (same engine: the layers' flag flipped), TTFT_RUNS runs each,
     alternating (dense on first), prefix caching off, eager. Reports each setting's first run
     (dense on at 5,003 tokens: the engine's first sight of that length, which must find the plan
-    start-up built for its bucket) and its best."""
+    start-up built for its bucket), its best and its median."""
     from atom_runtime import SamplingParams
     from atom_runtime.engine.protocol import EngineRequest
 
@@ -338,7 +340,7 @@ def ttft(models: list[str]) -> list[dict]:
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for shape, lens in TTFT_SHAPES.items():
             prompts = [make_prompt(n, i) for i, n in enumerate(lens)]
-            for dense in ([True, False] * 5) if supported else [False] * 5:
+            for dense in ([True, False] * TTFT_RUNS) if supported else [False] * TTFT_RUNS:
                 for layer in layers:
                     layer.dense_prefill = dense
                 torch.cuda.synchronize()
@@ -355,8 +357,8 @@ def ttft(models: list[str]) -> list[dict]:
                        if r["model"] == path and r["shape"] == shape and r["dense"] == dense]  # fmt: skip
                 if got:
                     print(f"{path} TTFT {shape}, dense {'on ' if dense else 'off'}: first run "
-                          f"{got[0]:.1f} ms, best {min(got):.1f} ms (runs {got})",
-                          flush=True)  # fmt: skip
+                          f"{got[0]:.1f} ms, best {min(got):.1f} ms, median "
+                          f"{statistics.median(got):.1f} (runs {got})", flush=True)  # fmt: skip
         for layer in layers:
             layer.dense_prefill = supported
         llm.shutdown()

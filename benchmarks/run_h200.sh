@@ -305,7 +305,7 @@ for stage in ${*:-tests bench kernels peer}; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
     densettft)
-      timeout 120 python3 benchmarks/prefill_dense_bench.py --ttft ${TTFT_MODELS:-$L8,$Q3} ${TTFT_LENGTHS:+--ttft-lengths $TTFT_LENGTHS} --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
+      timeout ${TTFT_CAP:-120} python3 benchmarks/prefill_dense_bench.py --ttft ${TTFT_MODELS:-$L8,$Q3} ${TTFT_LENGTHS:+--ttft-lengths $TTFT_LENGTHS} --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
     gputests4)
       # The GPU engine tests under a 4-minute cap (what finishes in it is reported).
       timeout ${GPUTESTS_CAP:-240} python3 -m pytest -v -p no:cacheprovider tests/runtime/test_gpu_engine.py tests/runtime/test_hybrid_gpu.py > "$OUT/gputests.log" 2>&1
@@ -316,7 +316,7 @@ for stage in ${*:-tests bench kernels peer}; do
     denseprofile)
       # Why a 5,003-token prompt of Qwen3-0.6B was slower with the dense prefill path (26.7 against
       # 19.5 ms) when its kernel alone is faster: the step's kernels, dense on and off.
-      timeout 240 python3 benchmarks/trace_fresh_prefill.py --model $Q3 --lengths 5003,8192 --out "$OUT/json/trace_fresh_prefill.json" 2>&1 | grep -v -i "warn" | cut -c1-260 | tail -70 ;;
+      timeout 240 python3 benchmarks/trace_fresh_prefill.py --model ${PROFILE_MODEL:-$Q3} --lengths ${PROFILE_LENGTHS:-5003,8192} --top ${PROFILE_TOP:-12} --out "$OUT/json/trace_fresh_prefill.json" 2>&1 | grep -v -i "warn" | cut -c1-260 | tail -${PROFILE_LINES:-70} ;;
     skipnorm)
       # Bound on the norm lever: W2 with the one-row RMSNorms skipped (benchmarks/skip_norm_bound.py,
       # numerics wrong, timing only) against the real step, dense hybrid and 8B.

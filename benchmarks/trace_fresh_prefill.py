@@ -1,6 +1,7 @@
 """Where one fresh prompt's prefill step goes, kernel by kernel, with the dense prefill path on
 and off (the same engine, the layers' flag flipped): wall time, GPU kernel time and the kernels
-that take it, per prompt length.
+that take it, per prompt length; and where the host's time goes (each engine step's wall time,
+the Python functions that take it under cProfile).
 
     python benchmarks/trace_fresh_prefill.py --model benchmarks/configs/qwen3-0.6b \\
         --lengths 5003,8192
@@ -15,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
+import pstats
+import statistics
 import time
 
 import torch
@@ -25,15 +30,30 @@ from atom_runtime import SamplingParams
 from atom_runtime.engine.protocol import EngineRequest
 
 
-def one_prompt(engine, prompt: list[int], params: SamplingParams) -> float:
-    """Milliseconds from adding the prompt to its first token, synchronized."""
+def one_prompt(engine, prompt: list[int], params: SamplingParams, steps: list | None = None):
+    """Milliseconds from adding the prompt to its first token, synchronized; each engine step's
+    wall milliseconds appended to `steps`."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     engine.add_request(EngineRequest(f"p{time.monotonic_ns()}", prompt, params))
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         engine.step()
+        if steps is not None:
+            steps.append(round((time.perf_counter() - t0) * 1e3, 2))
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3
+
+
+def host_profile(engine, prompt: list[int], params: SamplingParams, top: int) -> list[str]:
+    """The Python functions one prompt's run spends its host time in (cProfile, by own time)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    one_prompt(engine, prompt, params)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-top - 1 :]
 
 
 # The caching allocator's counters that say whether a step went back to the driver for memory
@@ -81,6 +101,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--lengths", default="5003,8192")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--runs", type=int, default=6, help="untraced runs per setting")
     ap.add_argument("--out")
     args = ap.parse_args()
     llm, layers, supported, make_prompt = fresh_prompt_engine(args.model)
@@ -92,16 +113,25 @@ def main() -> None:
         for dense in (True, False) if supported else (False,):
             for layer in layers:
                 layer.dense_prefill = dense
-            best = min(one_prompt(engine, prompt, params) for _ in range(4))
+            steps = [[] for _ in range(args.runs)]
+            walls = [one_prompt(engine, prompt, params, steps[i]) for i in range(args.runs)]
+            best = min(walls)
             got = trace(engine, prompt, params, args.top)
             got["best_untraced_ms"] = best
+            got["untraced_ms"] = [round(w, 2) for w in walls]
+            got["step_ms"] = steps
+            got["host_profile"] = host_profile(engine, prompt, params, args.top)
             result[f"{n} dense {'on' if dense else 'off'}"] = got
-            print(f"\n{n} tokens, dense {'on' if dense else 'off'}: best {best:.2f} ms untraced; "
-                  f"traced wall {got['wall_ms']:.2f} ms, GPU kernels {got['gpu_ms']:.2f} ms",
-                  flush=True)  # fmt: skip
+            print(f"\n{n} tokens, dense {'on' if dense else 'off'}: best {best:.2f} ms untraced "
+                  f"(median {statistics.median(walls):.2f}); traced wall {got['wall_ms']:.2f} ms, "
+                  f"GPU kernels {got['gpu_ms']:.2f} ms", flush=True)  # fmt: skip
+            print(f"  untraced runs {got['untraced_ms']}; their engine steps (ms) {steps}")
             print(f"  allocator {got['allocator']}; runtime stalls (calls, us) {got['stalls']}")
             for name, count, us in got["kernels"]:
                 print(f"  {us / 1e3:8.3f} ms  {count:4d}x  {name}", flush=True)
+            print("  host (cProfile, own time):")
+            for line in got["host_profile"]:
+                print(f"    {line[:200]}", flush=True)
     llm.shutdown()
     if args.out:
         with open(args.out, "w") as f:

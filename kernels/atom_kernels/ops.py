@@ -213,6 +213,7 @@ def varlen_causal_attention(
     chunk_lens: tuple[int, ...],
     scale: float,
     max_seqlen_q: int,
+    padded_rows: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed chunks that all start at position 0, over their own keys only
     (fresh prompts: no cached prefix, no earlier chunk), so no cache is read.
@@ -223,7 +224,10 @@ def varlen_causal_attention(
     on the host as `chunk_lens` (summing to T). Query i of a chunk sees keys 0..i of the same
     chunk. max_seqlen_q is the longest chunk. Returns `[T, num_heads, head_dim]`. On a GPU one
     chunk runs through cuDNN's SDPA padded to its length bucket, several through one launch of
-    torch's flash attention (`varlen_attention`; `supported` says whether it runs there)."""
+    torch's flash attention (`varlen_attention`; `supported` says whether it runs there).
+    `padded_rows`: q, k and v are views into a buffer of that many rows, zeros past T (the qkv
+    projection's output for such a step, `forward_context.dense_rows`), so the lone chunk's
+    padding needs no copy; 0 (or a buffer that does not hold them): the rows are copied."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, heads, "

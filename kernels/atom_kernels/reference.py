@@ -128,8 +128,10 @@ def varlen_causal_attention(
     chunk_lens: tuple[int, ...],
     scale: float,
     max_seqlen_q: int,
+    padded_rows: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of packed chunks, each over its own keys only (every chunk at position 0)."""
+    """Causal attention of packed chunks, each over its own keys only (every chunk at position 0).
+    `padded_rows` (rows past T the inputs' buffer holds) changes nothing here."""
     out = torch.empty_like(q)
     lo = 0
     for n in chunk_lens:

@@ -110,36 +110,99 @@ def varlen_causal_attention(
     chunk_lens: tuple[int, ...],
     scale: float,
     max_seqlen_q: int,
+    padded_rows: int = 0,
 ) -> torch.Tensor:
     if len(chunk_lens) == 1:
-        return padded_chunk_attention(q, k, v, scale, sdpa_causal)
+        return padded_chunk_attention(q, k, v, scale, sdpa_causal, padded_rows)
     return flash_varlen(q, k, v, cu_seqlens_q, scale, max_seqlen_q)
 
 
 def padded_chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, attend: Attend
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    attend: Attend,
+    padded_rows: int = 0,
 ) -> torch.Tensor:
     """Causal attention of one chunk (q `[n, num_heads, head_dim]`, k, v `[n, num_kv_heads,
-    head_dim]`, any strides with a contiguous last dim) run by `attend` on copies padded at the
+    head_dim]`, any strides with a contiguous last dim) run by `attend` on views padded at the
     end to `bucket_length(n)` rows of zeros; returns the first n rows of its output.
-
     `attend(q, k, v, scale)` is causal attention of `[rows, heads, head_dim]` tensors returning
     `[rows, num_heads, head_dim]` (`sdpa_causal` on a GPU; a torch reference in the CPU tests).
-    The copies are views into one fresh `[rows, num_heads + 2 * num_kv_heads, head_dim]` tensor,
-    so a bucket always reaches `attend` with the same sizes and strides, the key of cuDNN's plan
-    cache: `warm_up` builds exactly the plans these calls use. One copy of each of q, k, v; only
-    the padded tail is zeroed."""
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    qkv = torch.empty(
-        bucket_length(n), num_heads + 2 * num_kv_heads, head_dim, dtype=q.dtype, device=q.device
-    )
-    qp, kp, vp = _split_heads(qkv, num_heads, num_kv_heads)
-    qp[:n].copy_(q)
-    kp[:n].copy_(k)
-    vp[:n].copy_(v)
-    qkv[n:].zero_()
+
+    `padded_rows`: the caller's promise that q, k and v are views into a buffer that already
+    holds that many rows with zeros past the chunk (the qkv projection allocates it so for a
+    step that comes here, `forward_context.dense_rows`); when it is the bucket and the storage
+    does hold those rows, the padded views are taken in place and nothing is copied. Otherwise
+    the rows are copied: views into one row buffer (the qkv projection's output, q's heads
+    first) as one copy of the whole rows into a buffer of the same row layout, anything else
+    as three copies into `[rows, num_heads + 2 * num_kv_heads, head_dim]`. Either way a bucket
+    reaches `attend` with the sizes and strides `warm_up` gives it for that layout (the key of
+    cuDNN's plan cache), so the warm-up builds exactly the plans these calls use."""
+    n = q.shape[0]
+    rows = bucket_length(n)
+    if padded_rows == rows and all(_holds_rows(t, rows) for t in (q, k, v)):
+        qp, kp, vp = (_extend(t, rows, t.storage_offset()) for t in (q, k, v))
+    elif (width := _row_width(q, k, v)) is not None:
+        buf = torch.empty(rows * width, dtype=q.dtype, device=q.device)
+        base = q.storage_offset()
+        buf[: n * width].view(n, width).copy_(q.as_strided((n, width), (q.stride(0), 1), base))
+        buf[n * width :].zero_()
+        qp, kp, vp = (
+            _extend(t, rows, t.storage_offset() - base, buf.untyped_storage()) for t in (q, k, v)
+        )
+    else:
+        num_heads, head_dim = q.shape[1:]
+        qkv = torch.empty(
+            rows, num_heads + 2 * k.shape[1], head_dim, dtype=q.dtype, device=q.device
+        )
+        qp, kp, vp = _split_heads(qkv, num_heads, k.shape[1])
+        qp[:n].copy_(q)
+        kp[:n].copy_(k)
+        vp[:n].copy_(v)
+        qkv[n:].zero_()
     return attend(qp, kp, vp, scale)[:n]
+
+
+def _holds_rows(t: torch.Tensor, rows: int) -> bool:
+    """Whether t's storage reaches `rows` rows of t's strides."""
+    last = t.storage_offset() + (rows - 1) * t.stride(0) + _row_span(t)
+    return rows > 0 and last < t.untyped_storage().nbytes() // t.element_size()
+
+
+def _row_span(t: torch.Tensor) -> int:
+    """How far t's last element of a row lies past the row's first (elements)."""
+    return sum(
+        (size - 1) * stride for size, stride in zip(t.shape[1:], t.stride()[1:], strict=True)
+    )
+
+
+def _row_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
+    """The row width (elements) when q, k and v are views into the rows of one buffer (the
+    same storage and row stride, each head row-contiguous with q's first head at a row's
+    start and k, v within the row): then copying q's whole rows copies all three. Else None."""
+    width = q.stride(0)
+    base = q.storage_offset()
+    same = all(
+        t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() and t.stride(0) == width
+        for t in (k, v)
+    )
+    if not same or base + q.shape[0] * width > q.untyped_storage().nbytes() // q.element_size():
+        return None
+    for t in (q, k, v):
+        off = t.storage_offset() - base
+        if off < 0 or off + _row_span(t) >= width:
+            return None
+    return width
+
+
+def _extend(t: torch.Tensor, rows: int, offset: int, storage=None) -> torch.Tensor:
+    """t's view with `rows` rows (same strides), at `offset` in `storage` (t's own by default)."""
+    if storage is None:
+        return t.as_strided((rows, *t.shape[1:]), t.stride(), offset)
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(storage, offset, (rows, *t.shape[1:]), t.stride())
 
 
 def _split_heads(
@@ -147,6 +210,21 @@ def _split_heads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv_end = num_heads + num_kv_heads
     return qkv[:, :num_heads], qkv[:, num_heads:kv_end], qkv[:, kv_end:]
+
+
+def qkv_views(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_gate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as the attention layer takes them from a `[T, width]` qkv projection: q's
+    heads first (each followed by its output gate with `q_gate`, gated attention), then k's,
+    then v's."""
+    q_width = (2 if q_gate else 1) * head_dim
+    q_end = num_heads * q_width
+    kv_width = num_kv_heads * head_dim
+    q = qkv[:, :q_end].view(-1, num_heads, q_width)[..., :head_dim]
+    k = qkv[:, q_end : q_end + kv_width].view(-1, num_kv_heads, head_dim)
+    v = qkv[:, q_end + kv_width :].view(-1, num_kv_heads, head_dim)
+    return q, k, v
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -186,18 +264,21 @@ def warm_up(
     num_kv_heads: int,
     head_dim: int,
     max_tokens: int,
+    q_gate: bool = False,
 ) -> list[int]:
     """Run the one-chunk path once at every bucket of `bucket_lengths(max_tokens)`, so cuDNN
     builds each plan now and no request pays one; returns those lengths. Each call attends over
-    a zero tensor laid out as `padded_chunk_attention` lays a bucket out and, like a step's, needs
-    no gradient, so its plan-cache key (sizes, strides, dtype, device, causal, whether softmax
-    statistics are kept) is the one a step's chunk of that bucket will look up. Run it on the
-    thread that runs the steps: torch keeps cuDNN's attention plans per thread. Returns once the
-    last call has finished on the device."""
+    zero views of a qkv projection's rows laid out as the layer's (`qkv_views`, `q_gate` for
+    gated attention), which is how `padded_chunk_attention` hands a step's bucket over, and,
+    like a step's, needs no gradient, so its plan-cache key (sizes, strides, dtype, device,
+    causal, whether softmax statistics are kept) is the one a step's chunk of that bucket will
+    look up. Run it on the thread that runs the steps: torch keeps cuDNN's attention plans per
+    thread. Returns once the last call has finished on the device."""
     lengths = bucket_lengths(max_tokens)
+    width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     for rows in lengths:
-        qkv = torch.zeros(rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
-        sdpa_causal(*_split_heads(qkv, num_heads, num_kv_heads), head_dim**-0.5)
+        qkv = torch.zeros(rows, width, dtype=dtype, device=device)
+        sdpa_causal(*qkv_views(qkv, num_heads, num_kv_heads, head_dim, q_gate), head_dim**-0.5)
         del qkv
     torch.cuda.synchronize(device)
     return lengths
@@ -219,10 +300,7 @@ def supported(
     gen = torch.Generator(device=device).manual_seed(0)
     qkv = torch.randn(42, (2 * num_heads + 2 * num_kv_heads) * head_dim, generator=gen,
                       device=device).to(dtype)  # fmt: skip
-    q_end, kv = 2 * num_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_end].view(42, num_heads, 2 * head_dim)[..., :head_dim]
-    k = qkv[:, q_end : q_end + kv].view(42, num_kv_heads, head_dim)
-    v = qkv[:, q_end + kv :].view(42, num_kv_heads, head_dim)
+    q, k, v = qkv_views(qkv, num_heads, num_kv_heads, head_dim, q_gate=True)
     scale = head_dim**-0.5
     err = 0.0
     try:

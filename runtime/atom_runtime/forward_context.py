@@ -23,6 +23,10 @@ class AttentionMetadata:
     # Host chunk lengths when every chunk starts at position 0 (fresh prompts: attention over
     # the step's own K/V only, `fresh_chunk_lengths`); None otherwise, and in captured graphs.
     fresh_chunks: tuple[int, ...] | None = None
+    # Rows the qkv projection allocates for its output, zeros past the step's tokens, when the
+    # step's lone fresh chunk attends densely (its length bucket,
+    # `varlen_attention.bucket_length`): the attention then pads it without a copy. 0: none.
+    dense_rows: int = 0
 
 
 def fresh_chunk_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> tuple[int, ...] | None:
@@ -42,6 +46,11 @@ _current: AttentionMetadata | None = None
 def set_attention_metadata(meta: AttentionMetadata | None) -> None:
     global _current
     _current = meta
+
+
+def dense_rows() -> int:
+    """The running step's `AttentionMetadata.dense_rows` (0 outside a step)."""
+    return 0 if _current is None else _current.dense_rows
 
 
 def get_attention_metadata() -> AttentionMetadata:

@@ -118,6 +118,18 @@ class ModelRunner:
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
 
+    def _dense_rows(self, fresh_chunks: tuple[int, ...] | None) -> int:
+        """`AttentionMetadata.dense_rows` for a step with these fresh chunks: the bucket of a
+        lone chunk that attends densely, so the qkv projections pad their output for it."""
+        if (
+            not self.dense_prefill
+            or fresh_chunks is None
+            or len(fresh_chunks) != 1
+            or not varlen_attention.takes_dense_path(fresh_chunks, self.head_dim)
+        ):
+            return 0
+        return varlen_attention.bucket_length(fresh_chunks[0])
+
     def _enable_dense_prefill(self, layers: list) -> bool:
         """With ATOM_DENSE_PREFILL=1, turn on the attention layers' dense path for fresh prompts
         when torch's attention kernels run on this device for their heads (a start-up probe;
@@ -142,7 +154,7 @@ class ModelRunner:
         with torch.inference_mode():
             lengths = varlen_attention.warm_up(
                 self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
-                self.max_num_batched_tokens,
+                self.max_num_batched_tokens, first.q_gate,
             )  # fmt: skip
         log.info(
             "fresh prompts attend densely (torch SDPA / flash attention); cuDNN plans for %d "
@@ -284,6 +296,7 @@ class ModelRunner:
             max_seqlen_q=tokens,
             # The path a whole-budget prompt takes: on the dense path, padded to its bucket.
             fresh_chunks=(tokens,),
+            dense_rows=self._dense_rows((tokens,)),
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
@@ -449,6 +462,7 @@ class ModelRunner:
             host["has_initial_state"] = inputs.has_initial_state
         # One pinned staging buffer and one copy for the whole step (device.to_device_many).
         d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
+        fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
         meta = AttentionMetadata(
             slot_mapping=d["slot_mapping"],
             block_tables=d["block_tables"],
@@ -456,9 +470,8 @@ class ModelRunner:
             decode_only=decode_only,
             cu_seqlens_q=None if decode_only else d["cu_seqlens_q"],
             max_seqlen_q=inputs.max_seqlen_q,
-            fresh_chunks=(
-                None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
-            ),
+            fresh_chunks=fresh,
+            dense_rows=self._dense_rows(fresh),
         )
         input_ids = d["input_ids"]
         if inputs.pending_sources is not None:

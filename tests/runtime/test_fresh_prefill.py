@@ -97,10 +97,13 @@ def test_padding_a_chunk_at_its_end_is_exact_for_its_rows(n):
     torch.testing.assert_close(got, reference.causal_attention(q, k, v, 0.25, 0))
 
 
-def test_the_warm_up_reaches_attention_with_every_steps_plan_key(monkeypatch):
+@pytest.mark.parametrize("q_gate", [False, True])
+def test_the_warm_up_reaches_attention_with_every_steps_plan_key(monkeypatch, q_gate):
     """cuDNN keys its plans by the tensors' sizes, strides and dtype: the warm-up's call for a
-    bucket presents exactly what a step's chunk padded to that bucket does (any length in it, from
-    q/k/v of any layout), so after the warm-up no chunk within the budget meets a new key."""
+    bucket presents exactly what a step's chunk padded to that bucket does, for the layer's qkv
+    layout (gated attention's q strided past its gates, or not), whether the projection padded
+    its output (`padded_rows`) or the rows are copied, so after the warm-up no chunk within the
+    budget meets a new key."""
     keys = []
 
     def record(q, k, v, scale):
@@ -109,14 +112,59 @@ def test_the_warm_up_reaches_attention_with_every_steps_plan_key(monkeypatch):
 
     monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warmed = varlen_attention.warm_up(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 2500)
+    warmed = varlen_attention.warm_up(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 2500, q_gate)
     assert warmed == bucket_lengths(2500)
     assert len(keys) == len(warmed)
+    width = ((2 if q_gate else 1) * 4 + 2 * 2) * 8
     for n in (1024, 1030, 1500, 2047, 2500):
-        q, k, v = (t.to(torch.bfloat16) for t in _qkv_views(n, 4, 2, 8, seed=1))
-        cu = torch.tensor([0, n], dtype=torch.int32)
-        varlen_attention.varlen_causal_attention(q, k, v, cu, (n,), 0.3, n)
-        assert keys[-1] in keys[: len(warmed)], n
+        rows = bucket_length(n)
+        for padded in (0, rows):
+            qkv = torch.zeros(max(n, padded), width, dtype=torch.bfloat16)[:n]
+            q, k, v = varlen_attention.qkv_views(qkv, 4, 2, 8, q_gate)
+            cu = torch.tensor([0, n], dtype=torch.int32)
+            varlen_attention.varlen_causal_attention(q, k, v, cu, (n,), 0.3, n, padded)
+            assert keys[-1] in keys[: len(warmed)], (n, padded)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """The storage t views, as the whole rows from t's first element (row width t.stride(0))."""
+    numel = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.as_strided((numel // t.stride(0), t.stride(0)), (t.stride(0), 1))
+
+
+@pytest.mark.parametrize("q_gate", [False, True])
+@pytest.mark.parametrize("n", [45, 1100])
+def test_a_padded_projection_is_attended_in_place(q_gate, n):
+    """When the qkv projection's buffer holds the bucket's rows with zeros past the chunk (what
+    `padded_rows` promises), attention reads views of that buffer: nothing is copied, and each
+    real row's output is the unpadded chunk's. A promise the storage cannot keep (a buffer of
+    fewer rows) falls back to one copy of the rows into a buffer of the same layout."""
+    rows = bucket_length(n)
+    width = ((2 if q_gate else 1) * 6 + 2 * 2) * 16
+    g = torch.Generator().manual_seed(n)
+    buf = torch.zeros(rows, width)
+    buf[:n] = torch.randn(n, width, generator=g)
+    q, k, v = varlen_attention.qkv_views(buf[:n], 6, 2, 16, q_gate)
+    seen = []
+
+    def attend(qp, kp, vp, scale):
+        seen.append((qp, kp, vp))
+        return reference.causal_attention(qp, kp, vp, scale, 0)
+
+    want = reference.causal_attention(q, k, v, 0.25, 0)
+    got = padded_chunk_attention(q, k, v, 0.25, attend, rows)
+    torch.testing.assert_close(got, want)
+    for padded, real in zip(seen[0], (q, k, v), strict=True):
+        assert padded.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert padded.stride() == real.stride() and padded.shape[0] == rows
+    short = buf[:n].clone()  # holds n rows only: the promise cannot hold
+    q, k, v = varlen_attention.qkv_views(short, 6, 2, 16, q_gate)
+    torch.testing.assert_close(padded_chunk_attention(q, k, v, 0.25, attend, rows), want)
+    for padded, real in zip(seen[1], (q, k, v), strict=True):
+        assert padded.untyped_storage().data_ptr() != short.untyped_storage().data_ptr()
+        assert padded.stride() == real.stride() and padded.shape[0] == rows
+    assert torch.equal(_rows_of(seen[1][0])[:n], short)
+    assert not _rows_of(seen[1][0])[n:rows].any()
 
 
 @pytest.mark.parametrize(
@@ -204,7 +252,7 @@ def test_the_layer_picks_its_attention_path_from_the_metadata(
     ("env", "device", "probe", "on", "calls"),
     [
         (None, "cuda", True, False, []),  # off by default: no probe, no plans
-        ("1", "cuda", True, True, ["probe", ("warm_up", 1200)]),
+        ("1", "cuda", True, True, ["probe", ("warm_up", 1200, False)]),
         ("0", "cuda", True, False, []),
         ("1", "cpu", True, False, []),  # never on CPU
         ("1", "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel only
@@ -219,7 +267,7 @@ def test_the_runner_turns_the_dense_path_on_when_asked_and_warms_its_plans(
     seen = []
     monkeypatch.setattr(varlen_attention, "supported", lambda *a: seen.append("probe") or probe)
     monkeypatch.setattr(
-        varlen_attention, "warm_up", lambda *a: seen.append(("warm_up", a[-1])) or [1024, 1152]
+        varlen_attention, "warm_up", lambda *a: seen.append(("warm_up", *a[5:])) or [1024, 1152]
     )
     if env is None:
         monkeypatch.delenv(DENSE_PREFILL_ENV, raising=False)
@@ -373,3 +421,47 @@ def test_short_fresh_prompts_keep_the_paged_kernel_in_the_engine(tiny_models, mo
     for prompts in (_prompts(43, [20, 9]), _prompts(44, [40])):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert calls == []
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama3", "qwen3_5"])
+def test_the_qkv_projection_is_padded_for_a_lone_fresh_chunk(
+    tiny_models, tiny_hybrid_models, monkeypatch, kind
+):
+    """With the dense path on (forced: CPU; its threshold lowered so short prompts take it), the
+    runner's metadata asks for the bucket's rows (`dense_rows`), every qkv projection returns
+    the first rows of a buffer that holds them, zeros past the prompt, and attention takes its
+    padded views in place (the real `padded_chunk_attention`, the torch reference attending):
+    no copy in any layer, and the tokens and logprobs of the paged path (fp32)."""
+    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 1)
+    calls = []
+
+    def dense(q, k, v, cu, chunks, scale, max_seqlen_q, padded_rows=0):
+        assert len(chunks) == 1
+
+        def attend(qp, kp, vp, s):
+            shared = qp.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+            calls.append((chunks[0], padded_rows, shared, qp.shape[0]))
+            return reference.causal_attention(qp, kp, vp, s, 0)
+
+        return padded_chunk_attention(q, k, v, scale, attend, padded_rows)
+
+    monkeypatch.setattr(ops, "varlen_causal_attention", dense)
+    folder = {**tiny_models, **tiny_hybrid_models}[kind]
+    prompts = _prompts(45, [5, 23, 41])
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    outs = {}
+    for on in (True, False):
+        llm = LLM(str(folder), dtype="float32", enable_prefix_caching=False,
+                  num_gpu_blocks_override=64)  # fmt: skip
+        llm.engine.executor.dense_prefill = on  # what the start-up probe would set on a GPU
+        layers = llm.engine.executor.model.attention_layers()
+        for layer in layers:
+            layer.dense_prefill = on
+        outs[on] = [
+            llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
+            for p in prompts  # one at a time: each prompt's step holds its lone chunk
+        ]
+        llm.shutdown()
+    want = [(n, bucket_length(n), True, bucket_length(n)) for n in (5, 23, 41)]
+    assert calls == [c for c in want for _ in layers]
+    _assert_same(outs[True], outs[False])

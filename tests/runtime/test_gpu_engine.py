@@ -301,21 +301,21 @@ def _dense_for_short_prompts(monkeypatch) -> None:
     monkeypatch.setattr(varlen_attention, "FLASH_VARLEN_MAX_PAGED_HEAD_DIM", 0)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "qwen3_5"])
 def test_fresh_prompts_attend_densely_and_agree_with_the_paged_kernel(
-    tiny_models, kind, monkeypatch
+    tiny_models, tiny_hybrid_models, kind, monkeypatch
 ):
     """bf16 (the dense kernels' dtypes), the dense path turned on, its thresholds lowered: a
     step of fresh prompts runs the dense path (four short prompts: one flash launch; one prompt:
     SDPA, padded), and the first token's top logprobs of the dense path match the paged kernel's
-    within bf16's resolution. Eager with no prefill graphs, so flipping the layers' flag takes
-    effect."""
+    within bf16's resolution (the hybrid: gated attention, q strided past its gates). Eager
+    with no prefill graphs, so flipping the layers' flag takes effect."""
     from atom_kernels import ops
 
     monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
     _dense_for_short_prompts(monkeypatch)
     llm = LLM(
-        str(tiny_models[kind]),
+        str({**tiny_models, **tiny_hybrid_models}[kind]),
         dtype="bfloat16",
         device="cuda",
         num_gpu_blocks_override=256,
@@ -378,13 +378,15 @@ def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkey
     assert calls == [(130,)] * n_layers
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
-    tiny_models, monkeypatch, caplog
+    tiny_models, tiny_hybrid_models, kind, monkeypatch, caplog
 ):
     """bf16, the dense path turned on (thresholds lowered to 64 tokens): the start-up builds
     one cuDNN plan per bucket of the 512-token budget (and logs it), and prompts of lengths the
     engine never saw reach SDPA with a plan-cache key (sizes, strides, dtype, device) start-up
-    already presented, so no request builds a plan."""
+    already presented, so no request builds a plan; the qkv projection's padded rows are
+    attended in place (the hybrid: gated attention's layout)."""
     from atom_kernels import varlen_attention
 
     monkeypatch.setenv("ATOM_DENSE_PREFILL", "1")
@@ -400,16 +402,22 @@ def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
     kw = dict(dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, enforce_eager=True,
               max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
     with caplog.at_level("INFO", logger="atom_runtime.model_runner"):
-        llm = LLM(str(tiny_models["qwen3"]), **kw)
+        llm = LLM(str({**tiny_models, **tiny_hybrid_models}[kind]), **kw)
     runner = llm.engine.executor
     assert runner.dense_prefill
     warmed = varlen_attention.bucket_lengths(512)
     assert f"cuDNN plans for {len(warmed)} prompt-length buckets (64-512 tokens)" in caplog.text
     at_start = set(keys)
     started = len(keys)
+    copied = []
+    real_row_width = varlen_attention._row_width  # reached only when the rows must be copied
+    monkeypatch.setattr(
+        varlen_attention, "_row_width", lambda *a: copied.append(a) or real_row_width(*a)
+    )
     prompts = _prompts(32, [77, 333, 501])
     for p in prompts:
         _greedy(llm, [p], 2)
     served = keys[started:]
     assert len(served) == len(prompts) * len(runner.model.attention_layers())
     assert set(served) <= at_start
+    assert copied == []

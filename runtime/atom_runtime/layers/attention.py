@@ -20,8 +20,12 @@ from atom_runtime.forward_context import get_attention_metadata
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, q_gate: bool = False
+    ) -> None:
         super().__init__()
+        # Gated attention: each q head is followed by its output gate in the qkv projection.
+        self.q_gate = q_gate
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -42,14 +46,11 @@ class PagedAttention(nn.Module):
         q_norm_weight: torch.Tensor | None = None,
         k_norm_weight: torch.Tensor | None = None,
         eps: float = 1e-6,
-        *,
-        q_gate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """From the fused qkv projection: QK-norm (optional), rotary (over the cos_sin_cache's
-        rotary_dim), and this step's K/V into the cache, in one pass. `q_gate`: each q head is
-        followed by its output gate in qkv (gated attention). Returns (q, k, v) as [T, heads,
-        head_dim] views into qkv, normed and rotated (q strided past the gates with `q_gate`):
-        `forward` takes k and v for the dense path of fresh prompts."""
+        rotary_dim), and this step's K/V into the cache, in one pass. Returns (q, k, v) as [T,
+        heads, head_dim] views into qkv, normed and rotated (q strided past the gates with
+        `q_gate`): `forward` takes k and v for the dense path of fresh prompts."""
         self._check_bound()
         meta = get_attention_metadata()
         ops.qk_norm_rope_store_(
@@ -65,15 +66,11 @@ class PagedAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            q_gate,
+            self.q_gate,
         )
-        q_width = (2 if q_gate else 1) * self.head_dim
-        q_end = self.num_heads * q_width
-        kv_width = self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_end].view(-1, self.num_heads, q_width)[..., : self.head_dim]
-        k = qkv[:, q_end : q_end + kv_width].view(-1, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_end + kv_width :].view(-1, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        return varlen_attention.qkv_views(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_gate
+        )
 
     def prepare_one_row(
         self,
@@ -160,8 +157,9 @@ class PagedAttention(nn.Module):
             and varlen_attention.takes_dense_path(meta.fresh_chunks, self.head_dim)
         ):
             out = ops.varlen_causal_attention(
-                q, k, v, meta.cu_seqlens_q, meta.fresh_chunks, self.scale, meta.max_seqlen_q
-            )
+                q, k, v, meta.cu_seqlens_q, meta.fresh_chunks, self.scale, meta.max_seqlen_q,
+                meta.dense_rows,
+            )  # fmt: skip
         else:
             out = ops.paged_attention_prefill(
                 q,

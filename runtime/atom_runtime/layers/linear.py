@@ -14,6 +14,7 @@ from torch import nn
 
 from atom_kernels import ops
 from atom_runtime.distributed import all_reduce, tp_rank, tp_size
+from atom_runtime.forward_context import dense_rows
 from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.weights import copy_weight
 
@@ -42,6 +43,9 @@ class LinearBase(nn.Module):
         # QK-norm before rotary when `qk_norm_after`: the GEMV can do all of it in its epilogue.
         self.rope_after = False
         self.qk_norm_after = False
+        # A qkv projection whose output attention may pad for its dense path of fresh prompts:
+        # its output then has `forward_context.dense_rows` rows, zeros past the input's.
+        self.pads_for_attention = False
         # A projection whose output the model adds to the residual stream (o_proj, down,
         # out_proj: `forward_adding`): its GEMV can do the add and leave the sums of squares
         # the next norm needs.
@@ -67,7 +71,22 @@ class LinearBase(nn.Module):
             fused = self.act_after if self.fuse_act else None
             y = ops.linear_small_m(x, self.weight, self._bias(), act=fused)
             return y if fused is not None else self._activate(y)
+        if self.pads_for_attention and (rows := dense_rows()) > x.shape[0]:
+            return self._padded_linear(x, rows)
         return self._activate(F.linear(x, self.weight, self._bias()))
+
+    def _padded_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x @ W.T (+ b) as the first x.shape[0] rows of a `rows`-row buffer whose other rows
+        are zeros (the dense attention path's padding, taken in place)."""
+        out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
+        y = out[: x.shape[0]]
+        bias = self._bias()
+        if bias is None:
+            torch.mm(x, self.weight.t(), out=y)
+        else:
+            torch.addmm(bias, x, self.weight.t(), out=y)
+        out[x.shape[0] :].zero_()
+        return y
 
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None, norm: RMSNorm

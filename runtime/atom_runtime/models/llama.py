@@ -36,6 +36,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.qkv_proj.norm_before = True  # the decoder layer calls it with its input norm
+        self.qkv_proj.pads_for_attention = True  # fresh prompts' dense attention pads it
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.o_proj.residual_after = True  # the decoder layer adds it to the residual stream
         self.rotary = RotaryEmbedding(

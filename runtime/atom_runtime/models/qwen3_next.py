@@ -78,6 +78,7 @@ class GatedAttention(nn.Module):
             bias=cfg.attention_bias,
         )  # fmt: skip
         self.qkv_proj.norm_before = True  # the decoder layer calls it with its input norm
+        self.qkv_proj.pads_for_attention = True  # fresh prompts' dense attention pads it
         self.num_heads = _divide(cfg.num_attention_heads, tp_size(), "attention heads")
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
@@ -88,7 +89,7 @@ class GatedAttention(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, q_gate=True)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, residual, next_norm):
         """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj. Returns
@@ -97,7 +98,7 @@ class GatedAttention(nn.Module):
         # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
         q, k, v = self.attn.prepare(
             qkv, positions, self.rotary.cos_sin_cache, self.q_norm.weight, self.k_norm.weight,
-            self.q_norm.eps, q_gate=True,
+            self.q_norm.eps,
         )  # fmt: skip
         gate = qkv[:, : nh * 2 * hd].view(t, nh, 2 * hd)[..., hd:]
         out = ops.sigmoid_gate_mul(self.attn(q, k, v).view(t, nh, hd), gate)
