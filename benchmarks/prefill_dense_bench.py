@@ -59,13 +59,20 @@ PAGE = 16
 
 class FreshPrefill:
     """One step of fresh prompts on the GPU: q, k, v as views into a fused qkv tensor, the
-    chunk offsets, the same K/V in a paged cache, and the FLOPs."""
+    chunk offsets, the same K/V in a paged cache, and the FLOPs. A lone chunk's qkv tensor is
+    the first rows of a buffer padded to its bucket with zeros, as the engine's qkv projection
+    leaves it, so `dense` attends in place as a served step does."""
 
     def __init__(self, heads: tuple[int, int, int], lens: list[int]) -> None:
+        from atom_kernels.varlen_attention import bucket_length
+
         h, kvh, d = heads
         self.heads, self.lens = heads, tuple(lens)
         total = sum(lens)
-        qkv = torch.randn(total, (h + 2 * kvh) * d, dtype=torch.bfloat16, device="cuda")
+        self.padded_rows = bucket_length(total) if len(lens) == 1 else 0
+        rows = max(total, self.padded_rows)
+        qkv = torch.zeros(rows, (h + 2 * kvh) * d, dtype=torch.bfloat16, device="cuda")[:total]
+        qkv.normal_()
         self.q = qkv[:, : h * d].view(total, h, d)
         self.k = qkv[:, h * d : (h + kvh) * d].view(total, kvh, d)
         self.v = qkv[:, (h + kvh) * d :].view(total, kvh, d)
@@ -99,8 +106,9 @@ class FreshPrefill:
         from atom_kernels import ops
 
         return ops.varlen_causal_attention(
-            self.q, self.k, self.v, self.cu, self.lens, self.scale, max(self.lens)
-        )
+            self.q, self.k, self.v, self.cu, self.lens, self.scale, max(self.lens),
+            self.padded_rows,
+        )  # fmt: skip
 
     def paged(self) -> torch.Tensor:
         from atom_kernels import prefill_attention
