@@ -314,6 +314,69 @@ def first_calls() -> list[dict]:
     return rows
 
 
+def _host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per call of fn, launched back to back without waiting for the GPU
+    (fewer launches than the launch queue holds, so the loop never blocks on the device)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+@torch.inference_mode()
+def host_cost() -> list[dict]:
+    """Host (CPU) time per call of each way a lone fresh chunk can attend, per head config at
+    4,096 tokens: what the dense path adds to an eager step whose host is its bottleneck (a
+    small model's prefill). Ways: the engine's op (padded in place), torch SDPA inside the
+    `sdpa_kernel` backend choice (`sdpa_causal`), SDPA with no backend context, cuDNN's aten op
+    called directly, and the paged Triton kernel."""
+    from atom_kernels import varlen_attention
+
+    rows = []
+    for model, heads in HEADS.items():
+        p = FreshPrefill(heads, [4096])
+        n = p.lens[0]
+        # The start-up probe, which decides whether the engine's op calls cuDNN directly.
+        varlen_attention.supported(torch.device("cuda"), torch.bfloat16, *heads)
+        direct = (*heads[:2], heads[2], torch.bfloat16) in varlen_attention._CUDNN_DIRECT
+        print(f"{model:13s} engine op calls cuDNN directly: {direct}", flush=True)
+        qt, kt, vt = (t.transpose(0, 1)[None] for t in (p.q, p.k, p.v))
+
+        def plain_sdpa(qt=qt, kt=kt, vt=vt, scale=p.scale):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+            )
+
+        def cudnn_direct(qt=qt, kt=kt, vt=vt, scale=p.scale):
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qt, kt, vt, None, False, 0.0, True, False, scale=scale
+            )[0]
+
+        ways = {
+            "engine op": p.dense,
+            "sdpa_causal": lambda p=p: varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale),
+            "sdpa, no backend context": plain_sdpa,
+            "cudnn op direct": cudnn_direct,
+            "paged kernel": p.paged,
+        }
+        for way, fn in ways.items():
+            try:
+                fn()
+                us = _host_us(fn)
+                gpu_ms = _time_ms(fn)
+            except Exception as exc:
+                print(f"{model:13s} {way}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            rows.append(dict(model=model, way=way, tokens=n, host_us=round(us, 1),
+                             gpu_ms=round(gpu_ms, 4)))  # fmt: skip
+            print(f"{model:13s} {way:26s} host {us:6.1f} us a call, GPU {gpu_ms:.3f} ms",
+                  flush=True)  # fmt: skip
+    return rows
+
+
 def fresh_prompt_engine(path: str):
     """The engine the TTFT figures come from (dense path opted in, the start-up probe deciding;
     dummy weights, prefix caching off, eager, a BUDGET-token step): (llm, its attention layers,
@@ -381,6 +444,7 @@ def main() -> None:
     ap.add_argument("--explore", nargs="?", const="ways", choices=["ways", "all"])
     ap.add_argument("--ttft", default="", help="comma-separated model configs (TTFT only)")
     ap.add_argument("--ttft-lengths", default="", help="comma-separated one-prompt lengths")
+    ap.add_argument("--host-cost", action="store_true", help="host time per call of each way")
     args = ap.parse_args()
     if args.ttft_lengths:
         TTFT_SHAPES.clear()
@@ -391,7 +455,9 @@ def main() -> None:
                varlen_attn=str(inspect.signature(varlen.varlen_attn)))  # fmt: skip
     print(env, flush=True)
     result = {"env": env}
-    if args.ttft:
+    if args.host_cost:
+        result["host_cost"] = host_cost()
+    elif args.ttft:
         result["ttft"] = ttft(args.ttft.split(","))
     else:
         result["first_calls"] = first_calls()

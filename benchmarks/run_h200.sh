@@ -304,6 +304,9 @@ for stage in ${*:-tests bench kernels peer}; do
       # new lengths after the start-up's plan warm-up.
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
+    densehost)
+      # Host time per call of each way a lone fresh chunk can attend (the dense path's host cost).
+      timeout 120 python3 benchmarks/prefill_dense_bench.py --host-cost --out "$OUT/json/dense_host.json" 2>&1 | grep -v -i "warn\|o = sdpa" ;;
     densettft)
       timeout ${TTFT_CAP:-120} python3 benchmarks/prefill_dense_bench.py --ttft ${TTFT_MODELS:-$L8,$Q3} ${TTFT_LENGTHS:+--ttft-lengths $TTFT_LENGTHS} --out "$OUT/json/prefill_dense_ttft.json" 2>&1 | grep "TTFT\|Error" ;;
     gputests4)

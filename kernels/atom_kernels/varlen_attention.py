@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # flash attention's largest head size
 _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+# (num_heads, num_kv_heads, head_dim, dtype) whose one-chunk attention calls cuDNN's aten op
+# directly (`sdpa_causal`): filled by `supported` where that call agreed with the reference.
+_CUDNN_DIRECT: set[tuple[int, int, int, torch.dtype]] = set()
 
 # A lone fresh chunk shorter than this keeps the paged kernel. Below it attention is about 2% of
 # the step's FLOPs (Llama-3.1-8B at 1,024 tokens: some 9 of 450 GFLOP a layer), too little for
@@ -229,12 +232,27 @@ def qkv_views(
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal SDPA (cuDNN, else flash) of one chunk on its [1, heads, tokens, head_dim] views;
-    returns [tokens, num_heads, head_dim]."""
-    with sdpa_kernel(_SDPA_BACKENDS):
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+    returns [tokens, num_heads, head_dim]. For heads whose direct cuDNN call `supported`
+    verified (`_CUDNN_DIRECT`), cuDNN's aten op is called without SDPA's backend choice around
+    it: the same kernel and plan cache for less host time a call, which an eager prefill step of
+    a small model waits on (`prefill_dense_bench.py --host-cost`)."""
+    direct = (q.shape[1], k.shape[1], q.shape[2], q.dtype) in _CUDNN_DIRECT
+    return _causal_rows(q, k, v, scale, direct)
+
+
+def _causal_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn_direct: bool
+) -> torch.Tensor:
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if cudnn_direct:  # no softmax statistics kept, as SDPA without autograd: the same plan key
+        o = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, False, 0.0, True, False, scale=scale
+        )[0]
+    else:
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
+            )
     return o[0].transpose(0, 1)
 
 
@@ -321,4 +339,26 @@ def supported(
             "prompts take the paged kernel", err,
         )  # fmt: skip
         return False
+    _try_cudnn_direct(q, k, v, scale)
     return True
+
+
+def _try_cudnn_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """Add these heads to `_CUDNN_DIRECT` when cuDNN's aten op, called directly, attends a
+    padded chunk of them as the reference does (else SDPA keeps choosing the backend)."""
+    from atom_kernels import reference
+
+    key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+    try:
+        got = padded_chunk_attention(
+            q, k, v, scale, lambda *qkv_scale: _causal_rows(*qkv_scale, cudnn_direct=True)
+        )
+        want = reference.causal_attention(q, k, v, scale, 0)
+        err = (got.float() - want.float()).abs().max().item()
+    except Exception as exc:  # no cuDNN attention in this build, or not for these heads
+        log.info("cuDNN attention not called directly (%s: %s)", type(exc).__name__, str(exc)[:200])
+        return
+    if err < 0.05:
+        _CUDNN_DIRECT.add(key)
+    else:
+        log.info("cuDNN attention called directly disagrees (max error %.3g): SDPA chooses", err)

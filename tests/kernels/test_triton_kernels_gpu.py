@@ -379,6 +379,28 @@ def test_dense_prefill_of_fresh_chunks_matches_the_reference(
     )
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "q_gate"),
+    [(32, 8, 128, False), (16, 8, 128, False), (16, 4, 256, True)],
+)
+def test_cudnn_called_directly_equals_sdpa_and_is_taken_after_the_probe(
+    num_heads, num_kv_heads, head_dim, q_gate
+):
+    """cuDNN's aten op called directly gives SDPA's (cuDNN's) output on a padded chunk, and once
+    `supported` has probed these heads the one-chunk path calls it (`_CUDNN_DIRECT`)."""
+    from atom_kernels import varlen_attention
+
+    q, k, v = _qkv_views(1500, num_heads, num_kv_heads, head_dim, torch.bfloat16, 71, q_gate)
+    scale = head_dim**-0.5
+    direct = varlen_attention._causal_rows(q, k, v, scale, cudnn_direct=True)
+    sdpa = varlen_attention._causal_rows(q, k, v, scale, cudnn_direct=False)
+    torch.testing.assert_close(direct, sdpa, atol=0, rtol=0)
+    assert varlen_attention.supported(
+        torch.device("cuda"), torch.bfloat16, num_heads, num_kv_heads, head_dim
+    )
+    assert (num_heads, num_kv_heads, head_dim, torch.bfloat16) in varlen_attention._CUDNN_DIRECT
+
+
 def test_dense_prefill_is_not_offered_for_fp32():
     from atom_kernels import varlen_attention
 

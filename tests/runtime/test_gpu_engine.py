@@ -405,6 +405,10 @@ def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
         llm = LLM(str({**tiny_models, **tiny_hybrid_models}[kind]), **kw)
     runner = llm.engine.executor
     assert runner.dense_prefill
+    first = runner.model.attention_layers()[0]
+    heads = (first.num_heads, first.num_kv_heads, first.head_dim, torch.bfloat16)
+    if torch.version.hip is None:  # the probe found cuDNN's op callable directly for these heads
+        assert heads in varlen_attention._CUDNN_DIRECT
     warmed = varlen_attention.bucket_lengths(512)
     assert f"cuDNN plans for {len(warmed)} prompt-length buckets (64-512 tokens)" in caplog.text
     at_start = set(keys)
