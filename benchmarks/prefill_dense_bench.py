@@ -156,7 +156,7 @@ class FreshPrefill:
         for n in self.lens:  # unpadded, one chunk after another (the engine never does this)
             sl = slice(lo, lo + n)
             outs.append(
-                varlen_attention.sdpa_causal(self.q[sl], self.k[sl], self.v[sl], self.scale)
+                varlen_attention.sdpa_causal_rows(self.q[sl], self.k[sl], self.v[sl], self.scale)
             )
             lo += n
         return torch.cat(outs)
@@ -288,7 +288,7 @@ def first_calls() -> list[dict]:
     for model, heads in HEADS.items():
         p = FreshPrefill(heads, [8000])
         first, nxt = _first_and_next_ms(
-            lambda p=p: varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale)
+            lambda p=p: varlen_attention.sdpa_causal_rows(p.q, p.k, p.v, p.scale)
         )
         rows.append(dict(model=model, path="unpadded sdpa", tokens=8000,
                          first_ms=round(first, 2), next_ms=round(nxt, 3)))  # fmt: skip
@@ -331,7 +331,7 @@ def host_cost() -> list[dict]:
     """Host (CPU) time per call of each way a lone fresh chunk can attend, per head config at
     4,096 tokens: what the dense path adds to an eager step whose host is its bottleneck (a
     small model's prefill). Ways: the engine's op (padded in place), torch SDPA inside the
-    `sdpa_kernel` backend choice (`sdpa_causal`), SDPA with no backend context, cuDNN's aten op
+    `sdpa_kernel` backend choice or cuDNN's op as the probe decided (`sdpa_causal_rows`), SDPA with no backend context, cuDNN's aten op
     called directly, and the paged Triton kernel."""
     from atom_kernels import varlen_attention
 
@@ -357,7 +357,7 @@ def host_cost() -> list[dict]:
 
         ways = {
             "engine op": p.dense,
-            "sdpa_causal": lambda p=p: varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale),
+            "sdpa_causal": lambda p=p: varlen_attention.sdpa_causal_rows(p.q, p.k, p.v, p.scale),
             "sdpa, no backend context": plain_sdpa,
             "cudnn op direct": cudnn_direct,
             "paged kernel": p.paged,

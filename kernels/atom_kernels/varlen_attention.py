@@ -129,10 +129,11 @@ def padded_chunk_attention(
     padded_rows: int = 0,
 ) -> torch.Tensor:
     """Causal attention of one chunk (q `[n, num_heads, head_dim]`, k, v `[n, num_kv_heads,
-    head_dim]`, any strides with a contiguous last dim) run by `attend` on views padded at the
-    end to `bucket_length(n)` rows of zeros; returns the first n rows of its output.
-    `attend(q, k, v, scale)` is causal attention of `[rows, heads, head_dim]` tensors returning
-    `[rows, num_heads, head_dim]` (`sdpa_causal` on a GPU; a torch reference in the CPU tests).
+    head_dim]`, any strides with a contiguous last dim) run by `attend` on `[1, heads, rows,
+    head_dim]` views padded at the end to `rows = bucket_length(n)` with zeros; returns the
+    output's first n rows as `[n, num_heads, head_dim]`. `attend(q, k, v, scale)` is causal
+    attention of such views returning `[1, num_heads, rows, head_dim]` (`sdpa_causal` on a GPU;
+    a torch reference in the CPU tests).
 
     `padded_rows`: the caller's promise that q, k and v are views into a buffer that already
     holds that many rows with zeros past the chunk (the qkv projection allocates it so for a
@@ -142,30 +143,43 @@ def padded_chunk_attention(
     first) as one copy of the whole rows into a buffer of the same row layout, anything else
     as three copies into `[rows, num_heads + 2 * num_kv_heads, head_dim]`. Either way a bucket
     reaches `attend` with the sizes and strides `warm_up` gives it for that layout (the key of
-    cuDNN's plan cache), so the warm-up builds exactly the plans these calls use."""
+    cuDNN's plan cache), so the warm-up builds exactly the plans these calls use. An eager
+    prefill step of a small model waits on this host code once a layer, so each view is one
+    `as_strided` (`prefill_dense_bench.py --host-cost`)."""
     n = q.shape[0]
     rows = bucket_length(n)
-    if padded_rows == rows and all(_holds_rows(t, rows) for t in (q, k, v)):
-        qp, kp, vp = (_extend(t, rows, t.storage_offset()) for t in (q, k, v))
+    if (
+        padded_rows == rows
+        and _holds_rows(q, rows)
+        and _holds_rows(k, rows)
+        and _holds_rows(v, rows)
+    ):
+        qt, kt, vt = (_heads_first(t, rows, t, t.storage_offset()) for t in (q, k, v))
     elif (width := _row_width(q, k, v)) is not None:
         buf = torch.empty(rows * width, dtype=q.dtype, device=q.device)
         base = q.storage_offset()
-        buf[: n * width].view(n, width).copy_(q.as_strided((n, width), (q.stride(0), 1), base))
+        buf[: n * width].view(n, width).copy_(q.as_strided((n, width), (width, 1), base))
         buf[n * width :].zero_()
-        qp, kp, vp = (
-            _extend(t, rows, t.storage_offset() - base, buf.untyped_storage()) for t in (q, k, v)
-        )
+        qt, kt, vt = (_heads_first(t, rows, buf, t.storage_offset() - base) for t in (q, k, v))
     else:
-        num_heads, head_dim = q.shape[1:]
+        num_heads, num_kv_heads = q.shape[1], k.shape[1]
         qkv = torch.empty(
-            rows, num_heads + 2 * k.shape[1], head_dim, dtype=q.dtype, device=q.device
+            rows, num_heads + 2 * num_kv_heads, q.shape[2], dtype=q.dtype, device=q.device
         )
-        qp, kp, vp = _split_heads(qkv, num_heads, k.shape[1])
-        qp[:n].copy_(q)
-        kp[:n].copy_(k)
-        vp[:n].copy_(v)
         qkv[n:].zero_()
-    return attend(qp, kp, vp, scale)[:n]
+        padded = _split_heads(qkv, num_heads, num_kv_heads)
+        for dst, src in zip(padded, (q, k, v), strict=True):
+            dst[:n].copy_(src)
+        qt, kt, vt = (_heads_first(t, rows, t, t.storage_offset()) for t in padded)
+    o = attend(qt, kt, vt, scale)
+    return o.as_strided((n, o.shape[1], o.shape[3]), (o.stride(2), o.stride(1), o.stride(3)))
+
+
+def _heads_first(t: torch.Tensor, rows: int, base: torch.Tensor, offset: int) -> torch.Tensor:
+    """t (`[n, heads, head_dim]`) as a `[1, heads, rows, head_dim]` view of `base`'s storage at
+    `offset`, with t's strides."""
+    rs, hs = t.stride(0), t.stride(1)
+    return base.as_strided((1, t.shape[1], rows, t.shape[2]), (rows * rs, hs, rs, 1), offset)
 
 
 def _holds_rows(t: torch.Tensor, rows: int) -> bool:
@@ -200,14 +214,6 @@ def _row_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int | None:
     return width
 
 
-def _extend(t: torch.Tensor, rows: int, offset: int, storage=None) -> torch.Tensor:
-    """t's view with `rows` rows (same strides), at `offset` in `storage` (t's own by default)."""
-    if storage is None:
-        return t.as_strided((rows, *t.shape[1:]), t.stride(), offset)
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
-    return out.set_(storage, offset, (rows, *t.shape[1:]), t.stride())
-
-
 def _split_heads(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -231,29 +237,34 @@ def qkv_views(
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA (cuDNN, else flash) of one chunk on its [1, heads, tokens, head_dim] views;
-    returns [tokens, num_heads, head_dim]. For heads whose direct cuDNN call `supported`
+    """Causal SDPA (cuDNN, else flash) of one chunk's `[1, heads, tokens, head_dim]` views;
+    returns `[1, num_heads, tokens, head_dim]`. For heads whose direct cuDNN call `supported`
     verified (`_CUDNN_DIRECT`), cuDNN's aten op is called without SDPA's backend choice around
-    it: the same kernel and plan cache for less host time a call, which an eager prefill step of
-    a small model waits on (`prefill_dense_bench.py --host-cost`)."""
-    direct = (q.shape[1], k.shape[1], q.shape[2], q.dtype) in _CUDNN_DIRECT
-    return _causal_rows(q, k, v, scale, direct)
+    it: the same kernel and plan cache for less host time a call."""
+    direct = (q.shape[1], k.shape[1], q.shape[3], q.dtype) in _CUDNN_DIRECT
+    return _causal(q, k, v, scale, direct)
 
 
-def _causal_rows(
+def sdpa_causal_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sdpa_causal` of `[tokens, heads, head_dim]` tensors, unpadded, returning the same layout:
+    the baseline the tests and benchmarks compare the padded path with."""
+    o = sdpa_causal(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale)
+    return o[0].transpose(0, 1)
+
+
+def _causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cudnn_direct: bool
 ) -> torch.Tensor:
-    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if cudnn_direct:  # no softmax statistics kept, as SDPA without autograd: the same plan key
-        o = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qt, kt, vt, None, False, 0.0, True, False, scale=scale
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, False, 0.0, True, False, scale=scale
         )[0]
-    else:
-        with sdpa_kernel(_SDPA_BACKENDS):
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
-            )
-    return o[0].transpose(0, 1)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
 
 
 def flash_varlen(
@@ -296,7 +307,8 @@ def warm_up(
     width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     for rows in lengths:
         qkv = torch.zeros(rows, width, dtype=dtype, device=device)
-        sdpa_causal(*qkv_views(qkv, num_heads, num_kv_heads, head_dim, q_gate), head_dim**-0.5)
+        q, k, v = qkv_views(qkv, num_heads, num_kv_heads, head_dim, q_gate)
+        padded_chunk_attention(q, k, v, head_dim**-0.5, sdpa_causal, rows)
         del qkv
     torch.cuda.synchronize(device)
     return lengths
@@ -351,7 +363,7 @@ def _try_cudnn_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
     try:
         got = padded_chunk_attention(
-            q, k, v, scale, lambda *qkv_scale: _causal_rows(*qkv_scale, cudnn_direct=True)
+            q, k, v, scale, lambda *qkv_scale: _causal(*qkv_scale, cudnn_direct=True)
         )
         want = reference.causal_attention(q, k, v, scale, 0)
         err = (got.float() - want.float()).abs().max().item()

@@ -392,8 +392,9 @@ def test_cudnn_called_directly_equals_sdpa_and_is_taken_after_the_probe(
 
     q, k, v = _qkv_views(1500, num_heads, num_kv_heads, head_dim, torch.bfloat16, 71, q_gate)
     scale = head_dim**-0.5
-    direct = varlen_attention._causal_rows(q, k, v, scale, cudnn_direct=True)
-    sdpa = varlen_attention._causal_rows(q, k, v, scale, cudnn_direct=False)
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+    direct = varlen_attention._causal(q, k, v, scale, cudnn_direct=True)
+    sdpa = varlen_attention._causal(q, k, v, scale, cudnn_direct=False)
     torch.testing.assert_close(direct, sdpa, **BF16_TOL)
     assert varlen_attention.supported(
         torch.device("cuda"), torch.bfloat16, num_heads, num_kv_heads, head_dim
@@ -424,7 +425,8 @@ def test_dense_prefill_pads_a_chunk_and_agrees_with_unpadded_sdpa(
     scale = head_dim**-0.5
     got = ops.varlen_causal_attention(q, k, v, cu, (n,), scale, n)
     assert got.shape == (n, num_heads, head_dim)
-    torch.testing.assert_close(got, varlen_attention.sdpa_causal(q, k, v, scale), **BF16_TOL)
+    want = varlen_attention.sdpa_causal_rows(q, k, v, scale)
+    torch.testing.assert_close(got, want, **BF16_TOL)
 
 
 def test_dense_prefill_after_the_warm_up_new_lengths_find_a_built_plan(monkeypatch):

@@ -73,6 +73,17 @@ def _qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int):
     return q, k, v
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A `[1, heads, rows, head_dim]` view handed to `attend` as `[rows, heads, head_dim]`."""
+    return t[0].transpose(0, 1)
+
+
+def _reference_attend(qt, kt, vt, scale):
+    """`attend` by the torch reference: `[1, heads, rows, head_dim]` in and out."""
+    o = reference.causal_attention(_as_rows(qt), _as_rows(kt), _as_rows(vt), scale, 0)
+    return o.transpose(0, 1)[None]
+
+
 @pytest.mark.parametrize("n", [45, 1100, 1152])
 def test_padding_a_chunk_at_its_end_is_exact_for_its_rows(n):
     """The one-chunk path pads q/k/v with zero rows at the end up to the bucket and attends over
@@ -82,9 +93,9 @@ def test_padding_a_chunk_at_its_end_is_exact_for_its_rows(n):
     q, k, v = _qkv_views(n, 6, 2, 16, seed=n)
     seen = []
 
-    def attend(qp, kp, vp, scale):
-        seen.append((qp.clone(), kp.clone(), vp.clone()))
-        return reference.causal_attention(qp, kp, vp, scale, 0)
+    def attend(qt, kt, vt, scale):
+        seen.append(tuple(_as_rows(t).clone() for t in (qt, kt, vt)))
+        return _reference_attend(qt, kt, vt, scale)
 
     got = padded_chunk_attention(q, k, v, 0.25, attend)
     qp, kp, vp = seen[0]
@@ -147,9 +158,9 @@ def test_a_padded_projection_is_attended_in_place(q_gate, n):
     q, k, v = varlen_attention.qkv_views(buf[:n], 6, 2, 16, q_gate)
     seen = []
 
-    def attend(qp, kp, vp, scale):
-        seen.append((qp, kp, vp))
-        return reference.causal_attention(qp, kp, vp, scale, 0)
+    def attend(qt, kt, vt, scale):
+        seen.append(tuple(_as_rows(t) for t in (qt, kt, vt)))
+        return _reference_attend(qt, kt, vt, scale)
 
     want = reference.causal_attention(q, k, v, 0.25, 0)
     got = padded_chunk_attention(q, k, v, 0.25, attend, rows)
@@ -438,10 +449,10 @@ def test_the_qkv_projection_is_padded_for_a_lone_fresh_chunk(
     def dense(q, k, v, cu, chunks, scale, max_seqlen_q, padded_rows=0):
         assert len(chunks) == 1
 
-        def attend(qp, kp, vp, s):
-            shared = qp.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
-            calls.append((chunks[0], padded_rows, shared, qp.shape[0]))
-            return reference.causal_attention(qp, kp, vp, s, 0)
+        def attend(qt, kt, vt, s):
+            shared = qt.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+            calls.append((chunks[0], padded_rows, shared, qt.shape[2]))
+            return _reference_attend(qt, kt, vt, s)
 
         return padded_chunk_attention(q, k, v, scale, attend, padded_rows)
 
