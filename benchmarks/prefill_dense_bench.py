@@ -202,7 +202,7 @@ def bench_kernels(explore: bool) -> list[dict]:
     rows = []
     for model, heads in HEADS.items():
         for shape, lens in SHAPES.items():
-            engine = "dense" if takes_dense_path(tuple(lens), heads[2]) else "paged"
+            engine = "dense" if takes_dense_path(tuple(lens), heads[0], heads[2]) else "paged"
             p = FreshPrefill(heads, lens)
             want = p.want()
             sdpa_ms = p.sdpa_ms()

@@ -304,6 +304,11 @@ for stage in ${*:-tests bench kernels peer}; do
       # new lengths after the start-up's plan warm-up.
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
+    w3dense)
+      # W3 with the dense prefill path on (the default) and off, same call: its cold runs are
+      # fresh 8k-token prompts, which the dense path speeds up.
+      timeout 200 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_dense_on.json" 2>&1 | grep -i "W3\|cached\|cold\|dense\|error" | cut -c1-300
+      ATOM_DENSE_PREFILL=0 timeout 150 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --modes single --output-json "$OUT/json/w3_dense_off.json" 2>&1 | grep -i "W3\|cached\|cold\|error" | cut -c1-300 ;;
     densehost)
       # Host time per call of each way a lone fresh chunk can attend (the dense path's host cost).
       timeout 120 python3 benchmarks/prefill_dense_bench.py --host-cost --out "$OUT/json/dense_host.json" 2>&1 | grep -v -i "warn\|o = sdpa" ;;

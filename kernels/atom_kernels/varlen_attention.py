@@ -20,7 +20,7 @@ ways:
   variant rebuilt its plan on every call (60-90 ms).
 
 Which steps come here at all is `takes_dense_path`, read by the attention layer on the host:
-one chunk from `MIN_DENSE_CHUNK` tokens, several only where flash attention beats the paged
+one chunk from `min_dense_chunk` tokens, several only where flash attention beats the paged
 kernel (head_dim above `FLASH_VARLEN_MAX_PAGED_HEAD_DIM`). Its docstring has the figures.
 
 No Triton here: the op registry's "triton" backend is the GPU backend. `supported` is the
@@ -45,16 +45,24 @@ _SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
 # directly (`sdpa_causal`): filled by `supported` where that call agreed with the reference.
 _CUDNN_DIRECT: set[tuple[int, int, int, torch.dtype]] = set()
 
-# A lone fresh chunk shorter than this keeps the paged kernel. Below it attention is about 2% of
-# the step's FLOPs (Llama-3.1-8B at 1,024 tokens: some 9 of 450 GFLOP a layer), too little for
-# the dense path's lead to show (8 prompts of 1,024 tokens in one step: the same engine TTFT on
-# an H200 with the dense path on or off) or to pay for more buckets' plans.
-MIN_DENSE_CHUNK = 1024
+# A lone fresh chunk shorter than its minimum keeps the paged kernel (`min_dense_chunk`): this
+# one for wide query heads (num_heads * head_dim >= WIDE_QUERY: Llama-3.1-8B's 32 x 128, the
+# Qwen3.5-4B hybrid's 16 x 256), the second for narrower ones (Qwen3-0.6B's 16 x 128). H200
+# measurements (docs/benchmarks.md, 2026-12-02 sixth session): the in-place cuDNN call against
+# the paged kernel, one prompt, paged/dense time: 8B heads 0.95 at 2,048 tokens, 1.17 at 3,072,
+# 1.29 at 4,096; hybrid heads 1.03 / 1.39 / 1.55; 0.6B heads 0.96 / 1.07 / 1.06, 1.23 at 5,003,
+# 1.32 at 6,144. Engine TTFT, dense on against off, medians of five: the 8B 71.6 against 76.4
+# ms at 3,072 tokens and 122.3 against 129.7 at 5,003; the 0.6B, whose eager prefill step waits
+# on the host (24 ms for 1,024 tokens on those machines), lost 3-5 ms at 1,024-5,003 tokens on
+# two machines of three and won at 8,192 on all three (34.1 against 36.5, 28.6 against 36.9).
+MIN_DENSE_CHUNK = 3072
+NARROW_HEADS_MIN_DENSE_CHUNK = 6144
+WIDE_QUERY = 4096
 # Buckets per power of two: a chunk is padded by less than 1/8 of its length, so its attention
 # does less than 1.27x the causal FLOPs of the unpadded chunk (1.09x on average over 1,024-8,192
 # tokens). Four per octave would allow 1.56x (1.19x on average), as much as cuDNN's whole lead
-# over the paged kernel on Qwen3-0.6B heads (82% against 68% of SDPA). Eight cost 25 plans for
-# 1,024-8,192 tokens, built once at start-up.
+# over the paged kernel on Qwen3-0.6B heads (82% against 68% of SDPA). Eight cost 13 plans for
+# 3,072-8,192 tokens (25 from 1,024), built once at start-up.
 BUCKETS_PER_OCTAVE = 8
 # Several fresh chunks take flash attention only with heads wider than this (see
 # `takes_dense_path`).
@@ -63,23 +71,30 @@ FLASH_VARLEN_MAX_PAGED_HEAD_DIM = 128
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def takes_dense_path(chunk_lens: tuple[int, ...], head_dim: int) -> bool:
+def min_dense_chunk(num_heads: int, head_dim: int) -> int:
+    """The fewest tokens of a lone fresh chunk that attends densely, for these query heads (per
+    rank): `MIN_DENSE_CHUNK` for wide ones, `NARROW_HEADS_MIN_DENSE_CHUNK` below `WIDE_QUERY`."""
+    if num_heads * head_dim >= WIDE_QUERY:
+        return MIN_DENSE_CHUNK
+    return max(MIN_DENSE_CHUNK, NARROW_HEADS_MIN_DENSE_CHUNK)
+
+
+def takes_dense_path(chunk_lens: tuple[int, ...], num_heads: int, head_dim: int) -> bool:
     """Whether a step of fresh chunks (every one starting at position 0) attends here rather
     than through the paged kernel. Host values only: the layer asks on every prefill step.
 
-    One chunk: from `MIN_DENSE_CHUNK` tokens. One 8,192-token chunk through cuDNN ran at 89% /
+    One chunk: from `min_dense_chunk` tokens. One 8,192-token chunk through cuDNN ran at 89% /
     82% / 93% of SDPA on dense tensors (Llama-3.1-8B 32/8 heads, Qwen3-0.6B 16/8, head_dim 128;
     Qwen3.5-4B 16/4, head_dim 256) against the paged kernel's 60% / 68% / 42% (H200, torch 2.11);
-    engine TTFT 203 against 227 ms (8B) and 30.4 against 35.9 ms (0.6B). Shorter chunks win less
-    or lose (`benchmarks/dense_crossover.py`; docs/kernels.md, where one engine loss at 5,003
-    tokens on Qwen3-0.6B keeps the whole path opt-in).
+    engine TTFT 210 against 230 ms (8B, medians). Shorter chunks win less or lose (the figures
+    at `MIN_DENSE_CHUNK`; `benchmarks/dense_crossover.py`).
 
     Several chunks: only with head_dim above `FLASH_VARLEN_MAX_PAGED_HEAD_DIM`. Flash varlen
     against the paged kernel, % of SDPA: at head_dim 128, 2 x 4,096 tokens 52-55 against 59-61,
     8 x 1,024 51-53 against 50, five mixed lengths 77-82 against 87 (no better, often worse); at
     head_dim 256, 47 against 43, 53 against 40 and 77 against 68."""
     if len(chunk_lens) == 1:
-        return chunk_lens[0] >= MIN_DENSE_CHUNK
+        return chunk_lens[0] >= min_dense_chunk(num_heads, head_dim)
     return head_dim > FLASH_VARLEN_MAX_PAGED_HEAD_DIM
 
 
@@ -94,11 +109,12 @@ def bucket_length(n: int) -> int:
     return -(-n // step) * step
 
 
-def bucket_lengths(max_tokens: int) -> list[int]:
-    """Every bucket a one-chunk step of `MIN_DENSE_CHUNK` to `max_tokens` tokens pads to,
-    ascending (none when max_tokens is below the minimum): the plans `warm_up` builds."""
+def bucket_lengths(max_tokens: int, min_tokens: int | None = None) -> list[int]:
+    """Every bucket a one-chunk step of `min_tokens` (default `MIN_DENSE_CHUNK`) to `max_tokens`
+    tokens pads to, ascending (none when max_tokens is below the minimum): the plans `warm_up`
+    builds."""
     lengths = []
-    n = MIN_DENSE_CHUNK
+    n = MIN_DENSE_CHUNK if min_tokens is None else min_tokens
     while n <= max_tokens:
         lengths.append(bucket_length(n))
         n = lengths[-1] + 1
@@ -295,7 +311,8 @@ def warm_up(
     max_tokens: int,
     q_gate: bool = False,
 ) -> list[int]:
-    """Run the one-chunk path once at every bucket of `bucket_lengths(max_tokens)`, so cuDNN
+    """Run the one-chunk path once at every bucket of `bucket_lengths(max_tokens, min)` (min:
+    `min_dense_chunk` of these heads), so cuDNN
     builds each plan now and no request pays one; returns those lengths. Each call attends over
     zero views of a qkv projection's rows laid out as the layer's (`qkv_views`, `q_gate` for
     gated attention), which is how `padded_chunk_attention` hands a step's bucket over, and,
@@ -303,7 +320,7 @@ def warm_up(
     causal, whether softmax statistics are kept) is the one a step's chunk of that bucket will
     look up. Run it on the thread that runs the steps: torch keeps cuDNN's attention plans per
     thread. Returns once the last call has finished on the device."""
-    lengths = bucket_lengths(max_tokens)
+    lengths = bucket_lengths(max_tokens, min_dense_chunk(num_heads, head_dim))
     width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     for rows in lengths:
         qkv = torch.zeros(rows, width, dtype=dtype, device=device)

@@ -58,13 +58,13 @@ from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
 log = logging.getLogger(__name__)
 
 CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
-# "1": fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's
-# own q/k/v) where the start-up probe passes on a CUDA device, in the steps
-# `varlen_attention.takes_dense_path` picks; cuDNN's plan for every padded prompt length a step
-# can take is built at start-up. Off by default: on an H200 one 8,192-token prompt's TTFT fell
-# from 227 to 203 ms (Llama-3.1-8B) and from 35.9 to 30.4 ms (Qwen3-0.6B), but one of 5,003
-# tokens rose from 19.5 to 26.7 ms on Qwen3-0.6B, where the kernels alone favour the dense path
-# by 7%; until that is understood the paged kernel stays the default (docs/kernels.md).
+# Fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's own
+# q/k/v, the qkv projection padded for it in place) where the start-up probe passes on a CUDA
+# device, in the steps `varlen_attention.takes_dense_path` picks (a lone prompt from 3,072 tokens
+# with wide query heads, from 6,144 with narrow ones); cuDNN's plan for every padded prompt
+# length a step can take is built at start-up. "0" keeps the paged kernel for every prefill.
+# On by default: on an H200 Llama-3.1-8B's TTFT fell 6% at 3,072 tokens and 7% at 8,192
+# (docs/benchmarks.md, 2026-12-02 sixth session).
 DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
 
 
@@ -83,6 +83,7 @@ class ModelRunner:
             model_path, model_config, config.load_format, self.dtype, self.device, config.seed
         )
         attn = self.model.attention_layers()
+        self.num_heads = attn[0].num_heads
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
@@ -125,13 +126,13 @@ class ModelRunner:
             not self.dense_prefill
             or fresh_chunks is None
             or len(fresh_chunks) != 1
-            or not varlen_attention.takes_dense_path(fresh_chunks, self.head_dim)
+            or not varlen_attention.takes_dense_path(fresh_chunks, self.num_heads, self.head_dim)
         ):
             return 0
         return varlen_attention.bucket_length(fresh_chunks[0])
 
     def _enable_dense_prefill(self, layers: list) -> bool:
-        """With ATOM_DENSE_PREFILL=1, turn on the attention layers' dense path for fresh prompts
+        """Unless ATOM_DENSE_PREFILL=0, turn on the attention layers' dense path for fresh prompts
         when torch's attention kernels run on this device for their heads (a start-up probe;
         never on CPU), then build cuDNN's plan for every length bucket a one-chunk step of the
         token budget can pad to (`varlen_attention.warm_up`), so no request pays one. This runs
@@ -140,7 +141,7 @@ class ModelRunner:
         does, padded to its bucket)."""
         first = layers[0]
         on = (
-            os.environ.get(DENSE_PREFILL_ENV, "0") == "1"
+            os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
             and self.device.type == "cuda"
             and varlen_attention.supported(
                 self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim

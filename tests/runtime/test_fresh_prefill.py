@@ -17,6 +17,7 @@ import torch
 from atom_kernels import ops, reference, varlen_attention
 from atom_kernels.varlen_attention import (
     MIN_DENSE_CHUNK,
+    NARROW_HEADS_MIN_DENSE_CHUNK,
     bucket_length,
     bucket_lengths,
     padded_chunk_attention,
@@ -50,15 +51,18 @@ def test_bucket_lengths_round_up_by_less_than_an_eighth():
         bucket_length(0)
 
 
-@pytest.mark.parametrize(("budget", "count"), [(1023, 0), (1024, 1), (5000, 19), (8192, 25),
-                                               (32768, 41)])  # fmt: skip
-def test_the_warmed_buckets_cover_every_chunk_the_budget_allows(budget, count):
-    """`bucket_lengths(budget)`: eight plans an octave, and every lone chunk from the minimum to
-    the budget pads to one of them (so none builds a plan while serving)."""
-    warmed = bucket_lengths(budget)
+@pytest.mark.parametrize(
+    ("budget", "least", "count"),
+    [(1023, 1024, 0), (1024, 1024, 1), (5000, 1024, 19), (8192, 1024, 25), (32768, 1024, 41),
+     (8192, MIN_DENSE_CHUNK, 13), (3071, MIN_DENSE_CHUNK, 0), (8192, 6144, 5)],
+)  # fmt: skip
+def test_the_warmed_buckets_cover_every_chunk_the_budget_allows(budget, least, count):
+    """`bucket_lengths(budget, least)`: eight plans an octave, and every lone chunk from the
+    minimum to the budget pads to one of them (so none builds a plan while serving)."""
+    warmed = bucket_lengths(budget, least)
     assert len(warmed) == count
     assert warmed == sorted(set(warmed))
-    assert {bucket_length(n) for n in range(MIN_DENSE_CHUNK, budget + 1)} == set(warmed)
+    assert {bucket_length(n) for n in range(least, budget + 1)} == set(warmed)
 
 
 def _qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int):
@@ -71,6 +75,12 @@ def _qkv_views(tokens: int, heads: int, kv_heads: int, dim: int, seed: int):
     k = qkv[:, q_end : q_end + kv].view(tokens, kv_heads, dim)
     v = qkv[:, q_end + kv :].view(tokens, kv_heads, dim)
     return q, k, v
+
+
+def _dense_from(monkeypatch, tokens: int) -> None:
+    """A lone fresh chunk of any heads attends densely from `tokens` tokens."""
+    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", tokens)
+    monkeypatch.setattr(varlen_attention, "NARROW_HEADS_MIN_DENSE_CHUNK", tokens)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -123,6 +133,7 @@ def test_the_warm_up_reaches_attention_with_every_steps_plan_key(monkeypatch, q_
 
     monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    _dense_from(monkeypatch, 1024)
     warmed = varlen_attention.warm_up(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 2500, q_gate)
     assert warmed == bucket_lengths(2500)
     assert len(keys) == len(warmed)
@@ -179,20 +190,24 @@ def test_a_padded_projection_is_attended_in_place(q_gate, n):
 
 
 @pytest.mark.parametrize(
-    ("chunks", "head_dim", "dense"),
+    ("chunks", "num_heads", "head_dim", "dense"),
     [
-        ((MIN_DENSE_CHUNK,), 128, True),  # one long chunk: cuDNN, any head size
-        ((8192,), 64, True),
-        ((MIN_DENSE_CHUNK - 1,), 128, False),  # one short chunk: the paged kernel
-        ((MIN_DENSE_CHUNK - 1,), 256, False),
-        ((4096, 4096), 128, False),  # several chunks: flash varlen loses at head_dim 128
-        ((1024,) * 8, 128, False),
-        ((4096, 4096), 256, True),  # and wins at 256
-        ((37, 5), 256, True),
+        ((MIN_DENSE_CHUNK,), 32, 128, True),  # one long chunk, wide heads: cuDNN
+        ((MIN_DENSE_CHUNK,), 16, 256, True),
+        ((MIN_DENSE_CHUNK - 1,), 32, 128, False),  # shorter: the paged kernel
+        ((MIN_DENSE_CHUNK - 1,), 16, 256, False),
+        ((MIN_DENSE_CHUNK,), 16, 128, False),  # narrow heads need a longer chunk
+        ((NARROW_HEADS_MIN_DENSE_CHUNK - 1,), 16, 128, False),
+        ((NARROW_HEADS_MIN_DENSE_CHUNK,), 16, 128, True),
+        ((8192,), 8, 64, True),
+        ((4096, 4096), 32, 128, False),  # several chunks: flash varlen loses at head_dim 128
+        ((1024,) * 8, 32, 128, False),
+        ((4096, 4096), 16, 256, True),  # and wins at 256
+        ((37, 5), 16, 256, True),
     ],
 )
-def test_which_fresh_steps_take_the_dense_path(chunks, head_dim, dense):
-    assert takes_dense_path(chunks, head_dim) is dense
+def test_which_fresh_steps_take_the_dense_path(chunks, num_heads, head_dim, dense):
+    assert takes_dense_path(chunks, num_heads, head_dim) is dense
 
 
 @pytest.mark.parametrize(
@@ -235,6 +250,7 @@ def _attention_paths(monkeypatch) -> list[str]:
 def test_the_layer_picks_its_attention_path_from_the_metadata(
     monkeypatch, decode_only, fresh, head_dim, dense_prefill, with_kv, path
 ):
+    _dense_from(monkeypatch, 1024)  # a lone chunk of these heads from 1,024 tokens
     taken = _attention_paths(monkeypatch)
     layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=head_dim, scale=0.35)
     layer.dense_prefill = dense_prefill
@@ -262,7 +278,7 @@ def test_the_layer_picks_its_attention_path_from_the_metadata(
 @pytest.mark.parametrize(
     ("env", "device", "probe", "on", "calls"),
     [
-        (None, "cuda", True, False, []),  # off by default: no probe, no plans
+        (None, "cuda", True, True, ["probe", ("warm_up", 1200, False)]),  # on by default
         ("1", "cuda", True, True, ["probe", ("warm_up", 1200, False)]),
         ("0", "cuda", True, False, []),
         ("1", "cpu", True, False, []),  # never on CPU
@@ -372,7 +388,7 @@ def dense_for_any_chunks(monkeypatch) -> list:
     """The dense path's routing thresholds lowered so that the tiny models' short prompts take
     it (one chunk of any length, several at any head size); returns the chunk lengths of each
     call of the dense op."""
-    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 1)
+    _dense_from(monkeypatch, 1)
     monkeypatch.setattr(varlen_attention, "FLASH_VARLEN_MAX_PAGED_HEAD_DIM", 0)
     calls = []
     real = ops.varlen_causal_attention
@@ -443,7 +459,7 @@ def test_the_qkv_projection_is_padded_for_a_lone_fresh_chunk(
     the first rows of a buffer that holds them, zeros past the prompt, and attention takes its
     padded views in place (the real `padded_chunk_attention`, the torch reference attending):
     no copy in any layer, and the tokens and logprobs of the paged path (fp32)."""
-    monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 1)
+    _dense_from(monkeypatch, 1)
     calls = []
 
     def dense(q, k, v, cu, chunks, scale, max_seqlen_q, padded_rows=0):

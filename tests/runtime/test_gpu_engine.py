@@ -298,6 +298,7 @@ def _dense_for_short_prompts(monkeypatch) -> None:
     from atom_kernels import varlen_attention
 
     monkeypatch.setattr(varlen_attention, "MIN_DENSE_CHUNK", 64)
+    monkeypatch.setattr(varlen_attention, "NARROW_HEADS_MIN_DENSE_CHUNK", 64)
     monkeypatch.setattr(varlen_attention, "FLASH_VARLEN_MAX_PAGED_HEAD_DIM", 0)
 
 

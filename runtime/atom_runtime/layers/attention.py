@@ -154,7 +154,7 @@ class PagedAttention(nn.Module):
             self.dense_prefill
             and k is not None
             and meta.fresh_chunks is not None
-            and varlen_attention.takes_dense_path(meta.fresh_chunks, self.head_dim)
+            and varlen_attention.takes_dense_path(meta.fresh_chunks, self.num_heads, self.head_dim)
         ):
             out = ops.varlen_causal_attention(
                 q, k, v, meta.cu_seqlens_q, meta.fresh_chunks, self.scale, meta.max_seqlen_q,
