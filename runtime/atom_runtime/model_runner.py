@@ -62,9 +62,12 @@ CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cach
 # q/k/v, the qkv projection padded for it in place) where the start-up probe passes on a CUDA
 # device, in the steps `varlen_attention.takes_dense_path` picks (a lone prompt from 3,072 tokens
 # with wide query heads, from 6,144 with narrow ones); cuDNN's plan for every padded prompt
-# length a step can take is built at start-up. "0" keeps the paged kernel for every prefill.
-# On by default: on an H200 Llama-3.1-8B's TTFT fell 6% at 3,072 tokens and 7% at 8,192
-# (docs/benchmarks.md, 2026-12-02 sixth session).
+# length a step can take is built at start-up. Unset: on for wide query heads (num_heads *
+# head_dim >= varlen_attention.WIDE_QUERY: on an H200 Llama-3.1-8B's TTFT fell 6% at 3,072 tokens
+# and 7% at 8,192). "1": narrow heads too (Qwen3-0.6B: 22% faster at 8,192 tokens on one machine,
+# 7% on another; its eager prefill waits on the host, so shorter prompts lost; W3's cold runs,
+# 8k-token fresh prompts, were not measured with it). "0": the paged kernel for every prefill.
+# docs/benchmarks.md, 2026-12-02 sixth session.
 DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
 
 
@@ -132,7 +135,8 @@ class ModelRunner:
         return varlen_attention.bucket_length(fresh_chunks[0])
 
     def _enable_dense_prefill(self, layers: list) -> bool:
-        """Unless ATOM_DENSE_PREFILL=0, turn on the attention layers' dense path for fresh prompts
+        """Turn on the attention layers' dense path for fresh prompts (query heads as wide as
+        `varlen_attention.WIDE_QUERY` unless ATOM_DENSE_PREFILL=0, any with ATOM_DENSE_PREFILL=1)
         when torch's attention kernels run on this device for their heads (a start-up probe;
         never on CPU), then build cuDNN's plan for every length bucket a one-chunk step of the
         token budget can pad to (`varlen_attention.warm_up`), so no request pays one. This runs
@@ -140,8 +144,10 @@ class ModelRunner:
         measures the dense path's peak (its whole-budget prompt takes the path a served one
         does, padded to its bucket)."""
         first = layers[0]
+        asked = os.environ.get(DENSE_PREFILL_ENV, "")
+        wide = first.num_heads * first.head_dim >= varlen_attention.WIDE_QUERY
         on = (
-            os.environ.get(DENSE_PREFILL_ENV, "1") != "0"
+            (asked == "1" or (asked != "0" and wide))
             and self.device.type == "cuda"
             and varlen_attention.supported(
                 self.device, self.dtype, first.num_heads, first.num_kv_heads, first.head_dim

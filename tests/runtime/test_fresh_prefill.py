@@ -276,25 +276,29 @@ def test_the_layer_picks_its_attention_path_from_the_metadata(
 
 
 @pytest.mark.parametrize(
-    ("env", "device", "probe", "on", "calls"),
+    ("env", "heads", "device", "probe", "on", "calls"),
     [
-        (None, "cuda", True, True, ["probe", ("warm_up", 1200, False)]),  # on by default
-        ("1", "cuda", True, True, ["probe", ("warm_up", 1200, False)]),
-        ("0", "cuda", True, False, []),
-        ("1", "cpu", True, False, []),  # never on CPU
-        ("1", "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel only
+        (None, (32, 128), "cuda", True, True, ["probe", ("warm_up", 1200, False)]),  # wide: on
+        (None, (16, 256), "cuda", True, True, ["probe", ("warm_up", 1200, False)]),
+        (None, (16, 128), "cuda", True, False, []),  # narrow heads: off unless asked
+        ("1", (16, 128), "cuda", True, True, ["probe", ("warm_up", 1200, False)]),
+        ("0", (32, 128), "cuda", True, False, []),  # off when asked
+        ("1", (32, 128), "cpu", True, False, []),  # never on CPU
+        (None, (32, 128), "cpu", True, False, []),
+        ("1", (32, 128), "cuda", False, False, ["probe"]),  # the probe fails: the paged kernel
     ],
 )
-def test_the_runner_turns_the_dense_path_on_when_asked_and_warms_its_plans(
-    monkeypatch, env, device, probe, on, calls
+def test_the_runner_turns_the_dense_path_on_by_heads_and_env_and_warms_its_plans(
+    monkeypatch, env, heads, device, probe, on, calls
 ):
-    """`_enable_dense_prefill` on a stand-in runner (no GPU needed): with ATOM_DENSE_PREFILL=1,
-    on a CUDA device whose probe passes every attention layer turns the path on and the plans of
-    the step budget's buckets are built; otherwise no layer does."""
+    """`_enable_dense_prefill` on a stand-in runner (no GPU needed): on a CUDA device whose probe
+    passes, wide query heads take the dense path unless ATOM_DENSE_PREFILL=0, narrow ones only
+    with ATOM_DENSE_PREFILL=1; then every attention layer turns it on and the plans of the step
+    budget's buckets are built. Otherwise no layer does."""
     seen = []
     monkeypatch.setattr(varlen_attention, "supported", lambda *a: seen.append("probe") or probe)
     monkeypatch.setattr(
-        varlen_attention, "warm_up", lambda *a: seen.append(("warm_up", *a[5:])) or [1024, 1152]
+        varlen_attention, "warm_up", lambda *a: seen.append(("warm_up", *a[5:])) or [3072, 3328]
     )
     if env is None:
         monkeypatch.delenv(DENSE_PREFILL_ENV, raising=False)
@@ -303,7 +307,11 @@ def test_the_runner_turns_the_dense_path_on_when_asked_and_warms_its_plans(
     runner = SimpleNamespace(
         device=torch.device(device), dtype=torch.bfloat16, max_num_batched_tokens=1200
     )
-    layers = [PagedAttention(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.35) for _ in "ab"]
+    num_heads, head_dim = heads
+    layers = [
+        PagedAttention(num_heads=num_heads, num_kv_heads=4, head_dim=head_dim, scale=0.1)
+        for _ in "ab"
+    ]
     assert ModelRunner._enable_dense_prefill(runner, layers) is on
     assert [layer.dense_prefill for layer in layers] == [on, on]
     assert seen == calls
