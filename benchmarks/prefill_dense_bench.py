@@ -283,7 +283,7 @@ def first_calls() -> list[dict]:
 
     device = torch.device("cuda")
     p = FreshPrefill(HEADS["qwen3-0.6b"], [42])
-    varlen_attention.sdpa_causal(p.q, p.k, p.v, p.scale)  # cuDNN's own start, not a plan
+    varlen_attention.sdpa_causal_rows(p.q, p.k, p.v, p.scale)  # cuDNN's own start, not a plan
     rows = []
     for model, heads in HEADS.items():
         p = FreshPrefill(heads, [8000])
@@ -302,6 +302,8 @@ def first_calls() -> list[dict]:
         print(f"{model:13s} warm-up: {len(warmed)} buckets ({warmed[0]}-{warmed[-1]} tokens) in "
               f"{warm_s:.2f} s", flush=True)  # fmt: skip
         for n in NEW_LENGTHS:
+            if n < varlen_attention.min_dense_chunk(heads[0], heads[2]):
+                continue  # the engine keeps the paged kernel there
             p = FreshPrefill(heads, [n])
             first, nxt = _first_and_next_ms(p.dense)
             bucket = varlen_attention.bucket_length(n)
@@ -330,9 +332,9 @@ def _host_us(fn, calls: int = 50) -> float:
 def host_cost() -> list[dict]:
     """Host (CPU) time per call of each way a lone fresh chunk can attend, per head config at
     4,096 tokens: what the dense path adds to an eager step whose host is its bottleneck (a
-    small model's prefill). Ways: the engine's op (padded in place), torch SDPA inside the
-    `sdpa_kernel` backend choice or cuDNN's op as the probe decided (`sdpa_causal_rows`), SDPA with no backend context, cuDNN's aten op
-    called directly, and the paged Triton kernel."""
+    small model's prefill). Ways: the engine's op (padded in place), `sdpa_causal_rows` (SDPA
+    inside its backend choice, or cuDNN's op where the probe verified it), SDPA with no backend
+    context, cuDNN's aten op called directly, and the paged Triton kernel."""
     from atom_kernels import varlen_attention
 
     rows = []
@@ -357,7 +359,9 @@ def host_cost() -> list[dict]:
 
         ways = {
             "engine op": p.dense,
-            "sdpa_causal": lambda p=p: varlen_attention.sdpa_causal_rows(p.q, p.k, p.v, p.scale),
+            "sdpa_causal_rows": lambda p=p: varlen_attention.sdpa_causal_rows(
+                p.q, p.k, p.v, p.scale
+            ),
             "sdpa, no backend context": plain_sdpa,
             "cudnn op direct": cudnn_direct,
             "paged kernel": p.paged,

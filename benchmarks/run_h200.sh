@@ -30,6 +30,8 @@
 #   w2early (W2 on the three models with the default early columns, 2,048 on two, GPU tests)
 #   skipnorm (W2 with the one-row norms skipped: what removing their launches could buy)
 #   denseprofile (a fresh prompt's prefill step traced, dense path on and off)
+#   densehost (host time per call of each way a lone fresh chunk can attend)
+#   w3dense (W3 with the dense prefill forced on for the 0.6B, and off)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -38,9 +40,10 @@
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
 # What the next session with device time should run first:
-#   denseprofile (then fix what it shows and re-run densettft with TTFT_LENGTHS=3072,5003,6144,8192;
-#   turn ATOM_DENSE_PREFILL on by default if no length loses)  |  gemv (the compiled GEMV tests
-#   on the norm-in-producer kernel's second form, not yet run on a GPU)
+#   densecheck (the dense prefill's GPU tests on the default-by-head-width code, not yet run on a
+#   GPU)  |  w3dense (W3 with ATOM_DENSE_PREFILL=1 against 0: whether narrow heads can take the
+#   path by default)  |  densettft with TTFT_MODELS=benchmarks/configs/qwen3.5-4b (the hybrid's
+#   TTFT with the path on and off, not yet measured)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
@@ -305,9 +308,9 @@ for stage in ${*:-tests bench kernels peer}; do
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
     w3dense)
-      # W3 with the dense prefill path on (the default) and off, same call: its cold runs are
-      # fresh 8k-token prompts, which the dense path speeds up.
-      timeout 200 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_dense_on.json" 2>&1 | grep -i "W3\|cached\|cold\|dense\|error" | cut -c1-300
+      # W3 with the dense prefill path forced on for Qwen3-0.6B's narrow heads and off, same call:
+      # its cold runs are fresh 8k-token prompts, which the dense path speeds up.
+      ATOM_DENSE_PREFILL=1 timeout 200 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_dense_on.json" 2>&1 | grep -i "W3\|cached\|cold\|dense\|error" | cut -c1-300
       ATOM_DENSE_PREFILL=0 timeout 150 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --modes single --output-json "$OUT/json/w3_dense_off.json" 2>&1 | grep -i "W3\|cached\|cold\|error" | cut -c1-300 ;;
     densehost)
       # Host time per call of each way a lone fresh chunk can attend (the dense path's host cost).
