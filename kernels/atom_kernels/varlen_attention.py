@@ -53,8 +53,9 @@ _CUDNN_DIRECT: set[tuple[int, int, int, torch.dtype]] = set()
 # 1.29 at 4,096; hybrid heads 1.03 / 1.39 / 1.55; 0.6B heads 0.96 / 1.07 / 1.06, 1.23 at 5,003,
 # 1.32 at 6,144. Engine TTFT, dense on against off, medians of five: the 8B 71.6 against 76.4
 # ms at 3,072 tokens and 122.3 against 129.7 at 5,003; the 0.6B, whose eager prefill step waits
-# on the host (24 ms for 1,024 tokens on those machines), lost 3-5 ms at 1,024-5,003 tokens on
-# two machines of three and won at 8,192 on all three (34.1 against 36.5, 28.6 against 36.9).
+# on the host (11.5-27 ms for 1,024 tokens, by machine), lost 1-5 ms up to 4,096 tokens on every
+# machine and at 5,003 on two of three, and won at 8,192 in both TTFT calls (34.1 against 36.5,
+# 28.6 against 36.9), hence its later minimum; the runner turns narrow heads on only when asked.
 MIN_DENSE_CHUNK = 3072
 NARROW_HEADS_MIN_DENSE_CHUNK = 6144
 WIDE_QUERY = 4096
@@ -311,9 +312,9 @@ def warm_up(
     max_tokens: int,
     q_gate: bool = False,
 ) -> list[int]:
-    """Run the one-chunk path once at every bucket of `bucket_lengths(max_tokens, min)` (min:
-    `min_dense_chunk` of these heads), so cuDNN
-    builds each plan now and no request pays one; returns those lengths. Each call attends over
+    """Run the one-chunk path once at every bucket from these heads' `min_dense_chunk` up to
+    `max_tokens` (`bucket_lengths`), so cuDNN builds each plan now and no request pays one;
+    returns those lengths. Each call attends over
     zero views of a qkv projection's rows laid out as the layer's (`qkv_views`, `q_gate` for
     gated attention), which is how `padded_chunk_attention` hands a step's bucket over, and,
     like a step's, needs no gradient, so its plan-cache key (sizes, strides, dtype, device,
