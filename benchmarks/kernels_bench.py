@@ -216,6 +216,42 @@ def sweep_decode() -> list[dict]:
     return rows
 
 
+def sweep_decode_w1() -> list[dict]:
+    """W1's decode attention: batch 256 with Qwen3-0.6B heads over contexts of 512-1,024 tokens
+    (seeded; W1's prompts of 512 plus up to 512 generated), unsplit as the engine launches it,
+    both grid orders (`heads_fastest`) by launch settings; GB/s of K/V read, beside a plain
+    reduction over the K cache (the read ceiling on the same bytes)."""
+    from atom_kernels import decode_attention
+
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(512, 1025, (256,), generator=g).tolist()
+    k_cache, v_cache, tables = _paged_cache(seq_lens, num_kv_heads, head_dim, 16, dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+    read_ms = _time_ms(lambda: k_cache.view(-1).sum(dtype=torch.float32))
+    rows = [{"op": "decode-w1", "kernel": "sum over k_cache", "ms": round(read_ms, 4),
+             "GB_per_s": round(k_cache.numel() * 2 / (read_ms * 1e-3) / 1e9, 1)}]  # fmt: skip
+    for heads_fastest in (False, True):
+        for block_n, warps, stages in ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 8, 3), (64, 8, 3),
+                                       (32, 2, 3)):  # fmt: skip
+            ms = _time_ms(
+                functools.partial(
+                    decode_attention.paged_attention_decode,
+                    q, k_cache, v_cache, tables, lens, 0.1, num_splits=1, block_n=block_n,
+                    num_warps=warps, num_stages=stages, heads_fastest=heads_fastest,
+                )
+            )  # fmt: skip
+            rows.append(
+                {"op": "decode-w1", "kernel": "heads fastest" if heads_fastest else "default",
+                 "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
+                 "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
+            )  # fmt: skip
+    return rows
+
+
 # Head shapes of the prefill sweep: (num_heads, num_kv_heads, head_dim).
 SWEEP_HEADS = {
     "llama3-8b": (32, 8, 128),
@@ -410,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         nargs="?",
         const="all",
-        choices=("all", "decode", "prefill"),
-        help="also sweep launch settings (decode, prefill or all)",
+        choices=("all", "decode", "prefill", "w1"),
+        help="also sweep launch settings (decode, prefill, all, or w1: W1's decode attention)",
     )
     parser.add_argument(
         "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
@@ -430,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep in ("all", "decode"):
         sweep_rows += sweep_decode()
         _print_table([r for r in sweep_rows if r["op"] == "decode"])
+    if args.sweep in ("all", "decode", "w1"):
+        sweep_rows += sweep_decode_w1()
+        _print_table([r for r in sweep_rows if r["op"] == "decode-w1"])
     if args.sweep in ("all", "prefill"):
         prefill_sweep = sweep_prefill(args.sweep_budget_s)
         sweep_rows += prefill_sweep

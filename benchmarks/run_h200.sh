@@ -32,6 +32,7 @@
 #   denseprofile (a fresh prompt's prefill step traced, dense path on and off)
 #   densehost (host time per call of each way a lone fresh chunk can attend)
 #   w3dense (W3 with the dense prefill forced on for the 0.6B, and off)
+#   w1heads (W1's decode attention by grid order and launch settings; W1 with each grid order)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -43,7 +44,8 @@
 #   densecheck (the dense prefill's GPU tests on the default-by-head-width code, not yet run on a
 #   GPU)  |  w3dense (W3 with ATOM_DENSE_PREFILL=1 against 0: whether narrow heads can take the
 #   path by default)  |  densettft with TTFT_MODELS=benchmarks/configs/qwen3.5-4b (the hybrid's
-#   TTFT with the path on and off, not yet measured)
+#   TTFT with the path on and off, not yet measured)  |  w1heads (whether running a sequence's KV
+#   heads together lifts W1's decode attention from ~79% of the copy ceiling)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
@@ -307,6 +309,12 @@ for stage in ${*:-tests bench kernels peer}; do
       # new lengths after the start-up's plan warm-up.
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
+    w1heads)
+      # W1's decode attention (batch 256, 0.6B heads, 512-1,024-token contexts) by grid order and
+      # launch settings, then W1 with the decode grid's KV heads fastest and without, same call.
+      timeout 200 python3 benchmarks/kernels_bench.py --sweep w1 --sweep-only --out "$OUT/json/decode_w1.json" 2>&1 | grep -v -i warn | tail -16
+      atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_default.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      ATOM_DECODE_HEADS_FASTEST=1 atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_heads_fastest.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
     w3dense)
       # W3 with the dense prefill path forced on for Qwen3-0.6B's narrow heads and off, same call:
       # its cold runs are fresh 8k-token prompts, which the dense path speeds up.

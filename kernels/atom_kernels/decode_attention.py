@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -36,6 +37,11 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # Splits the merge kernel reads at a time.
 _MERGE_SPLITS = 8
+# ATOM_DECODE_HEADS_FASTEST=1: the decode grid runs a sequence's KV heads together
+# (`paged_attention_decode(heads_fastest=)`), an experiment for W1's batch-256 decode, whose
+# attention reads K/V at ~79% of the copy ceiling. Off until `kernels_bench.py --sweep` and W1
+# measure it on a GPU (`run_h200.sh w1heads`). Read once at import.
+HEADS_FASTEST = os.environ.get("ATOM_DECODE_HEADS_FASTEST", "0") == "1"
 
 
 @triton.jit
@@ -66,13 +72,19 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # grid (kv head, sequence, split): a sequence's heads launch together
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
 
     ctx = tl.load(context_lens_ptr + seq)
     tokens_per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -247,10 +259,14 @@ def paged_attention_decode(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    heads_fastest: bool | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.paged_attention_decode`. The keyword-only arguments override
     the automatic choices (tests use them to engage split-K on small shapes; the benchmark
-    sweeps them)."""
+    sweeps them). `heads_fastest` orders the grid (kv head, sequence, split) instead of
+    (sequence, kv head, split), so the programs of one sequence's KV heads run at the same time
+    and read the same pages together (a token's K row of every head is one contiguous
+    `num_kv_heads * head_dim` run in the vLLM cache layout); default `HEADS_FASTEST`."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -281,7 +297,9 @@ def paged_attention_decode(
         part_acc = part_max = part_sum = out  # unused by the single-split path
 
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    heads_fastest = HEADS_FASTEST if heads_fastest is None else heads_fastest
+    grid = (num_kv_heads, batch, num_splits) if heads_fastest else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -308,6 +326,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         IEEE_DOT=q.dtype == torch.float32,
+        HEADS_FASTEST=heads_fastest,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl.options(q.device),

@@ -116,6 +116,29 @@ def test_decode_split_count_never_changes_the_result(kernels, device):
         )
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_grid_order_never_changes_the_result(kernels, device, splits):
+    """The grid with a sequence's KV heads fastest (`heads_fastest=True`) gives the output of the
+    default order, split or not (GQA group 2, an empty row, lengths across pages)."""
+    g = torch.Generator().manual_seed(13)
+    seq_lens = [33, 0, 70, 16]
+    case = _to(
+        make_paged_case(
+            seq_lens, num_kv_heads=3, head_dim=32, block_size=16, dtype=torch.float32, generator=g
+        ),
+        device,
+    )
+    q = torch.randn(4, 6, 32, generator=g).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, 0.2)
+    decode = kernels["decode_attention"].paged_attention_decode
+    want = reference.paged_attention_decode(*args)
+    by_seq = decode(*args, num_splits=splits, block_n=16, heads_fastest=False)
+    by_head = decode(*args, num_splits=splits, block_n=16, heads_fastest=True)
+    torch.testing.assert_close(by_head, want, **TOL[q.dtype])
+    torch.testing.assert_close(by_head, by_seq, atol=0, rtol=0)
+
+
 def test_decode_writes_into_out_and_ignores_block_table_padding(kernels, device):
     g = torch.Generator().manual_seed(13)
     seq_lens = [20, 3]
