@@ -33,6 +33,7 @@
 #   densehost (host time per call of each way a lone fresh chunk can attend)
 #   w3dense (W3 with the dense prefill forced on for the 0.6B, and off)
 #   w1heads (W1's decode attention by grid order and launch settings; W1 with each grid order)
+#   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -45,7 +46,8 @@
 #   GPU)  |  w3dense (W3 with ATOM_DENSE_PREFILL=1 against 0: whether narrow heads can take the
 #   path by default)  |  densettft with TTFT_MODELS=benchmarks/configs/qwen3.5-4b (the hybrid's
 #   TTFT with the path on and off, not yet measured)  |  w1heads (whether running a sequence's KV
-#   heads together lifts W1's decode attention from ~79% of the copy ceiling)
+#   heads together lifts W1's decode attention from ~79% of the copy ceiling)  |  moegemv (the
+#   MoE hybrid's batch-1 step, 7.7 ms/token at 6.2x its bound when last measured)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
@@ -309,6 +311,13 @@ for stage in ${*:-tests bench kernels peer}; do
       # new lengths after the start-up's plan warm-up.
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py tests/runtime/test_gpu_engine.py -k "dense or fresh_prompts or cached_prefix_keeps or prefill_graphs" 2>&1 | tail -3
       timeout 100 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import prefill_dense_bench as b; b.first_calls()" 2>&1 | grep -v -i "warn\|o = sdpa" | tail -14 ;;
+    moegemv)
+      # The MoE pair GEMV for one-token steps: its bf16 GPU test, then W2 of the 35B-A3B-shaped MoE
+      # hybrid with it off and on, same call.
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k moe 2>&1 | tail -2
+      for on in 0 1; do
+        ATOM_MOE_GEMV=$on timeout 240 atom bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe_gemv$on.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
+      done ;;
     w1heads)
       # W1's decode attention (batch 256, 0.6B heads, 512-1,024-token contexts) by grid order and
       # launch settings, then W1 with the decode grid's KV heads fastest and without, same call.

@@ -7,13 +7,27 @@ block of one expert (no loop over experts anywhere):
 
 The sort runs on the device with a launch grid sized by an upper bound on the block count, so
 nothing waits on the host (CUDA-graph capturable); blocks past the real count exit at once.
+
+A step of a few tokens (batch-1 decode: one token's top-k pairs) can instead take the pair
+GEMV path (`fused_moe_gemv`, opt-in with ATOM_MOE_GEMV=1 until measured on a GPU): no sort,
+one program per (pair, block of output rows) streaming its expert's weight rows against the
+pair's input row, the way the batch-1 GEMV streams a dense projection. In the grouped GEMMs a
+decode pair fills one row of a 16-row block, and the gate/up launch has only (pairs x I/64)
+programs (64 for Qwen3.5-35B-A3B's 8 choices and I = 512), too few to stream the 32 MB the
+step reads; the sort itself is about a dozen small launches a layer.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# ATOM_MOE_GEMV=1: steps of at most GEMV_MAX_TOKENS tokens take `fused_moe_gemv`. Read once.
+MOE_GEMV = os.environ.get("ATOM_MOE_GEMV", "0") == "1"
+GEMV_MAX_TOKENS = 1
 
 
 @triton.jit
@@ -126,6 +140,86 @@ def _moe_down_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _moe_gemv_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    inter_ptr,
+    hidden,
+    inter_size,
+    x_stride,
+    w_stride_e,
+    w_stride_n,
+    inter_stride,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (pair p = (t, j), block of BLOCK_N intermediate columns): the gate and up rows of
+    pair p's expert times x[t], fp32 [BLOCK_N, BLOCK_K] accumulators reduced once at the end,
+    then SwiGLU; writes inter[p, cols]."""
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter_size
+    kk = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * w_stride_n
+    up_rows = gate_rows + inter_size * w_stride_n
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (k0 + kk) < hidden
+        a = tl.load(x_ptr + token * x_stride + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(gate_rows + (k0 + kk)[None, :], mask=mask, other=0.0)
+        wu = tl.load(up_rows + (k0 + kk)[None, :], mask=mask, other=0.0)
+        gate += wg.to(tl.float32) * a[None, :]
+        up += wu.to(tl.float32) * a[None, :]
+    g = tl.sum(gate, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    out = inter_ptr + pair.to(tl.int64) * inter_stride + n
+    tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(
+    inter_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    hidden,
+    inter_size,
+    inter_stride,
+    w_stride_e,
+    w_stride_n,
+    out_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (pair p, block of BLOCK_N hidden columns): p's expert's down rows times
+    inter[p], scaled by p's routing weight; writes out[p, cols]."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    kk = tl.arange(0, BLOCK_K)
+    rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * w_stride_n
+    a_row = inter_ptr + pair.to(tl.int64) * inter_stride
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_ok = (k0 + kk) < inter_size
+        a = tl.load(a_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair)
+    tl.store(
+        out_ptr + pair.to(tl.int64) * out_stride + n, y.to(out_ptr.dtype.element_ty), mask=n_ok
+    )
+
+
 def sort_pairs_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +266,8 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
+    if MOE_GEMV and num_tokens <= GEMV_MAX_TOKENS:
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
     # Few pairs per expert in decode: small row blocks waste less padding.
     block_m = 16 if num_pairs <= 64 * num_experts else 64
     sorted_pairs, block_expert = sort_pairs_by_expert(topk_ids, num_experts, block_m)
@@ -191,5 +287,41 @@ def fused_moe(
         inter_buf, w2, out_pairs, weights, sorted_pairs, block_expert, num_pairs, num_experts,
         hidden, inter, inter_buf.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0),
         IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out_pairs.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_gemv(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_n: int = 16,
+    block_k: int = 128,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`fused_moe` for a few tokens, pair by pair (no sort): two launches of one program per
+    (pair, block of output columns), each streaming its expert's weight rows, then the sum over
+    each token's choices. The arithmetic is `fused_moe`'s: fp32 sums, SwiGLU in fp32 rounded to
+    the dtype, each pair's down output scaled and rounded, the choices summed in fp32."""
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    inter_buf = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _moe_gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        x, w13, ids, inter_buf, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        inter_buf.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    out_pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    _moe_gemv_down_kernel[(num_pairs, triton.cdiv(hidden, block_n))](
+        inter_buf, w2, ids, weights, out_pairs, hidden, inter, inter_buf.stride(0),
+        w2.stride(0), w2.stride(1), out_pairs.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

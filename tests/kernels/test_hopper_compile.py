@@ -7,7 +7,7 @@ Triton compiles for an sm_90 target without a GPU (its wheel carries ptxas), so 
 the launch variants that matter, in a subprocess with the interpreter off: the fused GDN decode
 unsplit and split, the GEMV plain, with SwiGLU, with the RMSNorm in front (split and not) and
 with the QK-norm + rotary epilogue, decode attention's split and merge kernels at head_dim 128
-and 256.
+and 256 (and its grid with the KV heads fastest), the MoE pair GEMV's two kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from atom_kernels import decode_attention, gdn_decode, gemv
+    from atom_kernels import decode_attention, gdn_decode, gemv, moe
 
     def build(fn, pointers, floats, consts):
         names = fn.arg_names
@@ -94,10 +94,11 @@ SCRIPT = textwrap.dedent(
         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
     }
-    for head_dim, splits in ((128, 32), (256, 1)):
+    for head_dim, splits, heads_fastest in ((128, 32, False), (256, 1, False), (128, 1, True)):
         block_n = decode_attention.decode_config(head_dim)["block_n"]
         consts = dict(GROUP=2, HEAD_DIM=head_dim, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_G=16,
-                      BLOCK_N=block_n, BLOCK_D=head_dim, IEEE_DOT=False, PDL=False)
+                      BLOCK_N=block_n, BLOCK_D=head_dim, IEEE_DOT=False,
+                      HEADS_FASTEST=heads_fastest, PDL=False)
         merge = dict(HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=min(8, splits),
                      BLOCK_D=head_dim, BLOCK_N=block_n, PDL=False)
         for fn, c in ((decode_attention._decode_split_kernel, consts),
@@ -106,6 +107,13 @@ SCRIPT = textwrap.dedent(
                 build(fn, attn_ptrs, {"scale_log2"}, c)
             except Exception as exc:
                 failed.append(f"{fn.__name__} head_dim={head_dim}: {exc}")
+    moe_ptrs = {"ids_ptr": "*i32", "weights_ptr": "*fp32"}
+    for fn, consts in ((moe._moe_gemv_gate_up_kernel, dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128)),
+                       (moe._moe_gemv_down_kernel, dict(BLOCK_N=16, BLOCK_K=128))):
+        try:
+            build(fn, moe_ptrs, set(), consts)
+        except Exception as exc:
+            failed.append(f"{fn.__name__}: {exc}")
     print("\\n\\n".join(failed))
     sys.exit(1 if failed else 0)
     """

@@ -183,6 +183,33 @@ def test_fused_moe_kernel_matches_reference(kernels, device, dtype, t, e, top_k)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("t", "e", "top_k"), [(1, 6, 3), (3, 4, 2)])
+def test_fused_moe_gemv_matches_reference(kernels, device, dtype, t, e, top_k):
+    """The pair GEMV path (no sort; blocks of output columns not dividing the sizes, a k loop
+    with a ragged end) against the reference, alone and as `fused_moe` takes it for a
+    one-token step when ATOM_MOE_GEMV turns it on."""
+    g = torch.Generator().manual_seed(27)
+    h, inter = 72, 40
+    x = torch.randn(t, h, generator=g).to(dtype).to(device)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype).to(device)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype).to(device)
+    weights, ids = reference.moe_topk(torch.randn(t, e, generator=g), top_k, renormalize=True)
+    weights, ids = weights.to(device), ids.to(device)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    moe = kernels["moe"]
+    got = moe.fused_moe_gemv(x, w13, w2, weights, ids, block_n=16, block_k=32)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    if t <= moe.GEMV_MAX_TOKENS:
+        calls = []
+        real = moe.fused_moe_gemv
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe, "MOE_GEMV", True)
+            mp.setattr(moe, "fused_moe_gemv", lambda *a: calls.append(a) or real(*a))
+            torch.testing.assert_close(moe.fused_moe(x, w13, w2, weights, ids), want, **TOL[dtype])
+        assert len(calls) == 1
+
+
 def test_sort_pairs_by_expert_groups_and_pads(kernels, device):
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32, device=device)
     pairs, block_expert = kernels["moe"].sort_pairs_by_expert(ids, num_experts=4, block_m=2)
