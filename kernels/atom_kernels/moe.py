@@ -10,7 +10,7 @@ nothing waits on the host (CUDA-graph capturable); blocks past the real count ex
 
 A step of a few tokens (batch-1 decode: one token's top-k pairs) can instead take the pair
 GEMV path (`fused_moe_gemv`, opt-in with ATOM_MOE_GEMV=1 until measured on a GPU): no sort,
-one program per (pair, block of output rows) streaming its expert's weight rows against the
+one program per (pair, block of output features) streaming its expert's weight rows against the
 pair's input row, the way the batch-1 GEMV streams a dense projection. In the grouped GEMMs a
 decode pair fills one row of a 16-row block, and the gate/up launch has only (pairs x I/64)
 programs (64 for Qwen3.5-35B-A3B's 8 choices and I = 512), too few to stream the 32 MB the
