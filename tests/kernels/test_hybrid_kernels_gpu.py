@@ -114,17 +114,22 @@ def test_gdn_fla_path_equals_recurrent_kernel(kernels):
     torch.testing.assert_close(case["state"], state2, **BF16)
 
 
-@pytest.mark.parametrize(
-    ("t", "e", "top_k", "h", "inter"), [(3, 64, 8, 2048, 512), (1000, 16, 2, 1024, 768)]
-)
-def test_fused_moe_bf16(kernels, t, e, top_k, h, inter):
-    g = torch.Generator().manual_seed(37)
+def _moe_case(t, e, top_k, h, inter, seed):
+    """bf16 tokens, experts (gate/up rows then down) and a top-k routing of them, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(torch.bfloat16).cuda()
     weights, ids = ops.moe_topk(torch.randn(t, e, generator=g).cuda(), top_k, renormalize=True)
-    want = reference.fused_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(ops.fused_moe(x, w13, w2, weights, ids), want, **BF16)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "top_k", "h", "inter"), [(3, 64, 8, 2048, 512), (1000, 16, 2, 1024, 768)]
+)
+def test_fused_moe_bf16(kernels, t, e, top_k, h, inter):
+    case = _moe_case(t, e, top_k, h, inter, seed=37)
+    torch.testing.assert_close(ops.fused_moe(*case), reference.fused_moe(*case), **BF16)
 
 
 @pytest.mark.parametrize(
@@ -134,13 +139,8 @@ def test_fused_moe_gemv_bf16(kernels, t, e, top_k, h, inter):
     """The one-token pair GEMV path (ATOM_MOE_GEMV=1) at Qwen3.5-35B-A3B's expert sizes."""
     from atom_kernels import moe
 
-    g = torch.Generator().manual_seed(38)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(torch.bfloat16).cuda()
-    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(torch.bfloat16).cuda()
-    weights, ids = ops.moe_topk(torch.randn(t, e, generator=g).cuda(), top_k, renormalize=True)
-    want = reference.fused_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(moe.fused_moe_gemv(x, w13, w2, weights, ids), want, **BF16)
+    case = _moe_case(t, e, top_k, h, inter, seed=38)
+    torch.testing.assert_close(moe.fused_moe_gemv(*case), reference.fused_moe(*case), **BF16)
 
 
 def test_gated_rms_norm_bf16(kernels):
