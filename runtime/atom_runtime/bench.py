@@ -6,7 +6,9 @@ optional peer (Hugging Face transformers) measured in the same run.
     atom bench prefix --load-format dummy --model benchmarks/configs/qwen3-0.6b       # W3
     atom bench serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt         # W4
 
-`serve` is a client (bench_serve.py) and never imports torch; `prefix` lives in bench_prefix.py.
+W1 and W2 also print their bandwidth bound, from the bytes the engine's decode steps must move
+(bench_bound.py), at the device's peak and its measured copy bandwidth. `serve` is a client
+(bench_serve.py) and never imports torch; `prefix` lives in bench_prefix.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import sys
 import time
 
+from atom_runtime import bench_bound
 from atom_runtime.config import EngineConfig, add_engine_arguments
 
 
@@ -170,6 +173,14 @@ def _run_offline(args: argparse.Namespace) -> int:
             preemptions=llm.engine.scheduler.num_preemptions,
         )
         print(f"atom  W1: {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:,.0f} tok/s")
+        result["bound"] = bench_bound.report(
+            llm.engine,
+            "throughput",
+            result["output_tokens_per_s"],
+            prompt_lens=[len(p) for p in prompts],
+            output_len=args.output_len,
+        )
+        print(bench_bound.describe("throughput", result["bound"]))
         if args.peer == "transformers":
             llm.shutdown()
             del llm
@@ -194,6 +205,14 @@ def _run_offline(args: argparse.Namespace) -> int:
             ms_per_token_runs=ms,
         )
         print(f"atom  W2: {min(ms):.3f} ms/token (runs: {', '.join(f'{m:.3f}' for m in ms)})")
+        result["bound"] = bench_bound.report(
+            llm.engine,
+            "latency",
+            result["ms_per_token"],
+            input_len=args.input_len,
+            output_len=args.output_len,
+        )
+        print(bench_bound.describe("latency", result["bound"]))
         if args.peer == "transformers":
             cache = args.peer_cache
             if cache == "auto":

@@ -33,10 +33,19 @@ def test_throughput_and_latency_run_on_cpu(tiny_models, tmp_path):
     assert "no GPU here, running on CPU" in proc.stderr
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["output_tokens"] == 9 and r["output_tokens_per_s"] > 0
+    # The bound at this machine's copy bandwidth (no peak figure on CPU): above what ran.
+    assert "bound W1:" in proc.stdout and "(copy)" in proc.stdout
+    assert "peak" not in r["bound"] and 0 < r["bound"]["copy"]["atom_share_of_bound"] < 1
+    assert r["bound"]["copy"]["bound"] > r["output_tokens_per_s"]
     out = tmp_path / "w2.json"
-    proc = atom("latency", "--model", model, "--input-len", "8", "--output-len", "5")
+    proc = atom(
+        *("latency", "--model", model, "--input-len", "8", "--output-len", "5"),
+        *("--output-json", str(out)),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "atom  W2:" in proc.stdout
+    assert "atom  W2:" in proc.stdout and "bound W2:" in proc.stdout
+    r = json.loads(out.read_text())
+    assert 0 < r["bound"]["copy"]["bound"] < r["ms_per_token"]
 
 
 @no_gpu
