@@ -33,7 +33,8 @@
 #   densehost (host time per call of each way a lone fresh chunk can attend)
 #   w3dense (W3 with the dense prefill forced on for the 0.6B, and off)
 #   w1heads (W1's decode attention by grid order and launch settings; W1 with each grid order)
-#   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on)
+#   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on; a
+#   trace of its batch-1 step with it on)  w1hybrid (W1 of both hybrids with the peer and bound)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -317,7 +318,13 @@ for stage in ${*:-tests bench kernels peer}; do
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k moe 2>&1 | tail -2
       for on in 0 1; do
         ATOM_MOE_GEMV=$on timeout 240 atom bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe_gemv$on.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
-      done ;;
+      done
+      # Where the MoE hybrid's batch-1 step goes, with the pair GEMV.
+      ATOM_MOE_GEMV=1 timeout ${TRACE_CAP:-150} python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b.json" 2>&1 | grep -v -i warn | head -${TOP:-40} ;;
+    w1hybrid)
+      # Issue 14 item 7: W1 of both hybrids against transformers, with the bandwidth bound.
+      timeout 280 atom bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      timeout 300 atom bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --peer transformers --peer-num-prompts 8 --peer-batch-size 8 --output-json "$OUT/json/w1_35b.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
     w1heads)
       # W1's decode attention (batch 256, 0.6B heads, 512-1,024-token contexts) by grid order and
       # launch settings, then W1 with the decode grid's KV heads fastest and without, same call.
