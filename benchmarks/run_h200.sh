@@ -323,8 +323,8 @@ for stage in ${*:-tests bench kernels peer}; do
       ATOM_MOE_GEMV=1 timeout ${TRACE_CAP:-150} python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b.json" 2>&1 | grep -v -i warn | head -${TOP:-40} ;;
     w1hybrid)
       # Issue 14 item 7: W1 of both hybrids against transformers, with the bandwidth bound.
-      timeout 280 atom bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
-      timeout 300 atom bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --peer transformers --peer-num-prompts 8 --peer-batch-size 8 --output-json "$OUT/json/w1_35b.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
+      timeout 280 atom bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      timeout 300 atom bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_35b.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
     w1heads)
       # W1's decode attention (batch 256, 0.6B heads, 512-1,024-token contexts) by grid order and
       # launch settings, then W1 with the decode grid's KV heads fastest and without, same call.
