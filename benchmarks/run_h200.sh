@@ -35,6 +35,7 @@
 #   w1heads (W1's decode attention by grid order and launch settings; W1 with each grid order)
 #   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on; a
 #   trace of its batch-1 step with it on)  w1hybrid (W1 of both hybrids with the peer and bound)
+#   moe2 (the router kernel and the stacked shared expert: GPU tests, W2 and W1 of the 35B MoE)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -80,6 +81,7 @@ for p in (out / "json").glob("*.json"):
 PY
 }
 trap merge_results EXIT
+# `timeout` cannot run this function: under a timeout, call `python3 -m atom_runtime` itself.
 atom() { python3 -m atom_runtime "$@" 2>&1 | grep -v -i warning; }
 for stage in ${*:-tests bench kernels peer}; do
   echo "== $stage"
@@ -317,14 +319,24 @@ for stage in ${*:-tests bench kernels peer}; do
       # hybrid with it off and on, same call.
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k moe 2>&1 | tail -2
       for on in 0 1; do
-        ATOM_MOE_GEMV=$on timeout 240 atom bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe_gemv$on.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
+        ATOM_MOE_GEMV=$on timeout 240 python3 -m atom_runtime bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe_gemv$on.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
       done
       # Where the MoE hybrid's batch-1 step goes, with the pair GEMV.
       ATOM_MOE_GEMV=1 timeout ${TRACE_CAP:-150} python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b.json" 2>&1 | grep -v -i warn | head -${TOP:-40} ;;
+    moe2)
+      # The MoE layer's router in one kernel and the shared expert stacked as expert E: the GPU
+      # tests, W2 of the 35B-A3B MoE hybrid with the pair GEMV off and on, its W1, a trace.
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k "moe" 2>&1 | tail -3
+      timeout 90 python3 benchmarks/moe_gemv_sweep.py --out "$OUT/json/moe_gemv_sweep.json" 2>&1 | grep -v -i warn | tail -16
+      for on in 0 1; do
+        ATOM_MOE_GEMV=$on timeout 150 python3 -m atom_runtime bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe2_gemv$on.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
+      done
+      ATOM_MOE_GEMV=1 timeout 110 python3 -m atom_runtime bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w1_35b_moe2.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      ATOM_MOE_GEMV=1 timeout 100 python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b_moe2.json" 2>&1 | grep -v -i warn | head -${TOP:-24} ;;
     w1hybrid)
       # Issue 14 item 7: W1 of both hybrids against transformers, with the bandwidth bound.
-      timeout 280 atom bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
-      timeout 300 atom bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_35b.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
+      timeout 280 python3 -m atom_runtime bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      timeout 300 python3 -m atom_runtime bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_35b.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
     w1heads)
       # W1's decode attention (batch 256, 0.6B heads, 512-1,024-token contexts) by grid order and
       # launch settings, then W1 with the decode grid's KV heads fastest and without, same call.
@@ -334,8 +346,8 @@ for stage in ${*:-tests bench kernels peer}; do
     w3dense)
       # W3 with the dense prefill path forced on for Qwen3-0.6B's narrow heads and off, same call:
       # its cold runs are fresh 8k-token prompts, which the dense path speeds up.
-      ATOM_DENSE_PREFILL=1 timeout 200 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_dense_on.json" 2>&1 | grep -i "W3\|cached\|cold\|dense\|error" | cut -c1-300
-      ATOM_DENSE_PREFILL=0 timeout 150 atom bench prefix --load-format dummy --model $Q3 --output-len 1 --modes single --output-json "$OUT/json/w3_dense_off.json" 2>&1 | grep -i "W3\|cached\|cold\|error" | cut -c1-300 ;;
+      ATOM_DENSE_PREFILL=1 timeout 200 python3 -m atom_runtime bench prefix --load-format dummy --model $Q3 --output-len 1 --at-once-requests 61 --output-json "$OUT/json/w3_dense_on.json" 2>&1 | grep -i "W3\|cached\|cold\|dense\|error" | cut -c1-300
+      ATOM_DENSE_PREFILL=0 timeout 150 python3 -m atom_runtime bench prefix --load-format dummy --model $Q3 --output-len 1 --modes single --output-json "$OUT/json/w3_dense_off.json" 2>&1 | grep -i "W3\|cached\|cold\|error" | cut -c1-300 ;;
     densehost)
       # Host time per call of each way a lone fresh chunk can attend (the dense path's host cost).
       timeout 120 python3 benchmarks/prefill_dense_bench.py --host-cost --out "$OUT/json/dense_host.json" 2>&1 | grep -v -i "warn\|o = sdpa" ;;

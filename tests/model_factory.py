@@ -113,7 +113,9 @@ HYBRID_CONFIGS = {
         model_type="qwen3_next",
         architectures=["Qwen3NextForCausalLM"],
         **_HYBRID_COMMON,
-        **_MOE,
+        # The shared expert as wide as a routed one, as in the released models: the engine
+        # stacks it after them (qwen3_5_moe keeps _MOE's wider one beside the experts).
+        **(_MOE | {"shared_expert_intermediate_size": _MOE["moe_intermediate_size"]}),
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[1],  # one dense layer among the MoE ones

@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import pdl
+from atom_kernels.pdl import wait_for_inputs
+
 # ATOM_MOE_GEMV=1: steps of at most GEMV_MAX_TOKENS tokens take `fused_moe_gemv`. Read once.
 MOE_GEMV = os.environ.get("ATOM_MOE_GEMV", "0") == "1"
 GEMV_MAX_TOKENS = 1
@@ -141,6 +144,52 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _moe_topk_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    logits_stride,
+    out_stride,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Program t: softmax over token t's E router logits in fp32, its TOP_K experts (the lowest
+    index first among equal probabilities), their weights (rescaled to sum 1 when
+    RENORMALIZE); with SHARED, column TOP_K is the shared expert (index E) weighted by the
+    sigmoid of logit E."""
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(
+        logits_ptr + t * logits_stride + e, mask=e < num_experts, other=float("-inf")
+    ).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    left = probs
+    total = tl.sum(tl.zeros([BLOCK_E], dtype=tl.float32), axis=0)
+    chosen = tl.zeros([BLOCK_E], dtype=tl.int32)  # the rank + 1 at which each expert was taken
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        idx = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)
+        total += best
+        chosen = tl.where(e == idx, j + 1, chosen)
+        left = tl.where(e == idx, -1.0, left)
+    scale = 1.0 / total if RENORMALIZE else 1.0
+    rank = chosen - 1
+    taken = chosen > 0
+    tl.store(weights_ptr + t * out_stride + rank, probs * scale, mask=taken)
+    tl.store(ids_ptr + t * out_stride + rank, e, mask=taken)
+    if SHARED:
+        g = tl.load(logits_ptr + t * logits_stride + num_experts).to(tl.float32)
+        tl.store(weights_ptr + t * out_stride + TOP_K, 1.0 / (1.0 + tl.exp(-g)))
+        tl.store(ids_ptr + t * out_stride + TOP_K, num_experts)
+
+
+@triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -155,10 +204,12 @@ def _moe_gemv_gate_up_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (pair p = (t, j), block of BLOCK_N intermediate columns): the gate and up rows of
     pair p's expert times x[t], fp32 [BLOCK_N, BLOCK_K] accumulators reduced once at the end,
     then SwiGLU; writes inter[p, cols]."""
+    wait_for_inputs(PDL)
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -189,35 +240,40 @@ def _moe_gemv_down_kernel(
     w_ptr,
     ids_ptr,
     weights_ptr,
-    out_ptr,
+    y_ptr,
     hidden,
     inter_size,
     inter_stride,
     w_stride_e,
     w_stride_n,
-    out_stride,
+    y_stride,
+    TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Program (pair p, block of BLOCK_N hidden columns): p's expert's down rows times
-    inter[p], scaled by p's routing weight; writes out[p, cols]."""
-    pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    """Program (token t, block of BLOCK_N hidden columns): the sum over t's TOP_K pairs of the
+    pair's expert's down rows times inter[pair] scaled by the pair's routing weight, in one fp32
+    accumulator; writes y[t, cols] (no per-pair output, no separate sum)."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     kk = tl.arange(0, BLOCK_K)
-    rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * w_stride_n
-    a_row = inter_ptr + pair.to(tl.int64) * inter_stride
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        k_ok = (k0 + kk) < inter_size
-        a = tl.load(a_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair)
-    tl.store(
-        out_ptr + pair.to(tl.int64) * out_stride + n, y.to(out_ptr.dtype.element_ty), mask=n_ok
-    )
+    for j in tl.static_range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(weights_ptr + pair)
+        rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * w_stride_n
+        a_row = inter_ptr + pair * inter_stride
+        for k0 in range(0, inter_size, BLOCK_K):
+            k_ok = (k0 + kk) < inter_size
+            a = tl.load(a_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32) * weight
+            w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + token * y_stride + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def sort_pairs_by_expert(
@@ -297,14 +353,15 @@ def fused_moe_gemv(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_n: int = 16,
-    block_k: int = 128,
+    block_n: int = 8,
+    block_k: int = 256,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """`fused_moe` for a few tokens, pair by pair (no sort): two launches of one program per
-    (pair, block of output columns), each streaming its expert's weight rows, then the sum over
-    each token's choices. The arithmetic is `fused_moe`'s: fp32 sums, SwiGLU in fp32 rounded to
-    the dtype, each pair's down output scaled and rounded, the choices summed in fp32."""
+    """`fused_moe` for a few tokens, pair by pair (no sort): a gate/up launch of one program per
+    (pair, block of intermediate columns) streaming its expert's gate and up rows, then a down
+    launch of one program per (token, block of hidden columns) summing the token's pairs in one
+    fp32 accumulator. Arithmetic: fp32 sums, SwiGLU in fp32 rounded to the dtype, each pair's
+    intermediate row scaled by its routing weight in fp32, the output rounded once."""
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -314,14 +371,39 @@ def fused_moe_gemv(
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     inter_buf = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    launch = pdl.options(x.device)
     _moe_gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
         x, w13, ids, inter_buf, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
         inter_buf.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **launch,
     )  # fmt: skip
-    out_pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _moe_gemv_down_kernel[(num_pairs, triton.cdiv(hidden, block_n))](
-        inter_buf, w2, ids, weights, out_pairs, hidden, inter, inter_buf.stride(0),
-        w2.stride(0), w2.stride(1), out_pairs.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+    y = torch.empty_like(x)
+    down_k = min(block_k, triton.next_power_of_2(inter))
+    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, 2 * block_n))](
+        inter_buf, w2, ids, weights, y, hidden, inter, inter_buf.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), TOP_K=top_k, BLOCK_N=2 * block_n, BLOCK_K=down_k,
+        num_warps=num_warps, **launch,
     )  # fmt: skip
-    return out_pairs.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    return y
+
+
+def moe_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_expert: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `atom_kernels.ops.moe_topk`: one program per token (softmax, the top k by repeated
+    max, the renormalization and the shared expert's sigmoid in one launch)."""
+    num_tokens, width = router_logits.shape
+    num_experts = width - 1 if shared_expert else width
+    cols = top_k + 1 if shared_expert else top_k
+    device = router_logits.device
+    weights = torch.empty((num_tokens, cols), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, cols), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    _moe_topk_kernel[(num_tokens,)](
+        router_logits, weights, ids, num_experts, router_logits.stride(0), cols,
+        TOP_K=top_k, RENORMALIZE=renormalize, SHARED=shared_expert,
+        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4 if num_experts > 256 else 2,
+        **pdl.options(device),
+    )  # fmt: skip
+    return weights, ids

@@ -782,17 +782,25 @@ def gated_delta_net_decode_(
             raise ValueError(f"{name} is on {t.device}, proj on {proj.device}")
 
 
-@op(triton=None, on="router_logits")
+@op(triton="moe.moe_topk", on="router_logits")
 def moe_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_expert: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: softmax over the E experts in fp32 (`router_logits [T, E]`), the top_k
     experts, their weights rescaled to sum 1 when `renormalize`. Returns (topk_weights fp32
-    `[T, top_k]`, topk_ids int32 `[T, top_k]`). Torch on every device (one softmax + topk)."""
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
-    if not 1 <= top_k <= router_logits.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}]")
+    `[T, top_k]`, topk_ids int32 `[T, top_k]`).
+
+    shared_expert: `router_logits` is `[T, E + 1]`, its last column the shared expert's gate
+    logit; the results gain a column top_k holding expert E (the shared expert, stacked after
+    the routed ones) with weight sigmoid(logit). Triton on a GPU: one program per token."""
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        raise ValueError(
+            f"router_logits must be [T, E] with a contiguous last dim, got "
+            f"{tuple(router_logits.shape)}"
+        )
+    experts = router_logits.shape[1] - (1 if shared_expert else 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be in [1, {experts}]")
 
 
 @op(triton="moe.fused_moe", on="x")

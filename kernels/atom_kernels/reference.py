@@ -617,14 +617,21 @@ def gated_delta_net_decode_(
 
 
 def moe_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_expert: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in fp32, the top_k of it (optionally rescaled to sum 1)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    """Softmax over the experts in fp32, the top_k of it (optionally rescaled to sum 1); with
+    shared_expert, a last column for expert E weighted by the sigmoid of the last logit."""
+    logits = router_logits.float()
+    routed = logits[:, :-1] if shared_expert else logits
+    probs = torch.softmax(routed, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if shared_expert:
+        weights = torch.cat([weights, torch.sigmoid(logits[:, -1:])], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], routed.shape[1])], dim=1)
+    return weights, ids
 
 
 def fused_moe(

@@ -108,8 +108,10 @@ SCRIPT = textwrap.dedent(
             except Exception as exc:
                 failed.append(f"{fn.__name__} head_dim={head_dim}: {exc}")
     moe_ptrs = {"ids_ptr": "*i32", "weights_ptr": "*fp32"}
-    for fn, consts in ((moe._moe_gemv_gate_up_kernel, dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128)),
-                       (moe._moe_gemv_down_kernel, dict(BLOCK_N=16, BLOCK_K=128))):
+    for fn, consts in ((moe._moe_gemv_gate_up_kernel, dict(TOP_K=9, BLOCK_N=8, BLOCK_K=256)),
+                       (moe._moe_gemv_down_kernel, dict(TOP_K=9, BLOCK_N=16, BLOCK_K=256)),
+                       (moe._moe_topk_kernel, dict(TOP_K=8, RENORMALIZE=True, SHARED=True,
+                                                   BLOCK_E=256))):
         try:
             build(fn, moe_ptrs, set(), consts)
         except Exception as exc:

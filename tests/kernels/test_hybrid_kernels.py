@@ -210,6 +210,30 @@ def test_fused_moe_gemv_matches_reference(kernels, device, dtype, t, e, top_k):
         assert len(calls) == 1
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(("t", "e", "top_k"), [(1, 6, 3), (7, 40, 8), (3, 5, 5)])
+def test_moe_topk_kernel_matches_reference(kernels, device, t, e, top_k, renormalize, shared):
+    """Softmax, top k by repeated max, renormalization and the shared expert's column in one
+    program per token, against torch's softmax + topk (random logits: no ties)."""
+    g = torch.Generator().manual_seed(28)
+    logits = (torch.randn(t, e + shared, generator=g) * 3).to(device)
+    want_w, want_ids = reference.moe_topk(logits, top_k, renormalize, shared)
+    got_w, got_ids = kernels["moe"].moe_topk(logits, top_k, renormalize, shared)
+    assert got_ids.dtype == torch.int32 and got_ids.shape == (t, top_k + shared)
+    assert torch.equal(got_ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    if shared:
+        assert (got_ids[:, -1] == e).all()
+
+
+def test_moe_topk_kernel_takes_the_lowest_index_among_equals(kernels, device):
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]], device=device)
+    weights, ids = kernels["moe"].moe_topk(logits.to(torch.float16), 2, True)
+    assert ids.tolist() == [[1, 3]]
+    torch.testing.assert_close(weights.cpu(), torch.tensor([[0.5, 0.5]]))
+
+
 def test_sort_pairs_by_expert_groups_and_pads(kernels, device):
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32, device=device)
     pairs, block_expert = kernels["moe"].sort_pairs_by_expert(ids, num_experts=4, block_m=2)

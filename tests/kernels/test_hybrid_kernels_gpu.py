@@ -143,6 +143,54 @@ def test_fused_moe_gemv_bf16(kernels, t, e, top_k, h, inter):
     torch.testing.assert_close(moe.fused_moe_gemv(*case), reference.fused_moe(*case), **BF16)
 
 
+@pytest.mark.parametrize(("t", "e", "top_k"), [(1, 256, 8), (300, 512, 10), (7, 128, 8)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_topk_on_the_gpu(kernels, t, e, top_k, shared):
+    """The router kernel: fp32 logits (no ties) give torch's experts and weights; bf16 logits
+    as the router GEMV leaves them (ties likely among 256) give the same top-k probabilities."""
+    from atom_kernels import moe
+
+    g = torch.Generator().manual_seed(39)
+    logits = (torch.randn(t, e + shared, generator=g) * 2).cuda()
+    want_w, want_ids = reference.moe_topk(logits, top_k, True, shared)
+    got_w, got_ids = moe.moe_topk(logits, top_k, True, shared)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    low = logits.to(torch.bfloat16)
+    want_w, _ = reference.moe_topk(low, top_k, True, shared)
+    got_w, got_ids = moe.moe_topk(low, top_k, True, shared)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+    routed = got_ids[:, :top_k].long()
+    assert (routed.sort(1).values.diff(dim=1) > 0).all()  # distinct experts per token
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_with_a_stacked_shared_expert_bf16(kernels, t):
+    """Qwen3.5-35B-A3B's layer: 256 experts + the shared expert stacked as expert 256, routed
+    by `moe_topk(shared_expert=True)`, against the reference's routed sum plus the shared
+    expert's DenseMLP-style output scaled by its gate, on both MoE paths."""
+    from atom_kernels import moe
+
+    e, top_k, h, inter = 256, 8, 2048, 512
+    g = torch.Generator().manual_seed(40)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    w13 = (torch.randn(e + 1, 2 * inter, h, generator=g) / h**0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e + 1, h, inter, generator=g) / inter**0.5).to(torch.bfloat16).cuda()
+    logits = torch.randn(t, e + 1, generator=g).to(torch.bfloat16).cuda()
+    weights, ids = moe.moe_topk(logits, top_k, True, True)
+    routed = reference.fused_moe(x, w13[:e], w2[:e], weights[:, :top_k], ids[:, :top_k])
+    xf = x.float()
+    gate, up = (xf @ w13[e].float().T).chunk(2, dim=-1)
+    shared = (torch.nn.functional.silu(gate) * up) @ w2[e].float().T
+    want = routed.float() + torch.sigmoid(logits[:, -1:].float()) * shared
+    tol = {"rtol": 3e-2, "atol": 3e-2}
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, weights, ids).float(), want, **tol)
+    if t == 1:
+        torch.testing.assert_close(
+            moe.fused_moe_gemv(x, w13, w2, weights, ids).float(), want, **tol
+        )
+
+
 def test_gated_rms_norm_bf16(kernels):
     g = torch.Generator().manual_seed(38)
     x = torch.randn(4096, 128, generator=g).to(torch.bfloat16).cuda()

@@ -255,7 +255,13 @@ class DenseMLP(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k softmax routing over experts (fused MoE op), plus an optional shared expert scaled
     by sigmoid(shared_expert_gate(x)). Each rank holds every expert's slice of the intermediate
-    dimension; the partial outputs are summed across ranks."""
+    dimension; the partial outputs are summed across ranks.
+
+    A shared expert as wide as a routed one (Qwen3-Next, Qwen3.5-MoE) is stacked after them as
+    expert E: its gate is the router's row E, its weights the experts' slot E, and `moe_topk`
+    gives every token a last pair (E, sigmoid(logit E)). One router launch and one fused MoE
+    call then serve both, and one all-reduce under TP. A narrower or wider one stays a
+    DenseMLP beside the experts."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -264,11 +270,14 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.inter_all = cfg.moe_intermediate_size
         self.inter = _divide(cfg.moe_intermediate_size, tp_size(), "moe_intermediate_size")
-        self.gate = LinearBase(h, e, bias=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * self.inter, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, self.inter), requires_grad=False)
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
+        shared = cfg.shared_expert_intermediate_size
+        self.stacked_shared = shared > 0 and shared == cfg.moe_intermediate_size
+        slots = e + 1 if self.stacked_shared else e
+        self.gate = LinearBase(h, slots, bias=False)
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * self.inter, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(slots, h, self.inter), requires_grad=False)
+        if shared and not self.stacked_shared:
+            self.shared_expert = DenseMLP(h, shared)
             self.shared_expert_gate = LinearBase(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -278,16 +287,38 @@ class SparseMoE(nn.Module):
         i, r = self.inter, tp_rank()
         if name == "gate_up_proj":
             t = loaded  # [E, 2I, H]: gate rows then up rows
-            copy_weight(self.w13.data[:, :i], t.narrow(1, r * i, i))
-            copy_weight(self.w13.data[:, i:], t.narrow(1, self.inter_all + r * i, i))
+            e = self.num_experts
+            copy_weight(self.w13.data[:e, :i], t.narrow(1, r * i, i))
+            copy_weight(self.w13.data[:e, i:], t.narrow(1, self.inter_all + r * i, i))
             return
         if name == "down_proj":
-            copy_weight(self.w2.data, loaded.narrow(2, r * i, i))
+            copy_weight(self.w2.data[: self.num_experts], loaded.narrow(2, r * i, i))
             return
         m = re.fullmatch(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
         if m is None or int(m.group(1)) >= self.num_experts:
             raise ValueError(f"mlp.experts.{name}: not an expert tensor of this model")
-        e, which = int(m.group(1)), m.group(2)
+        self._load_expert(int(m.group(1)), m.group(2), loaded)
+
+    def load_stacked_shared(self, name: str, loaded) -> str:
+        """The stacked shared expert's tensors (`shared_expert.{gate,up,down}_proj.weight`,
+        `shared_expert_gate.weight`) and the router (`gate.weight`, rows [0, E)); returns the
+        parameter loaded."""
+        e = self.num_experts
+        if name == "gate.weight":
+            copy_weight(self.gate.weight.data[:e], loaded)
+            return "gate.weight"
+        if name == "shared_expert_gate.weight":
+            copy_weight(self.gate.weight.data[e:], loaded)
+            return "gate.weight"
+        m = re.fullmatch(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m is None:
+            raise ValueError(f"mlp.{name}: not a tensor of this layer's MoE")
+        self._load_expert(e, m.group(1), loaded)
+        return "w2" if m.group(1) == "down_proj" else "w13"
+
+    def _load_expert(self, e: int, which: str, loaded) -> None:
+        """One expert's gate, up or down projection into slot e (this rank's columns)."""
+        i, r = self.inter, tp_rank()
         if which == "down_proj":
             copy_weight(self.w2.data[e], loaded.narrow(1, r * i, i))
         else:
@@ -295,7 +326,7 @@ class SparseMoE(nn.Module):
             copy_weight(self.w13.data[e, rows], loaded.narrow(0, r * i, i))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = ops.moe_topk(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = ops.moe_topk(self.gate(x), self.top_k, self.renormalize, self.stacked_shared)
         y = ops.fused_moe(x, self.w13, self.w2, weights, ids)
         if tp_size() > 1:
             y = all_reduce(y)
@@ -372,7 +403,8 @@ class Qwen3NextForCausalLM(CausalLM):
         return super().checkpoint_name(name)
 
     def load_special(self, name: str, tensor) -> str | None:
-        """GDN projections, the conv weight and MoE experts: their own loaders."""
+        """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
+        router it joins): their own loaders."""
         m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
         if m and m.group(2).startswith("in_proj"):
             self.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
@@ -381,6 +413,11 @@ class Qwen3NextForCausalLM(CausalLM):
             gdn = self.get_submodule(f"{m.group(1)}.linear_attn")
             gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
             return f"{m.group(1)}.linear_attn.conv_weight"
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.((?:shared_expert\w*|gate)\..+)", name)
+        if m:
+            moe = self.get_submodule(m.group(1))
+            if isinstance(moe, SparseMoE) and moe.stacked_shared:
+                return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
         m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
         if m:
             moe = self.get_submodule(m.group(1))
