@@ -1,5 +1,5 @@
 """The one-token MoE step (`moe.fused_moe_gemv`) by launch shape, at the released MoE hybrids'
-expert sizes: microseconds a layer and the GB/s of expert weights it streams.
+expert sizes: microseconds a layer for each kernel and the GB/s of expert weights it streams.
 
 python benchmarks/moe_gemv_sweep.py [--out moe_gemv.json]
 
@@ -21,38 +21,18 @@ SHAPES = {
     "qwen3.5-35b-a3b": (256, 8, 2048, 512),
     "qwen3-next-80b-a3b": (512, 10, 2048, 512),
 }
-# (BLOCK_N gate/up rows of each kind a program, BLOCK_K, warps); the down launch takes 2 x
-# BLOCK_N rows.
-CANDIDATES = [(16, 128, 4), (8, 256, 4), (8, 128, 4), (4, 256, 4), (8, 256, 8), (16, 256, 8)]
 SETS = 64
 
 
 def _graph_time_us(fn, sets: int) -> float:
-    """Microseconds a call: `fn(i)` for each of `sets` routings captured in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(sets):
-            fn(i)  # compile, warm
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(sets):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / sets)
-    return best
+    from atom_kernels import moe
+
+    return moe._graph_us(fn, sets)
 
 
 def sweep(name: str) -> list[dict]:
+    """The router kernel, then every launch-shape candidate of the two pair-GEMV kernels as the
+    engine's start-up times them (`moe.tune_gemv_launch`), on 64 random routings."""
     from atom_kernels import moe
 
     e, k, h, inter = SHAPES[name]
@@ -62,22 +42,19 @@ def sweep(name: str) -> list[dict]:
     w13 = torch.randn(e + 1, 2 * inter, h, **kw) / h**0.5
     w2 = torch.randn(e + 1, h, inter, **kw) / inter**0.5
     logits = [torch.randn(1, e + 1, **kw) for _ in range(SETS)]
-    routes = [moe.moe_topk(lg, k, True, True) for lg in logits]
-    weight_bytes = (k + 1) * 3 * inter * h * 2
     rows = []
     us = _graph_time_us(lambda i: moe.moe_topk(logits[i], k, True, True), SETS)
     rows.append({"model": name, "kernel": "moe_topk", "us": round(us, 2)})
-    for block_n, block_k, warps in CANDIDATES:
-
-        def call(i, bn=block_n, bk=block_k, w=warps):
-            weights, ids = routes[i]
-            moe.fused_moe_gemv(x, w13, w2, weights, ids, block_n=bn, block_k=bk, num_warps=w)
-
-        us = _graph_time_us(call, SETS)
-        rows.append({
-            "model": name, "kernel": "fused_moe_gemv", "block_n": block_n, "block_k": block_k,
-            "warps": warps, "us": round(us, 2), "GB_per_s": round(weight_bytes / us / 1e3, 1),
-        })  # fmt: skip
+    table = moe.tune_gemv_launch(x, w13, w2, k + 1, routings=SETS)
+    sizes = {"gate_up": 2 * inter * h * 2 * (k + 1), "down": inter * h * 2 * (k + 1)}
+    for kernel in ("gate_up", "down"):
+        for (block_n, block_k, warps), us in table[kernel].items():
+            rows.append({
+                "model": name, "kernel": kernel, "block_n": block_n, "block_k": block_k,
+                "warps": warps, "us": round(us, 2),
+                "GB_per_s": round(sizes[kernel] / us / 1e3, 1),
+                "best": (block_n, block_k, warps) == table["best"][kernel == "down"],
+            })  # fmt: skip
     return rows
 
 
@@ -93,7 +70,8 @@ def main() -> None:
             f" {r['block_n']:>2} x {r['block_k']:>3}, {r['warps']} warps" if "warps" in r else ""
         )
         rate = f"  {r['GB_per_s']:7.1f} GB/s" if "GB_per_s" in r else ""
-        print(f"{r['model']:<20} {r['kernel']:<15}{shape:<22} {r['us']:8.2f} us{rate}")
+        mark = "  <- chosen" if r.get("best") else ""
+        print(f"{r['model']:<20} {r['kernel']:<9}{shape:<22} {r['us']:8.2f} us{rate}{mark}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

@@ -36,6 +36,7 @@
 #   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on; a
 #   trace of its batch-1 step with it on)  w1hybrid (W1 of both hybrids with the peer and bound)
 #   moe2 (the router kernel and the stacked shared expert: GPU tests, W2 and W1 of the 35B MoE)
+#   moe3 (the pair GEMV's launch shapes timed at start-up: GPU tests, the table, W2, a trace)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -333,6 +334,13 @@ for stage in ${*:-tests bench kernels peer}; do
       done
       ATOM_MOE_GEMV=1 timeout 110 python3 -m atom_runtime bench throughput --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w1_35b_moe2.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
       ATOM_MOE_GEMV=1 timeout 100 python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b_moe2.json" 2>&1 | grep -v -i warn | head -${TOP:-24} ;;
+    moe3)
+      # The pair GEMV with its launch shapes timed at start-up and down summing a token's pairs
+      # in one pipelined loop, on by default: GPU tests, the shapes' table, W2 and a trace.
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k "moe" 2>&1 | tail -2
+      timeout 100 python3 benchmarks/moe_gemv_sweep.py --out "$OUT/json/moe_gemv_sweep3.json" 2>&1 | grep -v -i warn | tail -24
+      timeout 150 python3 -m atom_runtime bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe3.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
+      timeout 110 python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b_moe3.json" 2>&1 | grep -v -i warn | head -${TOP:-14} ;;
     w1hybrid)
       # Issue 14 item 7: W1 of both hybrids against transformers, with the bandwidth bound.
       timeout 280 python3 -m atom_runtime bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300

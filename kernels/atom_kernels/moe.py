@@ -8,13 +8,14 @@ block of one expert (no loop over experts anywhere):
 The sort runs on the device with a launch grid sized by an upper bound on the block count, so
 nothing waits on the host (CUDA-graph capturable); blocks past the real count exit at once.
 
-A step of a few tokens (batch-1 decode: one token's top-k pairs) can instead take the pair
-GEMV path (`fused_moe_gemv`, opt-in with ATOM_MOE_GEMV=1 until measured on a GPU): no sort,
-one program per (pair, block of output features) streaming its expert's weight rows against the
-pair's input row, the way the batch-1 GEMV streams a dense projection. In the grouped GEMMs a
-decode pair fills one row of a 16-row block, and the gate/up launch has only (pairs x I/64)
-programs (64 for Qwen3.5-35B-A3B's 8 choices and I = 512), too few to stream the 32 MB the
-step reads; the sort itself is about a dozen small launches a layer.
+A step of one token (batch-1 decode) takes the pair GEMV path instead (`fused_moe_gemv`;
+ATOM_MOE_GEMV=0 turns it off): no sort; gate/up runs one program per (pair, block of
+intermediate columns) streaming its expert's rows against the pair's input row, the way the
+batch-1 GEMV streams a dense projection, and down one program per (token, block of hidden
+columns) summing the token's pairs. In the grouped GEMMs a decode pair fills one row of a
+16-row block, the gate/up launch has only (pairs x I/64) programs (64 for Qwen3.5-35B-A3B's 8
+choices and I = 512), too few to stream the 32 MB the step reads, and the sort is about a dozen
+small launches a layer. The router (`moe_topk`) is one kernel on every path.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import triton.language as tl
 from atom_kernels import pdl
 from atom_kernels.pdl import wait_for_inputs
 
-# ATOM_MOE_GEMV=1: steps of at most GEMV_MAX_TOKENS tokens take `fused_moe_gemv`. Read once.
-MOE_GEMV = os.environ.get("ATOM_MOE_GEMV", "0") == "1"
+# Steps of at most GEMV_MAX_TOKENS tokens take `fused_moe_gemv` unless ATOM_MOE_GEMV=0 (W2 of
+# the Qwen3.5-35B-A3B-shaped hybrid on an H200: 3.193 ms/token with it, 5.269 without). Read once.
+MOE_GEMV = os.environ.get("ATOM_MOE_GEMV", "1") != "0"
 GEMV_MAX_TOKENS = 1
 
 
@@ -248,30 +250,41 @@ def _moe_gemv_down_kernel(
     w_stride_n,
     y_stride,
     TOP_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Program (token t, block of BLOCK_N hidden columns): the sum over t's TOP_K pairs of the
     pair's expert's down rows times inter[pair] scaled by the pair's routing weight, in one fp32
-    accumulator; writes y[t, cols] (no per-pair output, no separate sum)."""
+    accumulator; writes y[t, cols] (no per-pair output, no separate sum). One loop over (pair,
+    column block) steps whose addresses come from registers (the pairs' experts are loaded
+    once, before it), so the pipeliner keeps several steps' weight tiles in flight."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     kk = tl.arange(0, BLOCK_K)
+    jj = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + token * TOP_K + jj, mask=jj < TOP_K, other=0).to(tl.int64)
+    wts = tl.load(weights_ptr + token * TOP_K + jj, mask=jj < TOP_K, other=0.0)
+    rows = w_ptr + n.to(tl.int64)[:, None] * w_stride_n
+    steps = tl.cdiv(inter_size, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(weights_ptr + pair)
-        rows = w_ptr + expert * w_stride_e + n.to(tl.int64)[:, None] * w_stride_n
-        a_row = inter_ptr + pair * inter_stride
-        for k0 in range(0, inter_size, BLOCK_K):
-            k_ok = (k0 + kk) < inter_size
-            a = tl.load(a_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32) * weight
-            w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+    for it in range(0, TOP_K * steps):
+        j = it // steps
+        k0 = (it - j * steps) * BLOCK_K
+        expert = tl.sum(tl.where(jj == j, ids, 0), axis=0)
+        weight = tl.sum(tl.where(jj == j, wts, 0.0), axis=0)
+        k_ok = (k0 + kk) < inter_size
+        a_row = inter_ptr + (token * TOP_K + j) * inter_stride
+        a = tl.load(a_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32) * weight
+        w = tl.load(
+            rows + expert * w_stride_e + (k0 + kk)[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + token * y_stride + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -347,44 +360,131 @@ def fused_moe(
     return out_pairs.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 
 
+# Launch shapes of the pair GEMV: gate/up (BLOCK_N gate and as many up rows a program,
+# BLOCK_K columns a step, warps) and down (BLOCK_N hidden rows, BLOCK_K columns, warps). A
+# BLOCK_K as wide as the row loads a program's whole slice at once. On a GPU the first eager
+# call for a shape times every candidate on random routings (`tune_gemv_launch`); the
+# defaults serve CPU, the interpreter and a first call inside a graph capture.
+GATE_UP_CANDIDATES = ((4, 2048, 4), (4, 2048, 8), (8, 1024, 8), (8, 256, 8), (2, 2048, 4))
+DOWN_CANDIDATES = ((16, 512, 4), (8, 512, 4), (8, 512, 8), (32, 512, 8), (4, 512, 4))
+DEFAULT_LAUNCH = ((8, 256, 8), (16, 256, 4))
+_TUNED: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+
+
 def fused_moe_gemv(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_n: int = 8,
-    block_k: int = 256,
-    num_warps: int = 4,
+    gate_up: tuple[int, int, int] | None = None,
+    down: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """`fused_moe` for a few tokens, pair by pair (no sort): a gate/up launch of one program per
     (pair, block of intermediate columns) streaming its expert's gate and up rows, then a down
     launch of one program per (token, block of hidden columns) summing the token's pairs in one
     fp32 accumulator. Arithmetic: fp32 sums, SwiGLU in fp32 rounded to the dtype, each pair's
-    intermediate row scaled by its routing weight in fp32, the output rounded once."""
+    intermediate row scaled by its routing weight in fp32, the output rounded once.
+    `gate_up` / `down`: launch shapes (BLOCK_N, BLOCK_K, warps); default the tuned ones."""
     num_tokens, hidden = x.shape
-    inter = w2.shape[2]
     top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
+    if num_tokens * top_k == 0:
         return torch.zeros_like(x)
+    if gate_up is None or down is None:
+        tuned = launch_shapes(x, w13, w2, top_k)
+        gate_up, down = gate_up or tuned[0], down or tuned[1]
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
-    inter_buf = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    launch = pdl.options(x.device)
+    inter = _gemv_gate_up(x, w13, ids, top_k, gate_up)
+    return _gemv_down(inter, w2, ids, weights, num_tokens, top_k, down)
+
+
+def _gemv_gate_up(x, w13, ids, top_k, shape) -> torch.Tensor:
+    block_n, block_k, warps = shape
+    num_pairs, hidden, inter = ids.shape[0], x.shape[1], w13.shape[1] // 2
+    block_k = min(block_k, triton.next_power_of_2(hidden))
+    out = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _moe_gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-        x, w13, ids, inter_buf, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        inter_buf.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **launch,
+        x, w13, ids, out, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl.options(x.device),
     )  # fmt: skip
-    y = torch.empty_like(x)
-    down_k = min(block_k, triton.next_power_of_2(inter))
-    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, 2 * block_n))](
-        inter_buf, w2, ids, weights, y, hidden, inter, inter_buf.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), TOP_K=top_k, BLOCK_N=2 * block_n, BLOCK_K=down_k,
-        num_warps=num_warps, **launch,
+    return out
+
+
+def _gemv_down(inter, w2, ids, weights, num_tokens, top_k, shape) -> torch.Tensor:
+    block_n, block_k, warps = shape
+    hidden, inter_size = w2.shape[1], w2.shape[2]
+    block_k = min(block_k, triton.next_power_of_2(inter_size))
+    y = torch.empty((num_tokens, hidden), dtype=inter.dtype, device=inter.device)
+    _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        inter, w2, ids, weights, y, hidden, inter_size, inter.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), TOP_K=top_k, BLOCK_P=triton.next_power_of_2(top_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(inter.device),
     )  # fmt: skip
     return y
+
+
+def launch_shapes(x, w13, w2, top_k) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The pair GEMV's (gate_up, down) launch shapes for these weights: timed once per shape on
+    a GPU (not inside a graph capture, whose first call takes the defaults uncached)."""
+    key = (tuple(w13.shape), tuple(w2.shape), top_k, x.dtype, x.device)
+    if key in _TUNED:
+        return _TUNED[key]
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return DEFAULT_LAUNCH
+    _TUNED[key] = tune_gemv_launch(x, w13, w2, top_k)["best"]
+    return _TUNED[key]
+
+
+def tune_gemv_launch(x, w13, w2, top_k: int, routings: int = 32) -> dict:
+    """Time each candidate launch shape of the two pair-GEMV kernels on one token routed to
+    `routings` random expert sets (one CUDA graph each, so the weights stream from memory as in
+    a decode step, not from L2). Returns {"gate_up": {shape: us}, "down": {...}, "best": ...}."""
+    num_experts = w13.shape[0]
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    sets = [
+        torch.randperm(num_experts, generator=gen, device=x.device)[:top_k].to(torch.int32)
+        for _ in range(routings)
+    ]
+    weights = torch.full((top_k,), 1.0 / top_k, dtype=torch.float32, device=x.device)
+    row = x[:1]
+    inters = [_gemv_gate_up(row, w13, ids, top_k, DEFAULT_LAUNCH[0]) for ids in sets]
+    table: dict = {"gate_up": {}, "down": {}}
+    for shape in GATE_UP_CANDIDATES:
+        table["gate_up"][shape] = _graph_us(
+            lambda i, s=shape: _gemv_gate_up(row, w13, sets[i], top_k, s), routings
+        )
+    for shape in DOWN_CANDIDATES:
+        table["down"][shape] = _graph_us(
+            lambda i, s=shape: _gemv_down(inters[i], w2, sets[i], weights, 1, top_k, s), routings
+        )
+    table["best"] = tuple(min(table[k], key=table[k].get) for k in ("gate_up", "down"))
+    return table
+
+
+def _graph_us(fn, calls: int) -> float:
+    """Microseconds a call of `fn(i)`, i < calls, captured in one CUDA graph (best of 3)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)  # compile and warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    return best
 
 
 def moe_topk(

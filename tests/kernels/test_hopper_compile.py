@@ -108,8 +108,8 @@ SCRIPT = textwrap.dedent(
             except Exception as exc:
                 failed.append(f"{fn.__name__} head_dim={head_dim}: {exc}")
     moe_ptrs = {"ids_ptr": "*i32", "weights_ptr": "*fp32"}
-    for fn, consts in ((moe._moe_gemv_gate_up_kernel, dict(TOP_K=9, BLOCK_N=8, BLOCK_K=256)),
-                       (moe._moe_gemv_down_kernel, dict(TOP_K=9, BLOCK_N=16, BLOCK_K=256)),
+    for fn, consts in ((moe._moe_gemv_gate_up_kernel, dict(TOP_K=9, BLOCK_N=4, BLOCK_K=2048)),
+                       (moe._moe_gemv_down_kernel, dict(TOP_K=9, BLOCK_P=16, BLOCK_N=16, BLOCK_K=512)),
                        (moe._moe_topk_kernel, dict(TOP_K=8, RENORMALIZE=True, SHARED=True,
                                                    BLOCK_E=256))):
         try:

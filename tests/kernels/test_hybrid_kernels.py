@@ -188,7 +188,7 @@ def test_fused_moe_kernel_matches_reference(kernels, device, dtype, t, e, top_k)
 def test_fused_moe_gemv_matches_reference(kernels, device, dtype, t, e, top_k):
     """The pair GEMV path (no sort; blocks of output columns not dividing the sizes, a k loop
     with a ragged end) against the reference, alone and as `fused_moe` takes it for a
-    one-token step when ATOM_MOE_GEMV turns it on."""
+    one-token step (the default shapes: on CPU nothing is tuned)."""
     g = torch.Generator().manual_seed(27)
     h, inter = 72, 40
     x = torch.randn(t, h, generator=g).to(dtype).to(device)
@@ -198,8 +198,9 @@ def test_fused_moe_gemv_matches_reference(kernels, device, dtype, t, e, top_k):
     weights, ids = weights.to(device), ids.to(device)
     want = reference.fused_moe(x, w13, w2, weights, ids)
     moe = kernels["moe"]
-    got = moe.fused_moe_gemv(x, w13, w2, weights, ids, block_n=16, block_k=32)
+    got = moe.fused_moe_gemv(x, w13, w2, weights, ids, gate_up=(16, 32, 4), down=(16, 32, 4))
     torch.testing.assert_close(got, want, **TOL[dtype])
+    assert moe.launch_shapes(x, w13, w2, top_k) == moe.DEFAULT_LAUNCH and not moe._TUNED
     if t <= moe.GEMV_MAX_TOKENS:
         calls = []
         real = moe.fused_moe_gemv
