@@ -171,7 +171,10 @@ def _moe_topk_kernel(
     ).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
-    left = probs
+    # A row of NaN or infinite logits (a padded row of a captured batch) still gets TOP_K
+    # distinct valid experts: its NaN probabilities count as 0, so the lowest indices win.
+    probs = tl.where(probs == probs, probs, 0.0)
+    left = tl.where(e < num_experts, probs, -1.0)
     total = tl.sum(tl.zeros([BLOCK_E], dtype=tl.float32), axis=0)
     chosen = tl.zeros([BLOCK_E], dtype=tl.int32)  # the rank + 1 at which each expert was taken
     for j in tl.static_range(TOP_K):

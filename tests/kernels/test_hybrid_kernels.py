@@ -228,6 +228,22 @@ def test_moe_topk_kernel_matches_reference(kernels, device, t, e, top_k, renorma
         assert (got_ids[:, -1] == e).all()
 
 
+def test_moe_topk_kernel_gives_valid_experts_for_nan_and_inf_rows(kernels, device):
+    """A padded row of a captured batch may hold garbage: its experts must still be valid,
+    distinct indices (the sort that follows indexes with them), every column written."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [[nan] * 6, [inf, 0.0, inf, 1.0, 0.0, 0.0], [-inf] * 6, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]],
+        device=device,
+    )
+    for shared in (False, True):
+        _, ids = kernels["moe"].moe_topk(logits, 3, True, shared)
+        routed = ids[:, :3].cpu()
+        assert ((routed >= 0) & (routed < 6 - shared)).all(), routed
+        assert all(len(set(r.tolist())) == 3 for r in routed)
+        assert routed[3].tolist() == ([5, 4, 3] if not shared else [4, 3, 2])
+
+
 def test_moe_topk_kernel_takes_the_lowest_index_among_equals(kernels, device):
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]], device=device)
     weights, ids = kernels["moe"].moe_topk(logits.to(torch.float16), 2, True)
