@@ -24,12 +24,6 @@ SHAPES = {
 SETS = 64
 
 
-def _graph_time_us(fn, sets: int) -> float:
-    from atom_kernels import moe
-
-    return moe._graph_us(fn, sets)
-
-
 def sweep(name: str) -> list[dict]:
     """The router kernel, then every launch-shape candidate of the two pair-GEMV kernels as the
     engine's start-up times them (`moe.tune_gemv_launch`), on 64 random routings."""
@@ -43,7 +37,7 @@ def sweep(name: str) -> list[dict]:
     w2 = torch.randn(e + 1, h, inter, **kw) / inter**0.5
     logits = [torch.randn(1, e + 1, **kw) for _ in range(SETS)]
     rows = []
-    us = _graph_time_us(lambda i: moe.moe_topk(logits[i], k, True, True), SETS)
+    us = moe.graph_call_us(lambda i: moe.moe_topk(logits[i], k, True, True), SETS)
     rows.append({"model": name, "kernel": "moe_topk", "us": round(us, 2)})
     table = moe.tune_gemv_launch(x, w13, w2, k + 1, routings=SETS)
     sizes = {"gate_up": 2 * inter * h * 2 * (k + 1), "down": inter * h * 2 * (k + 1)}

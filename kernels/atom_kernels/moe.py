@@ -455,18 +455,18 @@ def tune_gemv_launch(x, w13, w2, top_k: int, routings: int = 32) -> dict:
     inters = [_gemv_gate_up(row, w13, ids, top_k, DEFAULT_LAUNCH[0]) for ids in sets]
     table: dict = {"gate_up": {}, "down": {}}
     for shape in GATE_UP_CANDIDATES:
-        table["gate_up"][shape] = _graph_us(
+        table["gate_up"][shape] = graph_call_us(
             lambda i, s=shape: _gemv_gate_up(row, w13, sets[i], top_k, s), routings
         )
     for shape in DOWN_CANDIDATES:
-        table["down"][shape] = _graph_us(
+        table["down"][shape] = graph_call_us(
             lambda i, s=shape: _gemv_down(inters[i], w2, sets[i], weights, 1, top_k, s), routings
         )
     table["best"] = tuple(min(table[k], key=table[k].get) for k in ("gate_up", "down"))
     return table
 
 
-def _graph_us(fn, calls: int) -> float:
+def graph_call_us(fn, calls: int) -> float:
     """Microseconds a call of `fn(i)`, i < calls, captured in one CUDA graph (best of 3)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
