@@ -229,6 +229,35 @@ def test_multimodal_sharded_checkpoint_loads_the_language_model(tiny_hybrid_mode
     assert got == want
 
 
+def test_stacked_shared_expert_loads_whole_or_the_start_names_what_is_missing(
+    tiny_hybrid_models, tmp_path
+):
+    """qwen3_next's shared expert is as wide as a routed one, so the engine stacks it after the
+    experts with its gate as the router's last row; a checkpoint without one of those tensors
+    is refused naming it (its parameters count as loaded after any one of their parts)."""
+    import shutil
+
+    src = tiny_hybrid_models["qwen3_next"]
+    llm = LLM(str(src), dtype="float32", num_gpu_blocks_override=32)
+    try:
+        moe = llm.engine.executor.model.model.layers[0].mlp
+        assert moe.stacked_shared and moe.shared_expert is None
+        assert moe.w13.shape[0] == moe.num_experts + 1 == moe.gate.weight.shape[0]
+    finally:
+        llm.shutdown()
+    for file in src.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, tmp_path / file.name)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    gone = "model.layers.2.mlp.shared_expert_gate.weight"
+    del tensors[gone]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="checkpoint is missing tensors") as exc:
+        LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=32)
+    assert gone in str(exc.value)
+
+
 # -- state slots -------------------------------------------------------------------------------------
 
 

@@ -281,6 +281,9 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = LinearBase(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # Checkpoint tensors that fill parts of the stacked parameters (a missing one would
+        # leave its slot unset behind a parameter that counts as loaded).
+        self.stacked_loaded: set[str] = set()
 
     def load_experts(self, name: str, loaded) -> None:
         """`gate_up_proj` / `down_proj` (all experts fused) or `{e}.{gate,up,down}_proj.weight`."""
@@ -304,6 +307,7 @@ class SparseMoE(nn.Module):
         `shared_expert_gate.weight`) and the router (`gate.weight`, rows [0, E)); returns the
         parameter loaded."""
         e = self.num_experts
+        self.stacked_loaded.add(name)
         if name == "gate.weight":
             copy_weight(self.gate.weight.data[:e], loaded)
             return "gate.weight"
@@ -315,6 +319,14 @@ class SparseMoE(nn.Module):
             raise ValueError(f"mlp.{name}: not a tensor of this layer's MoE")
         self._load_expert(e, m.group(1), loaded)
         return "w2" if m.group(1) == "down_proj" else "w13"
+
+    STACKED_TENSORS = (
+        "gate.weight",
+        "shared_expert_gate.weight",
+        "shared_expert.gate_proj.weight",
+        "shared_expert.up_proj.weight",
+        "shared_expert.down_proj.weight",
+    )
 
     def _load_expert(self, e: int, which: str, loaded) -> None:
         """One expert's gate, up or down projection into slot e (this rank's columns)."""
@@ -401,6 +413,21 @@ class Qwen3NextForCausalLM(CausalLM):
         if name.startswith(_SKIPPED):
             return None
         return super().checkpoint_name(name)
+
+    def load_weights(self, weights) -> set[str]:
+        """The common loader, then a check that every stacked shared expert got its router rows
+        and all of its tensors (their parameters count as loaded after any one of them)."""
+        loaded = super().load_weights(weights)
+        missing = [
+            f"{name}.{tensor}"
+            for name, module in self.named_modules()
+            if isinstance(module, SparseMoE) and module.stacked_shared
+            for tensor in SparseMoE.STACKED_TENSORS
+            if tensor not in module.stacked_loaded
+        ]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+        return loaded
 
     def load_special(self, name: str, tensor) -> str | None:
         """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
