@@ -36,7 +36,9 @@
 #   moegemv (the MoE pair GEMV's GPU test; W2 of the 35B-A3B MoE hybrid with it off and on; a
 #   trace of its batch-1 step with it on)  w1hybrid (W1 of both hybrids with the peer and bound)
 #   moe2 (the router kernel and the stacked shared expert: GPU tests, W2 and W1 of the 35B MoE)
-#   moe3 (the pair GEMV's launch shapes timed at start-up: GPU tests, the table, W2, a trace)
+#   moe3 (the pair GEMV's launch shapes timed at start-up: GPU tests, the table, both MoE paths
+#   at MOE_TOKENS step sizes, W2, a trace)  hybridgpu (hybrid GPU tests from a cold cache)
+#   w1ckpt (the dense hybrid's W1 with state checkpoints off and on)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -45,12 +47,11 @@
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
 # What the next session with device time should run first:
-#   densecheck (the dense prefill's GPU tests on the default-by-head-width code, not yet run on a
-#   GPU)  |  w3dense (W3 with ATOM_DENSE_PREFILL=1 against 0: whether narrow heads can take the
-#   path by default)  |  densettft with TTFT_MODELS=benchmarks/configs/qwen3.5-4b (the hybrid's
-#   TTFT with the path on and off, not yet measured)  |  w1heads (whether running a sequence's KV
-#   heads together lifts W1's decode attention from ~79% of the copy ceiling)  |  moegemv (the
-#   MoE hybrid's batch-1 step, 7.7 ms/token at 6.2x its bound when last measured)
+#   hybridgpu (the hybrid GPU engine tests with the Triton cache and tiny models cleared: the
+#   router kernel's NaN-row fix has not run on a GPU; these tests failed without it)  |  moe3
+#   (the MoE kernels' GPU tests, the launch-shape table, both MoE paths at 1-8 tokens, W2 of the
+#   35B-A3B hybrid)  |  w1ckpt (the dense hybrid's W1 with state checkpoints off and on: W1 fell
+#   from 11,028 to 9,115 tok/s since 2026-12-01)  |  w1heads (decode attention grid order for W1)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
@@ -338,9 +339,18 @@ for stage in ${*:-tests bench kernels peer}; do
       # The pair GEMV with its launch shapes timed at start-up and down summing a token's pairs
       # in one pipelined loop, on by default: GPU tests, the shapes' table, W2 and a trace.
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hybrid_kernels_gpu.py -k "moe" 2>&1 | tail -2
-      timeout 100 python3 benchmarks/moe_gemv_sweep.py --out "$OUT/json/moe_gemv_sweep3.json" 2>&1 | grep -v -i warn | tail -24
+      timeout 150 python3 benchmarks/moe_gemv_sweep.py --tokens ${MOE_TOKENS:-1,2,4,8} --out "$OUT/json/moe_gemv_sweep3.json" 2>&1 | grep -v -i warn | tail -${SWEEP_LINES:-40}
       timeout 150 python3 -m atom_runtime bench latency --load-format dummy --model benchmarks/configs/qwen3.5-35b-a3b --output-json "$OUT/json/w2_35b_moe3.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300
       timeout 110 python3 benchmarks/trace_decode.py --model benchmarks/configs/qwen3.5-35b-a3b --out "$OUT/json/trace_35b_moe3.json" 2>&1 | grep -v -i warn | head -${TOP:-14} ;;
+    hybridgpu)
+      # The hybrid GPU engine tests from cold: no Triton cache, tiny models built afresh.
+      rm -rf ~/.triton/cache
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_gpu.py tests/kernels/test_hybrid_kernels_gpu.py --tb=short 2>&1 | grep -E "^E |passed|failed" | head -20 | cut -c1-240 ;;
+    w1ckpt)
+      # The dense hybrid's W1 with state checkpoints off (interval 0) and at the default (-1).
+      for iv in 0 -1; do
+        timeout 150 python3 -m atom_runtime bench throughput --load-format dummy --model $H4 --state-checkpoint-interval-tokens $iv --output-json "$OUT/json/w1_h4_ckpt$iv.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      done ;;
     w1hybrid)
       # Issue 14 item 7: W1 of both hybrids against transformers, with the bandwidth bound.
       timeout 280 python3 -m atom_runtime bench throughput --load-format dummy --model $H4 --peer transformers --peer-num-prompts 16 --peer-batch-size 16 --output-json "$OUT/json/w1_h4.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
