@@ -107,16 +107,21 @@ def peak_bandwidth(device: torch.device) -> float | None:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
     """Bytes/s of a device-to-device copy (read + write), best of `repeats`. On a GPU the size
-    shrinks to a quarter of the free memory if 1 GiB does not fit twice; on CPU to 256 MiB."""
+    shrinks to a quarter of the free memory if 1 GiB does not fit twice; on CPU to 256 MiB.
+    None when not even two buffers of 1 MiB fit (the engine holds the memory): no copy figure,
+    rather than a benchmark that fails after its run."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         nbytes = max(1 << 20, min(nbytes, free // 4))
     else:
         nbytes = min(nbytes, 1 << 28)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+    except torch.OutOfMemoryError:
+        return None
     dst.copy_(src)  # warm-up: first touch, lazy allocation
     best = float("inf")
     for _ in range(repeats):

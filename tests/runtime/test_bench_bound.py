@@ -109,3 +109,22 @@ def test_copy_bandwidth_and_peak_on_this_device():
     device = torch.device("cpu")
     assert bench_bound.peak_bandwidth(device) is None
     assert bench_bound.copy_bandwidth(device, nbytes=1 << 24, repeats=2) > 1e8  # > 0.1 GB/s
+
+
+def test_no_room_for_the_copy_leaves_out_its_figure(monkeypatch):
+    """An engine that holds the whole GPU leaves no room for the copy's buffers: the bound is
+    reported at the peak alone, and the benchmark still writes its result."""
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", full)
+    assert bench_bound.copy_bandwidth(torch.device("cpu")) is None
+    monkeypatch.undo()
+    db = DecodeBytes(10**6, 0, 0, 0, 0, 100, 0)
+    line = bench_bound.describe(
+        "latency",
+        {"peak": {"bandwidth_GBps": 4800.0, "bound": bench_bound.w2_bound_ms(db, 8, 5, 4.8e12),
+                  "atom_share_of_bound": 0.5}},
+    )  # fmt: skip
+    assert line.startswith("bound W2:") and "(peak)" in line and "copy" not in line
