@@ -41,13 +41,14 @@ def sweep(name: str) -> list[dict]:
     rows.append({"model": name, "kernel": "moe_topk", "us": round(us, 2)})
     table = moe.tune_gemv_launch(x, w13, w2, k + 1, routings=SETS)
     sizes = {"gate_up": 2 * inter * h * 2 * (k + 1), "down": inter * h * 2 * (k + 1)}
+    best = dict(zip(("gate_up", "down"), table["best"], strict=True))
     for kernel in ("gate_up", "down"):
         for (block_n, block_k, warps), us in table[kernel].items():
             rows.append({
                 "model": name, "kernel": kernel, "block_n": block_n, "block_k": block_k,
                 "warps": warps, "us": round(us, 2),
                 "GB_per_s": round(sizes[kernel] / us / 1e3, 1),
-                "best": (block_n, block_k, warps) == table["best"][kernel == "down"],
+                "best": (block_n, block_k, warps) == best[kernel],
             })  # fmt: skip
     return rows
 

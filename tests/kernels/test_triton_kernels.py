@@ -61,6 +61,25 @@ DECODE_CASES = [
 ]
 
 
+def _decode_args(
+    device, seed, seq_lens, num_heads, num_kv_heads, block_size, scale, head_dim=32,
+    dtype=torch.float32,
+):  # fmt: skip
+    """paged_attention_decode's positional arguments for a paged case of `seq_lens` (the cache
+    drawn first, then q, from one generator seeded `seed`)."""
+    g = torch.Generator().manual_seed(seed)
+    case = _to(
+        make_paged_case(
+            seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+            dtype=dtype, generator=g,
+        ),
+        device,
+    )  # fmt: skip
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, case.k_cache, case.v_cache, case.block_tables, lens, scale
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "block_size", "head_dim", "num_splits", "block_n"), DECODE_CASES
@@ -68,24 +87,12 @@ DECODE_CASES = [
 def test_decode_matches_reference(
     kernels, device, dtype, num_heads, num_kv_heads, block_size, head_dim, num_splits, block_n
 ):
-    g = torch.Generator().manual_seed(11)
     # Lengths: one token, exactly one block, one past a block, empty (padded graph row),
     # several blocks ending mid-block.
     seq_lens = [1, block_size, block_size + 1, 0, 3 * block_size - 5]
-    case = _to(
-        make_paged_case(
-            seq_lens,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
-            dtype=dtype,
-            generator=g,
-        ),
-        device,
+    args = _decode_args(
+        device, 11, seq_lens, num_heads, num_kv_heads, block_size, head_dim**-0.5, head_dim, dtype
     )
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype).to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, head_dim**-0.5)
     want = reference.paged_attention_decode(*args)
     got = kernels["decode_attention"].paged_attention_decode(
         *args, num_splits=num_splits, block_n=block_n
@@ -97,22 +104,12 @@ def test_decode_matches_reference(
 def test_decode_split_count_never_changes_the_result(kernels, device):
     """Splits that start past a sequence's end and uneven last splits merge correctly, and so
     do more live splits than the merge reads at a time (300 tokens in 16-token splits: 19)."""
-    g = torch.Generator().manual_seed(12)
-    seq_lens = [97, 5, 0, 64, 300]
-    case = _to(
-        make_paged_case(
-            seq_lens, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32, generator=g
-        ),
-        device,
-    )
-    q = torch.randn(5, 4, 32, generator=g).to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, 0.17)
+    args = _decode_args(device, 12, [97, 5, 0, 64, 300], 4, 2, 8, 0.17)
     want = reference.paged_attention_decode(*args)
     decode = kernels["decode_attention"].paged_attention_decode
     for splits in (1, 2, 5, 7, 12, 20):
         torch.testing.assert_close(
-            decode(*args, num_splits=splits, block_n=16), want, **TOL[q.dtype]
+            decode(*args, num_splits=splits, block_n=16), want, **TOL[args[0].dtype]
         )
 
 
@@ -120,22 +117,12 @@ def test_decode_split_count_never_changes_the_result(kernels, device):
 def test_decode_grid_order_never_changes_the_result(kernels, device, splits):
     """The grid with a sequence's KV heads fastest (`heads_fastest=True`) gives the output of the
     default order, split or not (GQA group 2, an empty row, lengths across pages)."""
-    g = torch.Generator().manual_seed(13)
-    seq_lens = [33, 0, 70, 16]
-    case = _to(
-        make_paged_case(
-            seq_lens, num_kv_heads=3, head_dim=32, block_size=16, dtype=torch.float32, generator=g
-        ),
-        device,
-    )
-    q = torch.randn(4, 6, 32, generator=g).to(device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, 0.2)
+    args = _decode_args(device, 13, [33, 0, 70, 16], 6, 3, 16, 0.2)
     decode = kernels["decode_attention"].paged_attention_decode
     want = reference.paged_attention_decode(*args)
     by_seq = decode(*args, num_splits=splits, block_n=16, heads_fastest=False)
     by_head = decode(*args, num_splits=splits, block_n=16, heads_fastest=True)
-    torch.testing.assert_close(by_head, want, **TOL[q.dtype])
+    torch.testing.assert_close(by_head, want, **TOL[args[0].dtype])
     torch.testing.assert_close(by_head, by_seq, atol=0, rtol=0)
 
 

@@ -263,6 +263,15 @@ class SparseMoE(nn.Module):
     call then serve both, and one all-reduce under TP. A narrower or wider one stays a
     DenseMLP beside the experts."""
 
+    # The checkpoint tensors a stacked shared expert is built from (per MoE layer, under mlp.).
+    STACKED_TENSORS = (
+        "gate.weight",
+        "shared_expert_gate.weight",
+        "shared_expert.gate_proj.weight",
+        "shared_expert.up_proj.weight",
+        "shared_expert.down_proj.weight",
+    )
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, h = cfg.num_experts, cfg.hidden_size
@@ -319,14 +328,6 @@ class SparseMoE(nn.Module):
             raise ValueError(f"mlp.{name}: not a tensor of this layer's MoE")
         self._load_expert(e, m.group(1), loaded)
         return "w2" if m.group(1) == "down_proj" else "w13"
-
-    STACKED_TENSORS = (
-        "gate.weight",
-        "shared_expert_gate.weight",
-        "shared_expert.gate_proj.weight",
-        "shared_expert.up_proj.weight",
-        "shared_expert.down_proj.weight",
-    )
 
     def _load_expert(self, e: int, which: str, loaded) -> None:
         """One expert's gate, up or down projection into slot e (this rank's columns)."""
