@@ -28,6 +28,7 @@ import functools
 import itertools
 import json
 import platform
+import random
 import sys
 import time
 
@@ -60,13 +61,20 @@ def _time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def _paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype):
-    """A cache with each sequence's blocks scattered at random, as after hours of serving."""
+def _paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, heads_outer=False):
+    """A cache with each sequence's blocks scattered at random, as after hours of serving.
+    `heads_outer`: a block's memory holds each head's tokens together ([blocks, heads, page,
+    dim]), returned as the usual [blocks, page, heads, dim] view with strides to match."""
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, dtype=dtype, device="cuda")
-    v_cache = torch.randn(shape, dtype=dtype, device="cuda")
+    if heads_outer:
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        k_cache = torch.randn(shape, dtype=dtype, device="cuda").transpose(1, 2)
+        v_cache = torch.randn(shape, dtype=dtype, device="cuda").transpose(1, 2)
+    else:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_cache = torch.randn(shape, dtype=dtype, device="cuda")
+        v_cache = torch.randn(shape, dtype=dtype, device="cuda")
     order = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device="cuda")
     at = 0
@@ -249,6 +257,112 @@ def sweep_decode_w1() -> list[dict]:
                  "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
                  "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
             )  # fmt: skip
+    return rows
+
+
+def sweep_decode_w1_balance() -> list[dict]:
+    """W1's decode attention with W1's own spread of contexts (prompts of 100-1,024 tokens plus
+    0, 256 or 511 generated), by the order programs meet the sequences and by split count: as
+    the batch comes, longest context first (what a per-step order would give), KV heads
+    fastest, and 2-8 splits. The question: how much of the gap to the copy ceiling is the
+    tail of a wave of unequal programs."""
+    from atom_kernels import decode_attention
+
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
+    dtype = torch.bfloat16
+    rng = random.Random(0)
+    prompts = [rng.randint(100, 1024) for _ in range(256)]
+    read_ms = None
+    rows = []
+    for generated, layout, page in itertools.product((0, 256, 511), ("NHD", "HND"), (16, 32)):
+        if layout == "NHD" and page == 32:
+            continue
+        seq_lens = [p + generated for p in prompts]
+        k_cache, v_cache, tables = _paged_cache(
+            seq_lens, num_kv_heads, head_dim, page, dtype, heads_outer=layout == "HND"
+        )
+        if read_ms is None:
+            flat = k_cache.reshape(-1)
+            read_ms = _time_ms(functools.partial(torch.mul, flat, 2.0, out=torch.empty_like(flat)))
+            rows.append({"op": "decode-w1bal", "variant": "k_cache * 2 (read + write)",
+                         "ms": round(read_ms, 4),
+                         "GB_per_s": round(2 * flat.numel() * 2 / (read_ms * 1e-3) / 1e9, 1)})  # fmt: skip
+            del flat
+        q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        longest_first = torch.argsort(lens, descending=True)
+        kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+        for order in ("batch", "longest first"):
+            idx = (
+                longest_first
+                if order == "longest first"
+                else torch.arange(len(seq_lens), device="cuda")
+            )
+            q_o, tables_o, lens_o = (
+                q[idx].contiguous(),
+                tables[idx].contiguous(),
+                lens[idx].contiguous(),
+            )
+            for heads_fastest in (False, True):
+                for splits in (1, 2, 4):
+                    if splits > 1 and (heads_fastest or layout == "HND" or order == "batch"):
+                        continue
+                    ms = _time_ms(
+                        functools.partial(
+                            decode_attention.paged_attention_decode,
+                            q_o, k_cache, v_cache, tables_o, lens_o, 0.1, num_splits=splits,
+                            heads_fastest=heads_fastest,
+                        )
+                    )  # fmt: skip
+                    rows.append(
+                        {"op": "decode-w1bal", "generated": generated, "layout": layout,
+                         "page": page, "variant": order, "heads_fastest": heads_fastest, "splits": splits, "ms": round(ms, 4),
+                         "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
+                    )  # fmt: skip
+        del k_cache, v_cache, tables, q_o, tables_o
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode_w1_launch() -> list[dict]:
+    """W1's decode attention (W1's spread of contexts, 0 and 256 generated, as batched and
+    longest first) by launch settings: BLOCK_N, warps and stages decide how many programs an
+    SM holds at once, and so how much of one program's start (its first loads' round trips)
+    the others' streaming hides."""
+    from atom_kernels import decode_attention
+
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
+    dtype = torch.bfloat16
+    rng = random.Random(0)
+    prompts = [rng.randint(100, 1024) for _ in range(256)]
+    settings = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 2, 3), (32, 2, 4),
+                (16, 2, 4), (16, 1, 4), (64, 8, 2), (128, 8, 2))  # fmt: skip
+    rows = []
+    for generated in (0, 256):
+        seq_lens = [p + generated for p in prompts]
+        k_cache, v_cache, tables = _paged_cache(seq_lens, num_kv_heads, head_dim, 16, dtype)
+        q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        idx = torch.argsort(lens, descending=True)
+        kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+        for order in ("batch", "longest first"):
+            args = (q, tables, lens) if order == "batch" else (q[idx], tables[idx], lens[idx])
+            q_o, tables_o, lens_o = (t.contiguous() for t in args)
+            for block_n, warps, stages in settings:
+                ms = _time_ms(
+                    functools.partial(
+                        decode_attention.paged_attention_decode,
+                        q_o, k_cache, v_cache, tables_o, lens_o, 0.1, num_splits=1,
+                        block_n=block_n, num_warps=warps, num_stages=stages,
+                    )
+                )  # fmt: skip
+                rows.append(
+                    {"op": "decode-w1launch", "generated": generated, "variant": order,
+                     "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
+                     "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
+                )  # fmt: skip
+        del k_cache, v_cache, tables
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -446,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         nargs="?",
         const="all",
-        choices=("all", "decode", "prefill", "w1"),
-        help="also sweep launch settings (decode, prefill, all, or w1: W1's decode attention)",
+        choices=("all", "decode", "prefill", "w1", "w1bal", "w1launch"),
+        help="also sweep launch settings (decode, prefill, all, w1: W1's decode attention, or "
+        "w1bal: W1's decode attention by program order and split count, w1launch: by launch "
+        "settings)",
     )
     parser.add_argument(
         "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
@@ -469,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep in ("all", "decode", "w1"):
         sweep_rows += sweep_decode_w1()
         _print_table([r for r in sweep_rows if r["op"] == "decode-w1"])
+    if args.sweep == "w1bal":
+        sweep_rows += sweep_decode_w1_balance()
+        _print_table([r for r in sweep_rows if r["op"] == "decode-w1bal"])
+    if args.sweep == "w1launch":
+        sweep_rows += sweep_decode_w1_launch()
+        _print_table([r for r in sweep_rows if r["op"] == "decode-w1launch"])
     if args.sweep in ("all", "prefill"):
         prefill_sweep = sweep_prefill(args.sweep_budget_s)
         sweep_rows += prefill_sweep

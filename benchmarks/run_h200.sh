@@ -39,6 +39,10 @@
 #   moe3 (the pair GEMV's launch shapes timed at start-up: GPU tests, the table, both MoE paths
 #   at MOE_TOKENS step sizes, W2, a trace)  hybridgpu (hybrid GPU tests from a cold cache)
 #   w1ckpt (the dense hybrid's W1 with state checkpoints off and on)
+#   w1bal (W1's decode attention by program order, grid order, split count and cache layout)
+#   w1order (W1 with the decode grid's KV heads fastest off and on)
+#   w1launch (W1's decode attention by launch settings)
+#   w1pack (two KV heads a decode program: GPU tests, kernel, W1 and W2 off and on)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -361,6 +365,27 @@ for stage in ${*:-tests bench kernels peer}; do
       timeout 200 python3 benchmarks/kernels_bench.py --sweep w1 --sweep-only --out "$OUT/json/decode_w1.json" 2>&1 | grep -v -i warn | tail -16
       atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_default.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
       ATOM_DECODE_HEADS_FASTEST=1 atom bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_heads_fastest.json" 2>&1 | grep -i "W1\|error" | cut -c1-300 ;;
+    w1bal)
+      # W1's decode attention over W1's spread of contexts, by program order (as batched, longest
+      # first), grid order and split count: how much of its gap to the copy ceiling is the tail.
+      timeout 200 python3 benchmarks/kernels_bench.py --sweep w1bal --sweep-only --out "$OUT/json/decode_w1bal.json" 2>&1 | grep -v -i warn | tail -${SWEEP_LINES:-40} ;;
+    w1launch)
+      # W1's decode attention over W1's spread of contexts by launch settings (programs an SM holds).
+      timeout 200 python3 benchmarks/kernels_bench.py --sweep w1launch --sweep-only --out "$OUT/json/decode_w1launch.json" 2>&1 | grep -v -i warn | tail -${SWEEP_LINES:-45} ;;
+    w1pack)
+      # Two KV heads a decode program at large batch: the decode GPU tests, the kernel against one
+      # head a program on W1's contexts, W1 and W2 (0.6B) with it off and on, same call.
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py -k decode 2>&1 | tail -2
+      timeout 100 python3 benchmarks/decode_packed_proto.py --out "$OUT/json/decode_packed.json" 2>&1 | grep -v -i "warn\|check" | grep "engine\|packed 2"
+      for on in 0 1; do
+        ATOM_DECODE_PACK_HEADS=$on timeout 120 python3 -m atom_runtime bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_pack$on.json" 2>&1 | grep -i "W1:\|error" | cut -c1-300
+      done
+      ATOM_DECODE_PACK_HEADS=1 timeout 100 python3 -m atom_runtime bench latency --load-format dummy --model $Q3 --output-json "$OUT/json/w2_q3_pack.json" 2>&1 | grep -i "W2:\|error" | cut -c1-300 ;;
+    w1order)
+      # W1 of Qwen3-0.6B with the decode grid's KV heads fastest off and on, same call.
+      for hf in 0 1; do
+        ATOM_DECODE_HEADS_FASTEST=$hf timeout 150 python3 -m atom_runtime bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_heads_fastest$hf.json" 2>&1 | grep -i "W1\|error" | cut -c1-300
+      done ;;
     w3dense)
       # W3 with the dense prefill path forced on for Qwen3-0.6B's narrow heads and off, same call:
       # its cold runs are fresh 8k-token prompts, which the dense path speeds up.

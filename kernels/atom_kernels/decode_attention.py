@@ -15,6 +15,11 @@ max_blocks_per_seq) and the device, never on context_lens values, so a CUDA grap
 captured once stays valid. Each sequence cuts its own context into that many ranges on the
 device (a multiple of BLOCK_N tokens each), so a short context still spreads over several
 programs instead of landing whole in the first split; splits past its end do no work.
+
+Heads a program (HEADS, `decode_heads_per_program`): at large batch one program may attend for
+two KV heads, reading each token's K/V for both as one contiguous run. Its query tile is then
+block-diagonal (each query head's vector sits in its KV head's columns, zeros elsewhere), so
+one dot still gives every row its own head's scores and P @ V its own head's output.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ _MERGE_SPLITS = 8
 # attention reads K/V at ~79% of the copy ceiling. Off until `kernels_bench.py --sweep` and W1
 # measure it on a GPU (`run_h200.sh w1heads`). Read once at import.
 HEADS_FASTEST = os.environ.get("ATOM_DECODE_HEADS_FASTEST", "0") == "1"
+# Two KV heads a program at large batch (`decode_heads_per_program`); ATOM_DECODE_PACK_HEADS=0
+# keeps one (for A/B runs). Read once at import.
+PACK_HEADS = os.environ.get("ATOM_DECODE_PACK_HEADS", "1") != "0"
 
 
 @triton.jit
@@ -74,16 +82,17 @@ def _decode_split_kernel(
     IEEE_DOT: tl.constexpr,
     HEADS_FASTEST: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    HEADS: tl.constexpr = 1,
 ):
     wait_for_inputs(PDL)
     if HEADS_FASTEST:  # grid (kv head, sequence, split): a sequence's heads launch together
-        kv_head = tl.program_id(0)
+        kv_base = tl.program_id(0) * HEADS
         seq = tl.program_id(1)
-        num_heads = tl.num_programs(0) * GROUP
+        num_heads = tl.num_programs(0) * HEADS * GROUP
     else:
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        num_heads = tl.num_programs(1) * GROUP
+        kv_base = tl.program_id(1) * HEADS
+        num_heads = tl.num_programs(1) * HEADS * GROUP
     split = tl.program_id(2)
 
     ctx = tl.load(context_lens_ptr + seq)
@@ -93,31 +102,42 @@ def _decode_split_kernel(
 
     # A split past this sequence's context writes nothing (the merge never reads it).
     if (start < ctx) | (NUM_SPLITS == 1):
-        offs_g = tl.arange(0, BLOCK_G)
+        # Rows: the GROUP query heads of each of the program's HEADS KV heads. Columns: those
+        # KV heads' dims side by side (HEADS x BLOCK_D), one contiguous run of the cache row.
+        # The query tile is block-diagonal, so one dot gives each row its own head's scores
+        # and P @ V its own head's output in its head's columns (the rest is never stored).
+        offs_r = tl.arange(0, BLOCK_G)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_mask = offs_g < GROUP
-        d_mask = offs_d < HEAD_DIM
-        heads = kv_head * GROUP + offs_g
+        offs_c = tl.arange(0, HEADS * BLOCK_D)
+        col_head = offs_c // BLOCK_D
+        col_dim = offs_c % BLOCK_D
+        d_mask = col_dim < HEAD_DIM
+        heads = kv_base * GROUP + offs_r
+        r_mask = offs_r < HEADS * GROUP
+        mine = r_mask[:, None] & ((offs_r // GROUP)[:, None] == col_head[None, :]) & d_mask[None, :]
 
         q_ptrs = (
-            q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
+            q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + col_dim[None, :]
         )
-        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(q_ptrs, mask=mine, other=0.0)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, HEADS * BLOCK_D], dtype=tl.float32)
 
         bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
-        head_off = kv_head.to(tl.int64) * cache_stride_h
+        col_off = (kv_base + col_head).to(tl.int64) * cache_stride_h + col_dim
         for tile in range(start, end, BLOCK_N):
             pos = tile + offs_n
             valid = pos < end
             block = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off + head_off
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            rows = block * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
+            kv_ptrs = rows[:, None] + col_off[None, :]
+            if BLOCK_D == HEAD_DIM:  # a mask constant along the columns keeps loads vectorised
+                kv_mask = valid[:, None]
+            else:
+                kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
             if IEEE_DOT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -128,7 +148,7 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -136,7 +156,6 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        store_mask = g_mask[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
             # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
             denom = tl.where(l_i > 0, l_i, 1.0)
@@ -145,16 +164,16 @@ def _decode_split_kernel(
                 out_ptr
                 + seq.to(tl.int64) * out_stride_b
                 + heads[:, None] * out_stride_h
-                + offs_d[None, :]
+                + col_dim[None, :]
             )
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mine)
         else:
             # Partial buffers are [B, num_heads, NUM_SPLITS(, HEAD_DIM)], contiguous.
             row = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-            tl.store(part_max_ptr + row, m_i, mask=g_mask)
-            tl.store(part_sum_ptr + row, l_i, mask=g_mask)
-            acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(acc_ptrs, acc, mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(part_max_ptr + row, m_i, mask=r_mask)
+            tl.store(part_sum_ptr + row, l_i, mask=r_mask)
+            acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + col_dim[None, :]
+            tl.store(acc_ptrs, acc, mask=mine)
 
 
 @triton.jit
@@ -231,6 +250,27 @@ def choose_num_splits(
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
+def decode_heads_per_program(
+    batch: int, num_kv_heads: int, group: int, head_dim: int, num_splits: int,
+    num_multiprocessors: int,
+) -> int:  # fmt: skip
+    """KV heads one program attends for (1 or 2), from shapes and the device only.
+
+    Two when an unsplit launch would still have at least 4 programs per multiprocessor with
+    them: each program then reads 512 contiguous bytes of a token's K/V row instead of 256,
+    and there are half as many program starts. W1's step on an H200 (batch 256, Qwen3-0.6B
+    heads, `decode_packed_proto.py`): 2.78 -> 3.22 TB/s over prompts of 100-1,024 tokens,
+    3.35 -> 3.40 and 3.51 -> 3.59 with 256 and 511 generated; four or eight heads a program
+    lost (2.3 and 1.3-1.4 TB/s: larger tiles, fewer resident programs). Needs both query
+    groups in the 16 rows of the dot and head_dim <= 128 (the accumulator's width doubles).
+    """
+    if not PACK_HEADS or num_splits != 1 or num_kv_heads % 2 or 2 * group > 16:
+        return 1
+    if triton.next_power_of_2(head_dim) > 128:
+        return 1
+    return 2 if batch * num_kv_heads // 2 >= 4 * num_multiprocessors else 1
+
+
 def decode_config(head_dim: int) -> dict[str, int]:
     """Launch settings by head_dim: BLOCK_N tokens per step, sized so a K and a V tile fit
     in registers beside the fp32 accumulator.
@@ -260,13 +300,16 @@ def paged_attention_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     heads_fastest: bool | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.paged_attention_decode`. The keyword-only arguments override
     the automatic choices (tests use them to engage split-K on small shapes; the benchmark
     sweeps them). `heads_fastest` orders the grid (kv head, sequence, split) instead of
     (sequence, kv head, split), so the programs of one sequence's KV heads run at the same time
     and read the same pages together (a token's K row of every head is one contiguous
-    `num_kv_heads * head_dim` run in the vLLM cache layout); default `HEADS_FASTEST`."""
+    `num_kv_heads * head_dim` run in the vLLM cache layout); default `HEADS_FASTEST`.
+    `heads_per_program`: KV heads a program attends for (a divisor of `num_kv_heads` whose
+    query heads fit 16 rows; default `decode_heads_per_program`)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -287,6 +330,17 @@ def paged_attention_decode(
             batch, num_kv_heads, max_context, block_n, _multiprocessor_count(q.device)
         )
 
+    heads = heads_per_program or decode_heads_per_program(
+        batch, num_kv_heads, group, head_dim, num_splits, _multiprocessor_count(q.device)
+    )
+    if num_kv_heads % heads or heads * group > 16:
+        raise ValueError(
+            f"heads_per_program {heads}: must divide {num_kv_heads} KV heads and fit its "
+            f"{heads * group} query heads in 16 rows"
+        )
+    if heads > 1 and num_stages is None:
+        num_stages = 2  # the doubled tiles: 2 stages measured best (64 tokens, 4 warps)
+
     if num_splits > 1:
         part_acc = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -298,7 +352,8 @@ def paged_attention_decode(
 
     block_d = triton.next_power_of_2(head_dim)
     heads_fastest = HEADS_FASTEST if heads_fastest is None else heads_fastest
-    grid = (num_kv_heads, batch, num_splits) if heads_fastest else (batch, num_kv_heads, num_splits)
+    programs = num_kv_heads // heads
+    grid = (programs, batch, num_splits) if heads_fastest else (batch, programs, num_splits)
     _decode_split_kernel[grid](
         q,
         k_cache,
@@ -322,11 +377,12 @@ def paged_attention_decode(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, triton.next_power_of_2(heads * group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         IEEE_DOT=q.dtype == torch.float32,
         HEADS_FASTEST=heads_fastest,
+        HEADS=heads,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl.options(q.device),

@@ -94,11 +94,12 @@ SCRIPT = textwrap.dedent(
         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
     }
-    for head_dim, splits, heads_fastest in ((128, 32, False), (256, 1, False), (128, 1, True)):
+    for head_dim, splits, heads_fastest, heads in ((128, 32, False, 1), (256, 1, False, 1),
+                                                   (128, 1, True, 1), (128, 1, False, 2)):
         block_n = decode_attention.decode_config(head_dim)["block_n"]
         consts = dict(GROUP=2, HEAD_DIM=head_dim, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_G=16,
                       BLOCK_N=block_n, BLOCK_D=head_dim, IEEE_DOT=False,
-                      HEADS_FASTEST=heads_fastest, PDL=False)
+                      HEADS_FASTEST=heads_fastest, PDL=False, HEADS=heads)
         merge = dict(HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=min(8, splits),
                      BLOCK_D=head_dim, BLOCK_N=block_n, PDL=False)
         for fn, c in ((decode_attention._decode_split_kernel, consts),

@@ -126,6 +126,52 @@ def test_decode_grid_order_never_changes_the_result(kernels, device, splits):
     torch.testing.assert_close(by_head, by_seq, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "heads", "splits"),
+                         [(6, 6, 2, 1), (8, 4, 2, 1), (8, 4, 2, 3), (8, 2, 2, 1), (32, 8, 4, 1)])  # fmt: skip
+def test_decode_heads_per_program_never_changes_the_result(
+    kernels, device, num_heads, num_kv_heads, heads, splits
+):
+    """Several KV heads a program (a block-diagonal query tile over their side-by-side columns)
+    give the one-head-a-program output: MHA, GQA 2 and 4, split or not, both grid orders, an
+    empty row and lengths across pages."""
+    args = _decode_args(device, 14, [33, 0, 70, 16, 1], num_heads, num_kv_heads, 16, 0.2)
+    decode = kernels["decode_attention"].paged_attention_decode
+    want = reference.paged_attention_decode(*args)
+    one = decode(*args, num_splits=splits, block_n=16, heads_per_program=1)
+    for heads_fastest in (False, True):
+        packed = decode(
+            *args, num_splits=splits, block_n=16, heads_per_program=heads,
+            heads_fastest=heads_fastest,
+        )  # fmt: skip
+        torch.testing.assert_close(packed, want, **TOL[args[0].dtype])
+        torch.testing.assert_close(packed, one, atol=1e-6, rtol=1e-5)
+    assert torch.equal(packed[1], torch.zeros_like(packed[1]))
+
+
+def test_decode_heads_per_program_is_refused_when_it_does_not_fit(kernels, device):
+    args = _decode_args(device, 15, [5, 9], 8, 4, 16, 0.2)
+    decode = kernels["decode_attention"].paged_attention_decode
+    with pytest.raises(ValueError, match="heads_per_program 3: must divide 4 KV heads"):
+        decode(*args, heads_per_program=3)
+    args = _decode_args(device, 15, [5, 9], 36, 4, 16, 0.2)  # group 9: two groups need 18 rows
+    with pytest.raises(ValueError, match="fit its 18 query heads in 16 rows"):
+        decode(*args, heads_per_program=2)
+
+
+def test_decode_heads_per_program_choice():
+    """Two heads a program only where an unsplit launch keeps >= 4 programs per multiprocessor
+    with them, the query groups fit 16 rows and head_dim <= 128."""
+    from atom_kernels import decode_attention as d
+
+    choose = d.decode_heads_per_program
+    assert choose(256, 8, 2, 128, 1, 132) == (2 if d.PACK_HEADS else 1)  # W1: 1,024 programs
+    assert choose(64, 8, 2, 128, 1, 132) == 1  # 256 programs: too few
+    assert choose(256, 8, 2, 128, 2, 132) == 1  # split
+    assert choose(256, 8, 2, 256, 1, 132) == 1  # head_dim 256
+    assert choose(256, 8, 16, 128, 1, 132) == 1  # two groups of 16 need 32 rows
+    assert choose(256, 7, 2, 128, 1, 132) == 1  # odd KV heads
+
+
 def test_decode_writes_into_out_and_ignores_block_table_padding(kernels, device):
     g = torch.Generator().manual_seed(13)
     seq_lens = [20, 3]

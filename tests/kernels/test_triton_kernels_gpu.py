@@ -55,6 +55,28 @@ def test_decode_realistic_shapes(kernels, dtype, num_heads, num_kv_heads, head_d
     assert torch.equal(got[5], torch.zeros_like(got[5]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_w1_batch_two_heads_a_program(kernels, dtype):
+    """W1's decode shape (batch 256, Qwen3-0.6B heads) takes two KV heads a program on its own
+    choice; same output as one head a program and the reference."""
+    decode_attention = kernels["decode_attention"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert decode_attention.decode_heads_per_program(256, 8, 2, 128, 1, sms) == 2
+    g = torch.Generator().manual_seed(22)
+    seq_lens = torch.randint(1, 1500, (256,), generator=g).tolist()
+    seq_lens[9] = 0
+    case = _cuda_case(seq_lens, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype, seed=23)
+    q = torch.randn(256, 16, 128, generator=g).to(dtype).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    args = (q, case.k_cache, case.v_cache, case.block_tables, lens, 128**-0.5)
+    want = reference.paged_attention_decode(*args)
+    got = decode_attention.paged_attention_decode(*args, num_splits=1)
+    one = decode_attention.paged_attention_decode(*args, num_splits=1, heads_per_program=1)
+    torch.testing.assert_close(got, want, **BF16_TOL)
+    torch.testing.assert_close(got, one, **BF16_TOL)
+    assert torch.equal(got[9], torch.zeros_like(got[9]))
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_prefill_realistic_shapes(kernels, dtype, head_dim):
