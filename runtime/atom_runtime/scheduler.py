@@ -222,7 +222,10 @@ class Scheduler:
             return min(remaining, budget), None
         computed = seq.num_computed_tokens
         if computed >= seq.num_prompt_tokens and remaining == 1:
-            return 1, ck.placement.decode_boundary(seq.request_id, computed + 1)
+            # The last token of a known end is sampled, never run: state reaches end - 1.
+            end = seq.known_end(self.max_model_len)
+            last = None if end is None else end - 1
+            return 1, ck.placement.decode_boundary(seq.request_id, computed + 1, last)
         plan = ck.placement.plan_prefill_chunk(
             seq.request_id, computed, seq.num_tokens, budget, prompt_len=seq.num_prompt_tokens
         )

@@ -115,6 +115,21 @@ class Sequence:
             return range(0)
         return range(max(start, len(self.prompt_lp)), min(end, self.num_prompt_tokens - 1))
 
+    def known_end(self, max_model_len: int) -> int | None:
+        """The token count this sequence finishes at, when nothing but its length can end it:
+        EOS ignored, no stop token ids or strings, no grammar, max_tokens set. None otherwise.
+        (An abort can still end it earlier.)"""
+        p = self.sampling_params
+        if (
+            not p.ignore_eos
+            or p.max_tokens is None
+            or p.stop_token_ids
+            or p.stop
+            or p.structured_outputs is not None
+        ):
+            return None
+        return min(self.num_prompt_tokens + p.max_tokens, max_model_len)
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -246,6 +246,36 @@ def test_a_multi_turn_follow_up_resumes_at_the_previous_prompt_end(tiny_hybrid_m
     _assert_idle(llm)
 
 
+def test_a_request_with_a_known_end_copies_its_answer_end_once(tiny_hybrid_models):
+    """EOS ignored and no stop condition: the request's length alone ends it, so of its decode
+    anchors only the last block boundary before that end is placed (the others would only be
+    superseded). The same request with a stop token id that never comes places one at every
+    boundary. Either way the follow-up turn resumes where the answer ended, with the same
+    tokens."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    prompt = _tokens(21, 25)  # state after decoding reaches 26 .. 84: boundaries 32, 48, 64, 80
+    runs = {}
+    for name in ("known end", "stop id"):
+        extra = {}
+        if name == "stop id":  # greedy gives the same answer, so an id it lacks never comes
+            unused = next(t for t in range(3, 1000) if t not in runs["known end"][1])
+            extra = {"stop_token_ids": [unused]}
+        llm = LLM(folder, dtype="float32", num_gpu_blocks_override=160)
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, **extra)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        ck = llm.engine.checkpoints
+        stored = ck.counters.stored
+        follow = prompt + list(out.outputs[0].token_ids) + _tokens(22, 10)
+        again = _run(llm, follow, 3)
+        runs[name] = (stored, out.outputs[0].token_ids, again.num_cached_tokens,
+                      again.outputs[0].token_ids)  # fmt: skip
+        _assert_idle(llm)
+    assert runs["known end"][0] == 2  # the prompt anchor (16) and the answer end (80)
+    assert runs["stop id"][0] == 5  # the prompt anchor and 32, 48, 64, 80
+    assert runs["known end"][1:] == runs["stop id"][1:]
+    assert runs["known end"][2] == 80  # resumed at the answer's last boundary
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_decode_rungs_are_stored_and_resumed_under_either_schedule(
     tiny_hybrid_models, async_scheduling
@@ -265,10 +295,11 @@ def test_decode_rungs_are_stored_and_resumed_under_either_schedule(
     follow = prompt + list(first.outputs[0].token_ids) + _tokens(8, 5)
     resumed = _run(llm, follow, 8)
     assert resumed.num_cached_tokens == 64
-    # The anchor at 16, decode anchors at 32 (a rung held back: within one spacing of the
-    # anchor) and 48, each superseded by the next once it is READY, the rung at 64; then the
-    # follow-up's own anchor at 80.
-    assert (ck.counters.stored, ck.counters.evicted, ck.counters.dropped) == (5, 2, 0)
+    # The anchor at 16, the rung at 64, then the follow-up's own anchor at 80. The boundaries at
+    # 32 (a rung held back: within one spacing of the anchor) and 48 would be decode anchors,
+    # but the request's end is known (EOS ignored, 60 tokens) and a later boundary comes before
+    # it, so neither is placed.
+    assert (ck.counters.stored, ck.counters.evicted, ck.counters.dropped) == (3, 0, 0)
     fresh = LLM(folder, state_checkpoint_interval_tokens=0, **kw)
     assert resumed.outputs[0].token_ids == _run(fresh, follow, 8).outputs[0].token_ids
     _assert_idle(llm)

@@ -88,6 +88,10 @@ def test_minus_one_places_no_ladder_but_anchors_and_demand_rungs():
     assert p.next_rung(0) is None
     assert p.decode_boundary("a", 4096) == (4096, "decode_anchor")  # every block boundary
     assert p.decode_boundary("a", 4100) is None  # mid-block
+    # A known end (the state reaches at most last_computed): only the last boundary before it.
+    assert p.decode_boundary("a", 4096, last_computed=4111) == (4096, "decode_anchor")
+    assert p.decode_boundary("a", 4096, last_computed=4112) is None  # 4112 comes after it
+    assert p.decode_boundary("a", 4096, last_computed=4096) == (4096, "decode_anchor")
     assert p.note_admission("a", 64, 0) is True
     assert p.plan_prefill_chunk("a", 0, 200, 1000) == ChunkPlan(64, 64, "demand", True)
     assert p.pending("a") is None
