@@ -51,11 +51,9 @@
 #   freshprefill (fresh prompts' dense prefill path: its GPU tests, kernels against SDPA and the paged
 #   kernel, TTFT of an 8k prompt with it on and off)
 # What the next session with device time should run first:
-#   hybridgpu (the hybrid GPU engine tests with the Triton cache and tiny models cleared: the
-#   router kernel's NaN-row fix has not run on a GPU; these tests failed without it)  |  moe3
-#   (the MoE kernels' GPU tests, the launch-shape table, both MoE paths at 1-8 tokens, W2 of the
-#   35B-A3B hybrid)  |  w1ckpt (the dense hybrid's W1 with state checkpoints off and on: W1 fell
-#   from 11,028 to 9,115 tok/s since 2026-12-01)  |  w1heads (decode attention grid order for W1)
+#   w1pack (the decode GPU tests with two KV heads a program, W1 off/on: confirms the gain on a
+#   third machine)  |  w1ckpt (the hybrid's W1 with checkpoints off/on after the known-end change)
+#   |  gputests4 (every GPU engine test on the session's final code)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):

@@ -44,8 +44,9 @@ _MAX_SPLITS = 32
 _MERGE_SPLITS = 8
 # ATOM_DECODE_HEADS_FASTEST=1: the decode grid runs a sequence's KV heads together
 # (`paged_attention_decode(heads_fastest=)`), an experiment for W1's batch-256 decode, whose
-# attention reads K/V at ~79% of the copy ceiling. Off until `kernels_bench.py --sweep` and W1
-# measure it on a GPU (`run_h200.sh w1heads`). Read once at import.
+# attention reads K/V at 70-85% of the copy ceiling. Off: on an H200 it moved W1 by +1%
+# (29,242 -> 29,546 tok/s, one call; `run_h200.sh w1order`), inside what varies from call to
+# call, and W1's attention by -7% to +6% by context (`w1bal`). Read once at import.
 HEADS_FASTEST = os.environ.get("ATOM_DECODE_HEADS_FASTEST", "0") == "1"
 # Two KV heads a program at large batch (`decode_heads_per_program`); ATOM_DECODE_PACK_HEADS=0
 # keeps one (for A/B runs). Read once at import.
