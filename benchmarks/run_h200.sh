@@ -53,7 +53,7 @@
 # What the next session with device time should run first:
 #   w1pack (the decode GPU tests with two KV heads a program, W1 off/on: confirms the gain on a
 #   third machine)  |  w1ckpt (the hybrid's W1 with checkpoints off/on after the known-end change)
-#   |  gputests4 (every GPU engine test on the session's final code)
+#   (gputests4 passed on this session's final code: 40 of 40)
 # (default: tests bench kernels peer).
 # Python packages the image lacks travel as wheels in .whl/ (`.whl/` in .git/info/exclude, the
 # device call carries it). On 2026-12-02 these were needed (cp312 manylinux wheels, --no-deps):
