@@ -260,66 +260,71 @@ def sweep_decode_w1() -> list[dict]:
     return rows
 
 
+def _w1_decode_case(generated: int, page: int = 16, heads_outer: bool = False):
+    """W1's decode attention inputs at one point of the run: batch 256 with Qwen3-0.6B heads,
+    W1's prompts (100-1,024 tokens, `random.Random(0)`) plus `generated` tokens each. Returns
+    (k_cache, v_cache, {order: (q, block_tables, context_lens)}, K/V bytes read), the orders
+    being "batch" (as the batch comes) and "longest first" (the same rows by context, longest
+    first: what a per-step order would give)."""
+    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
+    rng = random.Random(0)
+    seq_lens = [rng.randint(100, 1024) + generated for _ in range(256)]
+    k_cache, v_cache, tables = _paged_cache(
+        seq_lens, num_kv_heads, head_dim, page, torch.bfloat16, heads_outer=heads_outer
+    )
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    idx = torch.argsort(lens, descending=True)
+    orders = {"batch": (q, tables, lens),
+              "longest first": (q[idx].contiguous(), tables[idx].contiguous(), lens[idx])}  # fmt: skip
+    return k_cache, v_cache, orders, 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
+
+
+def _w1_decode(k_cache, v_cache, inputs, **launch) -> torch.Tensor:
+    """One engine decode launch over `inputs` (q, block tables, context lengths); unsplit unless
+    `launch` says otherwise."""
+    from atom_kernels import decode_attention
+
+    q, tables, lens = inputs
+    launch.setdefault("num_splits", 1)
+    return decode_attention.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.1, **launch)
+
+
+def _time_w1_decode(k_cache, v_cache, inputs, kv_bytes, **launch) -> dict:
+    """ms and K/V GB/s of `_w1_decode`."""
+    ms = _time_ms(functools.partial(_w1_decode, k_cache, v_cache, inputs, **launch))
+    return {"ms": round(ms, 4), "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
+
+
 def sweep_decode_w1_balance() -> list[dict]:
     """W1's decode attention with W1's own spread of contexts (prompts of 100-1,024 tokens plus
     0, 256 or 511 generated), by the order programs meet the sequences and by split count: as
     the batch comes, longest context first (what a per-step order would give), KV heads
-    fastest, and 2-8 splits. The question: how much of the gap to the copy ceiling is the
-    tail of a wave of unequal programs."""
-    from atom_kernels import decode_attention
-
-    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
-    dtype = torch.bfloat16
-    rng = random.Random(0)
-    prompts = [rng.randint(100, 1024) for _ in range(256)]
-    read_ms = None
+    fastest, 2-4 splits, and a head's tokens together in a block (HND). The question: how much
+    of the gap to the copy ceiling is the tail of a wave of unequal programs."""
     rows = []
     for generated, layout, page in itertools.product((0, 256, 511), ("NHD", "HND"), (16, 32)):
         if layout == "NHD" and page == 32:
             continue
-        seq_lens = [p + generated for p in prompts]
-        k_cache, v_cache, tables = _paged_cache(
-            seq_lens, num_kv_heads, head_dim, page, dtype, heads_outer=layout == "HND"
-        )
-        if read_ms is None:
+        k_cache, v_cache, orders, kv_bytes = _w1_decode_case(generated, page, layout == "HND")
+        if not rows:
             flat = k_cache.reshape(-1)
             read_ms = _time_ms(functools.partial(torch.mul, flat, 2.0, out=torch.empty_like(flat)))
             rows.append({"op": "decode-w1bal", "variant": "k_cache * 2 (read + write)",
                          "ms": round(read_ms, 4),
                          "GB_per_s": round(2 * flat.numel() * 2 / (read_ms * 1e-3) / 1e9, 1)})  # fmt: skip
             del flat
-        q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        longest_first = torch.argsort(lens, descending=True)
-        kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
-        for order in ("batch", "longest first"):
-            idx = (
-                longest_first
-                if order == "longest first"
-                else torch.arange(len(seq_lens), device="cuda")
-            )
-            q_o, tables_o, lens_o = (
-                q[idx].contiguous(),
-                tables[idx].contiguous(),
-                lens[idx].contiguous(),
-            )
+        for order, inputs in orders.items():
             for heads_fastest in (False, True):
                 for splits in (1, 2, 4):
                     if splits > 1 and (heads_fastest or layout == "HND" or order == "batch"):
                         continue
-                    ms = _time_ms(
-                        functools.partial(
-                            decode_attention.paged_attention_decode,
-                            q_o, k_cache, v_cache, tables_o, lens_o, 0.1, num_splits=splits,
-                            heads_fastest=heads_fastest,
-                        )
-                    )  # fmt: skip
-                    rows.append(
-                        {"op": "decode-w1bal", "generated": generated, "layout": layout,
-                         "page": page, "variant": order, "heads_fastest": heads_fastest, "splits": splits, "ms": round(ms, 4),
-                         "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
-                    )  # fmt: skip
-        del k_cache, v_cache, tables, q_o, tables_o
+                    timing = _time_w1_decode(k_cache, v_cache, inputs, kv_bytes,
+                                             num_splits=splits, heads_fastest=heads_fastest)  # fmt: skip
+                    rows.append({"op": "decode-w1bal", "generated": generated, "layout": layout,
+                                 "page": page, "variant": order, "heads_fastest": heads_fastest,
+                                 "splits": splits, **timing})  # fmt: skip
+        del k_cache, v_cache, orders
         torch.cuda.empty_cache()
     return rows
 
@@ -329,39 +334,42 @@ def sweep_decode_w1_launch() -> list[dict]:
     longest first) by launch settings: BLOCK_N, warps and stages decide how many programs an
     SM holds at once, and so how much of one program's start (its first loads' round trips)
     the others' streaming hides."""
-    from atom_kernels import decode_attention
-
-    num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
-    dtype = torch.bfloat16
-    rng = random.Random(0)
-    prompts = [rng.randint(100, 1024) for _ in range(256)]
     settings = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 2, 3), (32, 2, 4),
                 (16, 2, 4), (16, 1, 4), (64, 8, 2), (128, 8, 2))  # fmt: skip
     rows = []
     for generated in (0, 256):
-        seq_lens = [p + generated for p in prompts]
-        k_cache, v_cache, tables = _paged_cache(seq_lens, num_kv_heads, head_dim, 16, dtype)
-        q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device="cuda")
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        idx = torch.argsort(lens, descending=True)
-        kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * 2
-        for order in ("batch", "longest first"):
-            args = (q, tables, lens) if order == "batch" else (q[idx], tables[idx], lens[idx])
-            q_o, tables_o, lens_o = (t.contiguous() for t in args)
+        k_cache, v_cache, orders, kv_bytes = _w1_decode_case(generated)
+        for order, inputs in orders.items():
             for block_n, warps, stages in settings:
-                ms = _time_ms(
-                    functools.partial(
-                        decode_attention.paged_attention_decode,
-                        q_o, k_cache, v_cache, tables_o, lens_o, 0.1, num_splits=1,
-                        block_n=block_n, num_warps=warps, num_stages=stages,
-                    )
-                )  # fmt: skip
-                rows.append(
-                    {"op": "decode-w1launch", "generated": generated, "variant": order,
-                     "block_n": block_n, "warps": warps, "stages": stages, "ms": round(ms, 4),
-                     "GB_per_s": round(kv_bytes / (ms * 1e-3) / 1e9, 1)}
-                )  # fmt: skip
-        del k_cache, v_cache, tables
+                timing = _time_w1_decode(k_cache, v_cache, inputs, kv_bytes, block_n=block_n,
+                                         num_warps=warps, num_stages=stages)  # fmt: skip
+                rows.append({"op": "decode-w1launch", "generated": generated, "variant": order,
+                             "block_n": block_n, "warps": warps, "stages": stages, **timing})  # fmt: skip
+        del k_cache, v_cache, orders
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode_w1_pack() -> list[dict]:
+    """W1's decode attention (W1's spread of contexts, 0, 256 and 511 generated) by KV heads a
+    program (`heads_per_program`: one as before, two as the engine now chooses at W1's batch,
+    four, eight) and launch settings; each checked against one head a program."""
+    runs = [(1, 64, 4, 3), (2, 64, 4, 2), (2, 32, 4, 3), (2, 32, 8, 3), (4, 16, 4, 3),
+            (4, 32, 8, 2), (4, 16, 8, 4), (8, 16, 8, 2), (8, 16, 8, 3)]  # fmt: skip
+    rows = []
+    for generated in (0, 256, 511):
+        k_cache, v_cache, orders, kv_bytes = _w1_decode_case(generated)
+        decode = functools.partial(_w1_decode, k_cache, v_cache, orders["batch"])
+        want = decode(heads_per_program=1).float()
+        for heads, block_n, warps, stages in runs:
+            launch = dict(heads_per_program=heads, block_n=block_n, num_warps=warps,
+                          num_stages=stages)  # fmt: skip
+            err = (decode(**launch).float() - want).abs().max().item()
+            timing = _time_w1_decode(k_cache, v_cache, orders["batch"], kv_bytes, **launch)
+            rows.append({"op": "decode-w1pack", "generated": generated, "heads": heads,
+                         "block_n": block_n, "warps": warps, "stages": stages, **timing,
+                         "max_err": round(err, 4)})  # fmt: skip
+        del k_cache, v_cache, orders
         torch.cuda.empty_cache()
     return rows
 
@@ -560,10 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         nargs="?",
         const="all",
-        choices=("all", "decode", "prefill", "w1", "w1bal", "w1launch"),
+        choices=("all", "decode", "prefill", "w1", "w1bal", "w1launch", "w1pack"),
         help="also sweep launch settings (decode, prefill, all, w1: W1's decode attention, or "
         "w1bal: W1's decode attention by program order and split count, w1launch: by launch "
-        "settings)",
+        "settings, w1pack: by KV heads a program)",
     )
     parser.add_argument(
         "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
@@ -585,12 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep in ("all", "decode", "w1"):
         sweep_rows += sweep_decode_w1()
         _print_table([r for r in sweep_rows if r["op"] == "decode-w1"])
-    if args.sweep == "w1bal":
-        sweep_rows += sweep_decode_w1_balance()
-        _print_table([r for r in sweep_rows if r["op"] == "decode-w1bal"])
-    if args.sweep == "w1launch":
-        sweep_rows += sweep_decode_w1_launch()
-        _print_table([r for r in sweep_rows if r["op"] == "decode-w1launch"])
+    for name, sweep in (("w1bal", sweep_decode_w1_balance), ("w1launch", sweep_decode_w1_launch),
+                        ("w1pack", sweep_decode_w1_pack)):  # fmt: skip
+        if args.sweep == name:
+            sweep_rows += sweep()
+            _print_table([r for r in sweep_rows if r["op"] == f"decode-{name}"])
     if args.sweep in ("all", "prefill"):
         prefill_sweep = sweep_prefill(args.sweep_budget_s)
         sweep_rows += prefill_sweep

@@ -42,7 +42,8 @@
 #   w1bal (W1's decode attention by program order, grid order, split count and cache layout)
 #   w1order (W1 with the decode grid's KV heads fastest off and on)
 #   w1launch (W1's decode attention by launch settings)
-#   w1pack (two KV heads a decode program: GPU tests, kernel, W1 and W2 off and on)
+#   w1pack (two KV heads a decode program: GPU tests, the kernel by heads a program, W1 and W2
+#   off and on)
 #   crossover (dense prefill vs the paged kernel by prompt length)
 #   w2shapes (W2 with the start-up's GEMV launch-shape timings) densecheck (the dense prefill as shipped)
 #   pnlog (the start-up's one-row timings per path with it offered)
@@ -374,7 +375,7 @@ for stage in ${*:-tests bench kernels peer}; do
       # Two KV heads a decode program at large batch: the decode GPU tests, the kernel against one
       # head a program on W1's contexts, W1 and W2 (0.6B) with it off and on, same call.
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels_gpu.py -k decode 2>&1 | tail -2
-      timeout 100 python3 benchmarks/decode_packed_proto.py --out "$OUT/json/decode_packed.json" 2>&1 | grep -v -i "warn\|check" | grep "engine\|packed 2"
+      timeout 150 python3 benchmarks/kernels_bench.py --sweep w1pack --sweep-only --out "$OUT/json/decode_w1pack.json" 2>&1 | grep -v -i warn | tail -30
       for on in 0 1; do
         ATOM_DECODE_PACK_HEADS=$on timeout 120 python3 -m atom_runtime bench throughput --load-format dummy --model $Q3 --output-json "$OUT/json/w1_pack$on.json" 2>&1 | grep -i "W1:\|error" | cut -c1-300
       done

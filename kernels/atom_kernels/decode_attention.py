@@ -260,7 +260,7 @@ def decode_heads_per_program(
     Two when an unsplit launch would still have at least 4 programs per multiprocessor with
     them: each program then reads 512 contiguous bytes of a token's K/V row instead of 256,
     and there are half as many program starts. W1's step on an H200 (batch 256, Qwen3-0.6B
-    heads, `decode_packed_proto.py`): 2.78 -> 3.22 TB/s over prompts of 100-1,024 tokens,
+    heads, a standalone version of this kernel; `kernels_bench.py --sweep w1pack`): 2.78 -> 3.22 TB/s over prompts of 100-1,024 tokens,
     3.35 -> 3.40 and 3.51 -> 3.59 with 256 and 511 generated; four or eight heads a program
     lost (2.3 and 1.3-1.4 TB/s: larger tiles, fewer resident programs). Needs both query
     groups in the 16 rows of the dot and head_dim <= 128 (the accumulator's width doubles).
