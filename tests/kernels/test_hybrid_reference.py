@@ -1,6 +1,11 @@
 """The hybrid-model ops' torch references (and `ops` dispatch on CPU) against independent
 specifications: a plain token-by-token recurrence for Gated DeltaNet and the conv1d, naive
-per-token loops for the MoE, and transformers' pure-torch Qwen3-Next fallbacks in fp32."""
+per-token loops for the MoE, and transformers' public gated RMSNorm module in fp32.
+
+transformers' own GDN and conv1d functions are module internals that change between releases
+(5.25 wrapped them in hub-kernel objects), so they are not called here: the whole-model tests in
+tests/runtime/test_hybrid.py compare every op, inside the model, with transformers' public
+`AutoModelForCausalLM` in fp32."""
 
 from __future__ import annotations
 
@@ -60,27 +65,6 @@ def test_conv1d_short_sequence_keeps_part_of_the_old_state():
     assert torch.equal(case["conv_state"][0][:, 2], case["x"][0])
 
 
-def test_conv1d_matches_transformers_update():
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
-
-    if hf.causal_conv1d_update.__name__ != "causal_conv1d_update":
-        pytest.skip("transformers resolved causal_conv1d_update to a hub kernel")
-    g = torch.Generator().manual_seed(3)
-    d, width, length = 24, 4, 7
-    x = torch.randn(length, d, generator=g)
-    weight = torch.randn(d, width, generator=g)
-    bias = torch.randn(d, generator=g)
-    conv_state = torch.randn(2, d, width - 1, generator=g)
-    hf_state = conv_state[1:2].clone()
-    want = hf.causal_conv1d_update(x.t()[None], hf_state, weight, bias, activation="silu")
-    got = ops.causal_conv1d_(
-        x, weight, bias, conv_state, torch.tensor([0, length], dtype=torch.int32),
-        torch.tensor([1], dtype=torch.int32), torch.tensor([True]),
-    )  # fmt: skip
-    torch.testing.assert_close(got, want[0].t(), **FP32)
-    torch.testing.assert_close(conv_state[1], hf_state[0], **FP32)
-
-
 # ----- gated delta rule -------------------------------------------------------------------------
 
 GDN_LAYOUTS = [
@@ -127,26 +111,6 @@ def test_gdn_without_l2norm_and_with_other_scale():
     want = naive_gdn(**{**case, "state": want_state})
     torch.testing.assert_close(ops.gated_delta_rule_(**case), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(case["state"], want_state, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("length", [1, 45, 150])
-def test_gdn_matches_transformers_fallbacks(length):
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
-
-    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
-        if not fn.__name__.startswith("torch_"):
-            pytest.skip("transformers resolved the gated delta rule to fla")
-    hk, hv, dk, dv = 2, 4, 16, 8
-    case = gdn_case(lens=[length], slots=[1], resume=[True], hk=hk, hv=hv, dk=dk, dv=dv, seed=7)
-    init = case["state"][1:2].clone()
-    hf_args = [case[n][None] for n in ("q", "k", "v", "g", "beta")]
-    fn = hf.torch_recurrent_gated_delta_rule if length == 1 else hf.torch_chunk_gated_delta_rule
-    want, want_state = fn(
-        *hf_args, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
-    got = ops.gated_delta_rule_(**{**case, "scale": dk**-0.5})
-    torch.testing.assert_close(got, want[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(case["state"][1], want_state[0], atol=1e-4, rtol=1e-4)
 
 
 # ----- gated RMSNorm, MoE -----------------------------------------------------------------------
