@@ -115,7 +115,7 @@ def check(device: str) -> None:
 
 def bench(layers: int, only: list[str] | None) -> dict:
     from atom_kernels.gemv import gemv, launch_candidates
-    from atom_runtime.small_m import graph_times
+    from atom_runtime.worker.kernel_choice import graph_times
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = list(itertools.product((8, 16), (128,), (2, 4, 8), (4, 8), (4,)))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from atom_kernels import ops
 from atom_kernels.gemv import RopeStore, gemv, gemv_config
-from atom_runtime.small_m import graph_times
+from atom_runtime.worker.kernel_choice import graph_times
 
 
 def shapes(cfg: dict) -> dict[str, tuple[int, int]]:

@@ -406,7 +406,7 @@ def ttft(models: list[str]) -> list[dict]:
     (dense on at 5,003 tokens: the engine's first sight of that length, which must find the plan
     start-up built for its bucket), its best and its median."""
     from atom_runtime import SamplingParams
-    from atom_runtime.engine.protocol import EngineRequest
+    from atom_runtime.protocol.engine_core import EngineRequest
 
     rows = []
     for path in models:

@@ -11,7 +11,7 @@ import pstats
 import time
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ import multiprocessing as mp
 import socket
 import time
 
-from atom_runtime import bench_serve as bs
-from atom_runtime import bench_serve_client as bsc
-from atom_runtime import bench_serve_datasets as bsd
+from atom_runtime.bench import serve as bs
+from atom_runtime.bench import serve_client as bsc
+from atom_runtime.bench import serve_datasets as bsd
 
 
 def _chunk(i: int) -> bytes:

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import httpx
 
-from atom_runtime import bench_serve_client as bsc
-from atom_runtime import bench_serve_datasets as bsd
-from atom_runtime.bench import _clip_vocab, w1_prompts
+from atom_runtime.bench import serve_client as bsc
+from atom_runtime.bench import serve_datasets as bsd
+from atom_runtime.bench.cli import _clip_vocab, w1_prompts
 
 ATOM = [sys.executable, "-m", "atom_runtime"]
 SPY_RATE = int(os.environ.get("ATOM_PY_SPY_RATE", "250"))  # samples a second

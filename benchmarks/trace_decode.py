@@ -17,7 +17,7 @@ import time
 import torch
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 
 def trace_engine(model: str, steps: int, eager: bool) -> dict:

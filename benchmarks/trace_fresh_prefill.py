@@ -27,7 +27,7 @@ import torch
 from prefill_dense_bench import fresh_prompt_engine
 
 from atom_runtime import SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 
 def one_prompt(engine, prompt: list[int], params: SamplingParams, steps: list | None = None):

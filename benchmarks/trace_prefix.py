@@ -30,7 +30,7 @@ import torch
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.engine import core as engine_core
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 PHASES = (
     "add_request",

@@ -165,7 +165,7 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     import transformers
 
     from atom_runtime.models.loader import default_model_path
-    from atom_runtime.tokenizer import Tokenizer
+    from atom_runtime.text.tokenizer import Tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     hybrid = kind in HYBRID_CONFIGS

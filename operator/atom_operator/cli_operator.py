@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"atom operator: unknown action {args.action!r}")
     import kopf
 
-    from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+    from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
     set_process_title(PROCESS_ROLE)
     level = "DEBUG" if args.verbose else args.log_level

@@ -13,9 +13,9 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("atom_runtime.server.cli", "start the OpenAI-compatible server"),
-    "generate": ("atom_runtime.generate_cli", "generate text offline for one or more prompts"),
+    "generate": ("atom_runtime.generate", "generate text offline for one or more prompts"),
     "bench": (
-        "atom_runtime.bench",
+        "atom_runtime.bench.cli",
         "benchmarks: `atom bench throughput|latency|prefix|serve|multiturn`",
     ),
     "router": ("atom_runtime.router.cli", "KV-cache-aware router in front of `atom serve` pods"),

@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core import EngineCore
-from atom_runtime.output_processor import OutputProcessor, RequestOutput
+from atom_runtime.engine.output_processor import OutputProcessor, RequestOutput
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 PromptType = str | dict
 

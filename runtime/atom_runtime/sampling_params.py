@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from atom_runtime.structured_outputs import StructuredOutputs
+from atom_runtime.text.structured_outputs import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # completions per request (OpenAI's bound): each is an engine request of its own

@@ -46,7 +46,7 @@ def test_run_starts_kopf_with_the_registered_handlers(monkeypatch):
     calls = []
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
-    monkeypatch.setattr("atom_runtime.process.set_process_title", lambda role: role)
+    monkeypatch.setattr("atom_runtime.system.process.set_process_title", lambda role: role)
     assert cli_operator.run(parse("run", "-n", "ns1", "--log-level", "warning")) == 0
     assert len(calls) == 1
     registry = calls[0].pop("registry")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 PROMPTS = [
     [11, 22, 33, 44, 55],

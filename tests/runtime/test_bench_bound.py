@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom_runtime import bench_bound
-from atom_runtime.bench_bound import DecodeBytes
+from atom_runtime.bench import bound as bench_bound
+from atom_runtime.bench.bound import DecodeBytes
 from atom_runtime.llm import LLM
 from tests.model_factory import _HYBRID_COMMON, _MOE, CONFIGS, VOCAB
 

@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from atom_runtime import bench, bench_multiturn
-from atom_runtime.bench_multiturn import TraceSpec, ideal_prefix_hits, make_trace
+from atom_runtime.bench import cli as bench
+from atom_runtime.bench import multiturn as bench_multiturn
+from atom_runtime.bench.multiturn import TraceSpec, ideal_prefix_hits, make_trace
 
 BLOCK = 16
 # Small enough for CPU: a system prompt of 2 full blocks plus 8 tokens that share a block with

@@ -7,12 +7,12 @@ from array import array
 
 import pytest
 
-from atom_runtime.block_hash import hash_block_tokens, hash_token_blocks
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import Block, BlockPool, NoFreeBlocksError
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import Block, BlockPool, NoFreeBlocksError
+from atom_runtime.core.sequence import Sequence
 from atom_runtime.kv_events import BlockRemoved, BlockStored
+from atom_runtime.protocol.block_hash import hash_block_tokens, hash_token_blocks
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.sequence import Sequence
 
 
 def test_hash_test_vector():

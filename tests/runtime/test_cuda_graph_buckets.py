@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.cuda_graphs import PrefillGraphs, default_capture_sizes, default_prefill_buckets
+from atom_runtime.worker.cuda_graphs import (
+    PrefillGraphs,
+    default_capture_sizes,
+    default_prefill_buckets,
+)
 
 
 def test_decode_sizes_follow_vllm():

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from atom_runtime.engine.protocol import StepOutputs
+from atom_runtime.engine.output_processor import OutputProcessor, SequenceText
 from atom_runtime.models.loader import default_model_path
-from atom_runtime.output_processor import OutputProcessor, SequenceText
+from atom_runtime.protocol.engine_core import StepOutputs
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

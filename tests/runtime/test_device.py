@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from atom_runtime.device import pack_into, pack_layout, to_device_many, unpack_views
+from atom_runtime.system.device import pack_into, pack_layout, to_device_many, unpack_views
 
 ARRAYS = [
     np.array([5, -9, 2**40], dtype=np.int64),

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
 

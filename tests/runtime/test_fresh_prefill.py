@@ -24,14 +24,14 @@ from atom_kernels.varlen_attention import (
     takes_dense_path,
 )
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.forward_context import (
+from atom_runtime.layers.attention import PagedAttention
+from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     fresh_chunk_lengths,
     get_attention_metadata,
     set_attention_metadata,
 )
-from atom_runtime.layers.attention import PagedAttention
-from atom_runtime.model_runner import DENSE_PREFILL_ENV, ModelRunner
+from atom_runtime.worker.model_runner import DENSE_PREFILL_ENV, ModelRunner
 from tests.runtime.test_parity import _prompts
 
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from atom_runtime.process import TUNED_THRESHOLDS, process_title
+from atom_runtime.system.process import TUNED_THRESHOLDS, process_title
 
 
 def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -61,7 +61,7 @@ def test_set_process_title_sets_the_os_title():
     r = run_python(
         """
         import multiprocessing, setproctitle
-        from atom_runtime.process import set_process_title
+        from atom_runtime.system.process import set_process_title
         print(set_process_title("Worker", 1, 2))
         print(setproctitle.getproctitle(), multiprocessing.current_process().name)
         """
@@ -72,7 +72,7 @@ def test_set_process_title_sets_the_os_title():
 
 POLICY_ROUNDTRIP = """
     import gc, json
-    from atom_runtime.process import apply_gc_policy, release_gc_policy
+    from atom_runtime.system.process import apply_gc_policy, release_gc_policy
     default = gc.get_threshold()
     junk = [[i] for i in range(10_000)]
     policy = apply_gc_policy()
@@ -109,7 +109,7 @@ def test_gc_debug_logs_each_collection_until_release():
         """
         import gc, logging
         logging.basicConfig(level="INFO", format="%(name)s %(message)s")
-        from atom_runtime.process import apply_gc_policy, release_gc_policy
+        from atom_runtime.system.process import apply_gc_policy, release_gc_policy
         apply_gc_policy()
         for _ in range(3):
             a = []; a.append(a); del a   # one unreachable cycle per collection
@@ -129,7 +129,7 @@ def test_gc_debug_logs_each_collection_until_release():
 
 def test_bad_policy_env_value_is_refused():
     r = run_python(
-        "from atom_runtime.process import apply_gc_policy; apply_gc_policy()",
+        "from atom_runtime.system.process import apply_gc_policy; apply_gc_policy()",
         env={"ATOM_GC_FREEZE": "yes"},
     )
     assert r.returncode == 1
@@ -140,7 +140,7 @@ ENGINE_TEARDOWN = """
     import gc, json, os, sys, weakref
     from atom_runtime.config import EngineConfig
     from atom_runtime.engine.core import EngineCore
-    from atom_runtime.process import apply_gc_policy, release_gc_policy
+    from atom_runtime.system.process import apply_gc_policy, release_gc_policy
 
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

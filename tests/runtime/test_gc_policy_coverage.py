@@ -25,7 +25,7 @@ SERVER_LOOPS = {("uvicorn", "Server"), ("uvicorn", "Config"), ("uvicorn", "run")
 # Modules that build an engine inside someone else's process, and whose process that is.
 LIBRARY_MODULES = {
     "atom_runtime.llm": "offline LLM: runs in the user's interpreter, which owns its GC",
-    "atom_runtime.executor": "tensor-parallel rank 0, inside the EngineCore process",
+    "atom_runtime.worker.executor": "tensor-parallel rank 0, inside the EngineCore process",
 }
 
 
@@ -164,7 +164,7 @@ def test_library_modules_still_build_an_engine():
 
 BAD_PROCESS = """
 import multiprocessing
-from atom_runtime.process import apply_gc_policy, set_process_title
+from atom_runtime.system.process import apply_gc_policy, set_process_title
 
 def start():
     multiprocessing.get_context("spawn").Process(target=run_thing).start()
@@ -180,7 +180,7 @@ def warm_up(engine):
 
 GOOD_SERVER = """
 import uvicorn
-from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
 class State:
     def ready(self):
@@ -201,7 +201,7 @@ def build(state):
 
 IMPORT_ONLY = """
 import uvicorn
-from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
 def serve():
     uvicorn.run(app)

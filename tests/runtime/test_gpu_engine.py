@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.engine.protocol import EngineRequest
+from atom_runtime.protocol.engine_core import EngineRequest
 from tests.runtime.test_parity import _hf_greedy, _prompts
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +113,7 @@ def test_one_row_paths_agree_compiled_in_bf16(tiny_models, kind):
     same top logprobs within bf16's resolution. Compared per step, not as greedy sequences: a
     near-tie flipped by a rounding would make later tokens diverge. Eager, so the layer flags
     set here take effect (graphs keep what was captured)."""
-    from atom_runtime.small_m import small_m_groups, small_m_paths, use_small_m_path
+    from atom_runtime.worker.kernel_choice import small_m_groups, small_m_paths, use_small_m_path
 
     llm = LLM(
         str(tiny_models[kind]),
@@ -274,7 +274,7 @@ def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypa
     """A GPU stack that cannot capture the prefill path (say a ROCm build that refuses one of
     its kernels under capture) starts anyway: a warning, short prefill steps run eagerly, same
     tokens."""
-    from atom_runtime import cuda_graphs
+    from atom_runtime.worker import cuda_graphs
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("capture refused")
@@ -283,7 +283,7 @@ def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypa
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=128, max_num_seqs=4)
     want = _greedy(LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=0, **kw), prompts)
     monkeypatch.setattr(cuda_graphs.PrefillGraphs, "capture", refuse)
-    with caplog.at_level("WARNING", logger="atom_runtime.model_runner"):
+    with caplog.at_level("WARNING", logger="atom_runtime.worker.model_runner"):
         llm = LLM(str(tiny_models["qwen3"]), **kw)
     assert "run eagerly" in caplog.text and "capture refused" in caplog.text
     assert not llm.engine.executor.prefill_graphs
@@ -402,7 +402,7 @@ def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
     monkeypatch.setattr(varlen_attention, "sdpa_causal", record)
     kw = dict(dtype="bfloat16", device="cuda", num_gpu_blocks_override=256, enforce_eager=True,
               max_num_batched_tokens=512, enable_prefix_caching=False)  # fmt: skip
-    with caplog.at_level("INFO", logger="atom_runtime.model_runner"):
+    with caplog.at_level("INFO", logger="atom_runtime.worker.model_runner"):
         llm = LLM(str({**tiny_models, **tiny_hybrid_models}[kind]), **kw)
     runner = llm.engine.executor
     assert runner.dense_prefill

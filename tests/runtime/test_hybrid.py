@@ -24,13 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.scheduler import Scheduler, StepOutput
+from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.engine.core import _warn_checkpoint_flags
 from atom_runtime.models.config import ModelConfig
-from atom_runtime.scheduler import Scheduler, StepOutput
-from atom_runtime.sequence import FinishReason, Sequence
 from atom_runtime.state.slot_pool import StateSlotPool, plan_state_slots
 from tests.model_factory import hybrid_references_on_torch
 

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from atom_runtime import LLM, SamplingParams, distributed
+from atom_runtime import LLM, SamplingParams
+from atom_runtime.system import distributed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.block_hash import hash_block_tokens
-from atom_runtime.engine.protocol import EngineRequest
 from atom_runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
+from atom_runtime.protocol.block_hash import hash_block_tokens
+from atom_runtime.protocol.engine_core import EngineRequest
 
 BLOCK = 16
 

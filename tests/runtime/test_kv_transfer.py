@@ -24,8 +24,9 @@ import pytest
 import torch
 import zmq
 
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import BlockPool
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.kv_events import BlockStored
 from atom_runtime.kv_transfer import tcp
 from atom_runtime.kv_transfer.agent import TransferAgent
@@ -38,7 +39,6 @@ from atom_runtime.kv_transfer.base import (
 )
 from atom_runtime.kv_transfer.config import KVTransferConfig
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.sequence import FinishReason, Sequence
 from tests.server.conftest import free_port
 
 BS = 16

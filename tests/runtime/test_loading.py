@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.models.loader import default_model_path, resolve_model_path
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 
 def _llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The wire protocol between the engine's processes (engine/protocol.py): a step's inputs cross to
+"""The wire protocol between the engine's processes (runtime/atom_runtime/protocol/): a step's inputs cross to
 a tensor-parallel worker as the very `StepInputs` the runner built (numpy arrays by dtype, shape
 and bytes), each channel's union decodes exactly its own messages, and anything that is not a
 protocol type is refused instead of pickled."""
@@ -10,9 +10,9 @@ from array import array
 import numpy as np
 import pytest
 
-from atom_runtime.engine.protocol import (
-    ClientMessage,
-    EngineMessage,
+from atom_runtime.protocol.codec import decoder, encoder
+from atom_runtime.protocol.engine_core import ClientMessage, EngineMessage, check_token_ids
+from atom_runtime.protocol.worker import (
     FromWorker,
     StepInputs,
     ToWorker,
@@ -21,9 +21,6 @@ from atom_runtime.engine.protocol import (
     WorkerHello,
     WorkerReady,
     WorkerResult,
-    check_token_ids,
-    decoder,
-    encoder,
 )
 
 

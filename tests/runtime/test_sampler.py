@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom_runtime.layers.sampler import SamplingTensors, apply_top_k_top_p_min_p, sample
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.worker.sampler import SamplingTensors, apply_top_k_top_p_min_p, sample
 
 
 def _tensors(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, **kw) -> SamplingTensors:
@@ -87,7 +87,7 @@ def test_penalties_lower_seen_tokens():
         frequency=torch.tensor([0.25]),
         repetition=torch.tensor([1.0]),
     )
-    from atom_runtime.layers.sampler import apply_penalties
+    from atom_runtime.worker.sampler import apply_penalties
 
     assert apply_penalties(logits, t).tolist() == [[-1.0, 0.0, 0.0, 0.0]]
 
@@ -188,7 +188,7 @@ def test_stop_string_becomes_a_list():
 
 @pytest.mark.parametrize("vocab", [128256, 151936, 49152, 1009, 100])
 def test_greedy_argmax_is_argmax_first_maximum_included(vocab):
-    from atom_runtime.layers.sampler import greedy_argmax
+    from atom_runtime.worker.sampler import greedy_argmax
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=g)

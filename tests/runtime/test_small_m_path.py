@@ -11,7 +11,7 @@ import pytest
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.layers.linear import LinearBase
-from atom_runtime.small_m import (
+from atom_runtime.worker.kernel_choice import (
     choose_small_m_kernels,
     small_m_groups,
     small_m_paths,

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.block_hash import hash_block_tokens, hash_token_blocks
-from atom_runtime.engine.protocol import EngineRequest
 from atom_runtime.kv_events import BlockRemoved, BlockStored
+from atom_runtime.protocol.block_hash import hash_block_tokens, hash_token_blocks
+from atom_runtime.protocol.engine_core import EngineRequest
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 from atom_runtime.state.copy_plan import StateCopyPlan
 from atom_runtime.state.maintenance import UnitCopyTable, copy_units_reference, uint8_rows

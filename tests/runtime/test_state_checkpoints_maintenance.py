@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom_runtime.block_pool import BlockPool
+from atom_runtime.core.block_pool import BlockPool
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
     StatePoolPlan,

@@ -17,12 +17,12 @@ import random
 import pytest
 import torch
 
-from atom_runtime.block_hash import hash_token_blocks
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import BlockPool
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.protocol.block_hash import hash_token_blocks
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.sequence import Sequence
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 from atom_runtime.state.checkpoint_store import StateCheckpointStore
 from atom_runtime.state.maintenance import StateMaintenance, copy_units_reference, uint8_rows

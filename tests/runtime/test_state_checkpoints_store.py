@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import BlockPool
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.sequence import Sequence
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 from atom_runtime.state.checkpoint_store import (
     CheckpointRef,

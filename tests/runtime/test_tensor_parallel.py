@@ -23,9 +23,10 @@ import safetensors
 import torch
 from safetensors import safe_open
 
-from atom_runtime import LLM, SamplingParams, distributed
+from atom_runtime import LLM, SamplingParams
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
+from atom_runtime.system import distributed
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]
 MAX_TOKENS = 10

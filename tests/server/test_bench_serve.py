@@ -13,9 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from atom_runtime import bench_serve_client as bsc
-from atom_runtime import bench_serve_datasets as bsd
-from atom_runtime import bench_serve_metrics as bsm
+from atom_runtime.bench import serve_client as bsc
+from atom_runtime.bench import serve_datasets as bsd
+from atom_runtime.bench import serve_metrics as bsm
 from atom_runtime.cli import main as atom_main
 from tests.server.conftest import ATOM, free_port
 

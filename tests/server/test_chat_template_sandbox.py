@@ -8,7 +8,7 @@ import httpx
 import jinja2.exceptions
 import pytest
 
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

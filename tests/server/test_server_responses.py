@@ -8,7 +8,8 @@ from array import array
 import pytest
 from pydantic import ValidationError
 
-from atom_runtime.engine.protocol import (
+from atom_runtime.protocol.codec import decoder, encoder
+from atom_runtime.protocol.engine_core import (
     AddRequests,
     ClientMessage,
     EngineMessage,
@@ -18,8 +19,6 @@ from atom_runtime.engine.protocol import (
     Outputs,
     RequestUpdate,
     StepOutputs,
-    decoder,
-    encoder,
 )
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R

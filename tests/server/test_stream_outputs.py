@@ -11,11 +11,11 @@ import asyncio
 import pytest
 
 from atom_runtime.engine.core_client import RequestStream
-from atom_runtime.engine.protocol import RequestUpdate, StepOutputs
-from atom_runtime.output_processor import OutputProcessor
+from atom_runtime.engine.output_processor import OutputProcessor
+from atom_runtime.protocol.engine_core import RequestUpdate, StepOutputs
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
-from atom_runtime.server.runs import Run, merged
+from atom_runtime.server.in_flight import Run, merged
 
 TEXTS = ["", "plain", ' quote " and \\ backslash', "tab\tnewline\n\x01", "é漢字😀", "\u2028"]
 
@@ -119,7 +119,8 @@ def test_a_steps_columns_reach_each_request_as_its_own_tokens_logprobs_and_finis
     """One message for the whole step: after the msgpack round trip each request gets its own
     tokens in order, its logprobs (only the request that asked for them keeps any), its
     once-only facts and its finish, exactly as the engine sampled them."""
-    from atom_runtime.engine.protocol import EngineMessage, EngineStats, Outputs, decoder, encoder
+    from atom_runtime.protocol.codec import decoder, encoder
+    from atom_runtime.protocol.engine_core import EngineMessage, EngineStats, Outputs
 
     proc = OutputProcessor(None)
     proc.add_request("a", None, [1, 2, 3], SamplingParams(max_tokens=8, logprobs=1))

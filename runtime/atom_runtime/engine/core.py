@@ -28,27 +28,27 @@ from pathlib import Path
 
 import torch
 
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.block_pool import BlockPool
 from atom_runtime.config import EngineConfig
-from atom_runtime.engine.protocol import (
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.scheduler import ScheduledBatch, Scheduler, StepOutput, request_update
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.kv_events import KVEventsConfig, make_publisher
+from atom_runtime.kv_transfer import make_transfer_agent
+from atom_runtime.models.loader import load_model_config, resolve_model_path
+from atom_runtime.protocol.engine_core import (
     EngineRequest,
     EngineStats,
     RequestUpdate,
     StepOutputs,
     check_token_ids,
 )
-from atom_runtime.executor import make_executor
-from atom_runtime.kv_events import KVEventsConfig, make_publisher
-from atom_runtime.kv_transfer import make_transfer_agent
-from atom_runtime.layers.sampler import SamplerOutput
-from atom_runtime.models.loader import load_model_config, resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.scheduler import ScheduledBatch, Scheduler, StepOutput, request_update
-from atom_runtime.sequence import Sequence
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
-from atom_runtime.structured_outputs import Guides
+from atom_runtime.text.structured_outputs import Guides
+from atom_runtime.worker.executor import make_executor
+from atom_runtime.worker.sampler import SamplerOutput
 
 log = logging.getLogger(__name__)
 

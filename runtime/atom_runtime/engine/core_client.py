@@ -33,7 +33,9 @@ import zmq.asyncio
 
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_proc import HEARTBEAT_S, run_engine_core
-from atom_runtime.engine.protocol import (
+from atom_runtime.engine.output_processor import OutputProcessor, RequestState
+from atom_runtime.protocol.codec import decoder, encoder
+from atom_runtime.protocol.engine_core import (
     AbortRequests,
     AddRequests,
     AddResult,
@@ -47,10 +49,7 @@ from atom_runtime.engine.protocol import (
     UtilityCall,
     UtilityResult,
     check_token_ids,
-    decoder,
-    encoder,
 )
-from atom_runtime.output_processor import OutputProcessor, RequestState
 
 log = logging.getLogger(__name__)
 

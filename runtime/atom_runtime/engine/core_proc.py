@@ -7,7 +7,7 @@
 The API server binds both sockets and spawns this process (multiprocessing spawn: no fork after
 torch is imported; the only pickled thing is the spawn call's arguments, a plain dict of the
 EngineConfig fields and two addresses). Everything on the sockets is msgspec msgpack, never
-pickle: `ClientMessage` in, `EngineMessage` out (engine/protocol.py).
+pickle: `ClientMessage` in, `EngineMessage` out (protocol/engine_core.py).
 
 Startup: load the engine, apply the GC policy, then send `EngineReady` (or `StartupFailed` with the
 reason, and exit 1). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
@@ -22,7 +22,8 @@ import signal
 import time
 from typing import Any
 
-from atom_runtime.engine.protocol import (
+from atom_runtime.protocol.codec import decoder, encoder, receive_waiting
+from atom_runtime.protocol.engine_core import (
     AbortRequests,
     AddRequests,
     AddResult,
@@ -35,9 +36,6 @@ from atom_runtime.engine.protocol import (
     StepOutputs,
     UtilityCall,
     UtilityResult,
-    decoder,
-    encoder,
-    receive_waiting,
 )
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,7 @@ def run_engine_core(
     """Entry point of the EngineCore process (a multiprocessing spawn target)."""
     import zmq
 
-    from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+    from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
     set_process_title("EngineCore", config.get("data_parallel_rank") or None)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)

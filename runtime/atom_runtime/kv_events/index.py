@@ -19,7 +19,7 @@ def _block_hashes(token_ids: Sequence[int] | array, block_size: int) -> Iterator
     if type(block_size) is not int or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     # The engine owns the hash function; one definition keeps routers and engine in step.
-    from atom_runtime.block_hash import hash_block_tokens
+    from atom_runtime.protocol.block_hash import hash_block_tokens
 
     parent: int | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from atom_runtime.block_hash import hash_block_tokens
-from atom_runtime.block_manager import BlockManager
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.kv_transfer.base import KVCacheAccess, KVConnector, RemoteBlocks
 from atom_runtime.kv_transfer.config import KVTransferConfig
-from atom_runtime.kv_transfer.stats import KVTransferStats
-from atom_runtime.sequence import FinishReason, Sequence
+from atom_runtime.protocol.block_hash import hash_block_tokens
+from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
 
 log = logging.getLogger(__name__)
 

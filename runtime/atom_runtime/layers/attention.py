@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from atom_kernels import ops, varlen_attention
-from atom_runtime.forward_context import get_attention_metadata
+from atom_runtime.layers.forward_context import get_attention_metadata
 
 
 class PagedAttention(nn.Module):

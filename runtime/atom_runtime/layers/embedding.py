@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom_runtime.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from atom_runtime.layers.weights import copy_weight
+from atom_runtime.system.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
-from atom_runtime.distributed import all_reduce, tp_rank, tp_size
-from atom_runtime.forward_context import dense_rows
+from atom_runtime.layers.forward_context import dense_rows
 from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.weights import copy_weight
+from atom_runtime.system.distributed import all_reduce, tp_rank, tp_size
 
 
 def _divide(n: int, d: int, what: str) -> int:

@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from atom_kernels import ops
-from atom_runtime.distributed import all_reduce, tp_rank, tp_size
-from atom_runtime.forward_context import get_state_metadata
 from atom_runtime.layers.attention import PagedAttention
+from atom_runtime.layers.forward_context import get_state_metadata
 from atom_runtime.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -49,6 +48,7 @@ from atom_runtime.layers.rotary import RotaryEmbedding
 from atom_runtime.layers.weights import copy_weight
 from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
+from atom_runtime.system.distributed import all_reduce, tp_rank, tp_size
 
 
 class OffsetRMSNorm(RMSNorm):

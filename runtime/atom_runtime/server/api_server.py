@@ -36,8 +36,7 @@ from starlette.responses import Response
 import atom_runtime
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
-from atom_runtime.output_processor import OutputProcessor
-from atom_runtime.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.engine.output_processor import OutputProcessor
 from atom_runtime.server import openapi as D
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
@@ -56,7 +55,8 @@ from atom_runtime.server.protocol import (
 )
 from atom_runtime.server.request_io import ClientGone, json_response, parse_body
 from atom_runtime.server.serving import OpenAIServing
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
+from atom_runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
 

@@ -22,8 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from atom_runtime.engine.protocol import EngineStats
-from atom_runtime.kv_transfer.stats import KVTransferStats
+from atom_runtime.protocol.engine_core import EngineStats
+from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

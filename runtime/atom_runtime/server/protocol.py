@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server.errors import bad_request, from_value_error
 from atom_runtime.server.tools import ToolPlan
-from atom_runtime.structured_outputs import FIELD as STRUCTURED
-from atom_runtime.structured_outputs import StructuredOutputs
+from atom_runtime.text.structured_outputs import FIELD as STRUCTURED
+from atom_runtime.text.structured_outputs import StructuredOutputs
 
 
 class _Body(BaseModel):

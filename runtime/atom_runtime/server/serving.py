@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError
-from atom_runtime.output_processor import RequestState, SequenceText
+from atom_runtime.engine.output_processor import RequestState, SequenceText
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.errors import (
@@ -36,6 +36,7 @@ from atom_runtime.server.errors import (
     model_not_found,
     shutting_down,
 )
+from atom_runtime.server.in_flight import RequestCut, Run, _retrieve, _Shape, merged
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from atom_runtime.server.request_io import (
@@ -46,9 +47,8 @@ from atom_runtime.server.request_io import (
     random_id,
     wait_disconnect,
 )
-from atom_runtime.server.runs import RequestCut, Run, _retrieve, _Shape, merged
 from atom_runtime.server.tools import named_call_delta, plan_tools
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
 

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from atom_runtime.server.errors import bad_request
-from atom_runtime.structured_outputs import StructuredOutputs
+from atom_runtime.text.structured_outputs import StructuredOutputs
 
 TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from atom_runtime.block_pool import BlockPool
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 
 log = logging.getLogger(__name__)

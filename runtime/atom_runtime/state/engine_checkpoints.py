@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from atom_runtime.block_pool import BlockPool
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 from atom_runtime.state.checkpoint_store import StateCheckpointStore
 from atom_runtime.state.maintenance import StateMaintenance

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom_runtime.sequence import Sequence
+from atom_runtime.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

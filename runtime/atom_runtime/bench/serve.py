@@ -31,14 +31,14 @@ import os
 import sys
 from datetime import datetime
 
-from atom_runtime.bench_serve_client import (
+from atom_runtime.bench.serve_client import (
     _probe,
     arrival_offsets,
     benchmark,
     count_missing_usage,
 )
-from atom_runtime.bench_serve_datasets import BenchError, get_samples, load_token_source
-from atom_runtime.bench_serve_metrics import (
+from atom_runtime.bench.serve_datasets import BenchError, get_samples, load_token_source
+from atom_runtime.bench.serve_metrics import (
     PERCENTILE_METRICS,
     calculate_metrics,
     format_report,

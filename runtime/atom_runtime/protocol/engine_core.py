@@ -1,30 +1,20 @@
-"""The wire protocol: every message that crosses a process boundary inside one engine.
+"""Messages between the API server (or `LLM`) and the EngineCore process (engine/core_proc.py).
 
-Two channels, each a pair of ZMQ sockets carrying msgspec msgpack (never pickle):
-
-    API server / LLM client ──(ClientMessage)──> EngineCore process       (engine/core_proc.py)
-                            <──(EngineMessage)──
-    tensor-parallel rank 0  ──(ToWorker)──────> worker of rank r > 0      (executor.py, worker.py)
-                            <──(FromWorker)────
-
-Each direction is one tagged union, so a decoder accepts exactly what the other side sends.
-Token ids are lists here (this is a wire edge); a step's inputs are numpy arrays, carried as
-(dtype, shape, bytes) by the hooks of `encoder()` / `decoder()`: use those two on every socket.
-Sockets to external parties (KV events, kv_events/) speak their own, fixed format.
-"""
+One tagged union each way (`ClientMessage` in, `EngineMessage` out), so a decoder accepts exactly
+what the other side sends; encode and decode them with protocol/codec.py. Token ids are lists here
+(this is a wire edge)."""
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from atom_runtime.kv_transfer.stats import KVTransferStats
+from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
+from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:
@@ -199,117 +189,3 @@ class UtilityResult(msgspec.Struct, tag="result", array_like=True):
 
 
 EngineMessage = EngineReady | StartupFailed | Outputs | AddResult | UtilityResult
-
-
-# -- tensor-parallel rank 0 -> worker --------------------------------------------------------------
-
-
-class StepInputs(msgspec.Struct, tag="step", array_like=True):
-    """Everything a forward pass needs, as host arrays: rank 0 builds it from a scheduled batch
-    (ModelRunner.prepare_inputs) and sends it as is to every worker, which runs the same forward."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]: cache slot of each new token
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    seq_lens: np.ndarray  # int32 [B]: tokens in cache per sequence, this step's included
-    cu_seqlens_q: np.ndarray  # int32 [B+1]: prefix sums of each sequence's new tokens
-    max_seqlen_q: int
-    sample_rows: np.ndarray  # int64 [S]: token rows whose logits are sampled
-    # Async scheduling: int64 [2, P], input rows whose token the previous step sampled on the
-    # device (row 0) and that step's sample row holding it (row 1). Rank 0 only: async
-    # scheduling is refused under tensor parallelism, so a worker always gets None.
-    pending_sources: np.ndarray | None = None
-    # Hybrid models: each sequence's committed state slot (int32 [B]) and whether it resumes
-    # from it (bool [B]; False: the first chunk since admission, which starts from zero state).
-    state_slots: np.ndarray | None = None
-    has_initial_state: np.ndarray | None = None
-    # State checkpoints: the unit table (int64 [R, 3], maintenance.UnitCopyTable.rows) of the
-    # copies to run before this forward; each rank translates it for its own shard.
-    state_copy: np.ndarray | None = None
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
-
-
-class WorkerCall(msgspec.Struct, tag="call", array_like=True):
-    """Run one of worker.WORKER_METHODS; always answered by a WorkerResult (or WorkerFailed)."""
-
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-ToWorker = StepInputs | WorkerCall
-
-
-# -- worker -> tensor-parallel rank 0 --------------------------------------------------------------
-
-
-class WorkerHello(msgspec.Struct, tag="hello", array_like=True):
-    """Sent once the worker's imports are done, just before it joins the process group."""
-
-    rank: int
-    pid: int
-
-
-class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
-    """The worker's shard is loaded and its KV cache sized (every rank must agree on it)."""
-
-    rank: int
-    num_blocks: int
-
-
-class WorkerResult(msgspec.Struct, tag="result", array_like=True):
-    call_id: int
-    rank: int
-    value: Any = None
-
-
-class WorkerFailed(msgspec.Struct, tag="failed", array_like=True):
-    rank: int
-    message: str
-
-
-FromWorker = WorkerHello | WorkerReady | WorkerResult | WorkerFailed
-
-
-# -- codecs ---------------------------------------------------------------------------------------
-
-
-def _encode_custom(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        a = np.ascontiguousarray(obj)
-        return (a.dtype.str, a.shape, a.data)  # e.g. ("<i8", (3,), raw bytes)
-    raise NotImplementedError(f"cannot put a {type(obj).__name__} on the wire")
-
-
-def _decode_custom(kind: type, obj: Any) -> Any:
-    if kind is np.ndarray:
-        dtype, shape, data = obj
-        # Writable, so torch.from_numpy takes the array without a warning.
-        return np.frombuffer(bytearray(data), dtype=np.dtype(dtype)).reshape(shape)
-    raise NotImplementedError(f"cannot read a {kind.__name__} from the wire")
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    """The encoder of every message in this module."""
-    return msgspec.msgpack.Encoder(enc_hook=_encode_custom)
-
-
-def decoder(kind: Any) -> msgspec.msgpack.Decoder:
-    """A decoder of `kind` (one of this module's unions)."""
-    return msgspec.msgpack.Decoder(kind, dec_hook=_decode_custom)
-
-
-def receive_waiting(sock, decoder: msgspec.msgpack.Decoder) -> Iterator[Any]:
-    """Decode every message already waiting on a ZMQ socket, never waiting for one."""
-    import zmq
-
-    while True:
-        try:
-            frame = sock.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
-        yield decoder.decode(frame.buffer)

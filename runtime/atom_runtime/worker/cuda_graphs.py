@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from atom_runtime.forward_context import (
+from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     StateMetadata,
     set_attention_metadata,
@@ -24,7 +24,7 @@ from atom_runtime.forward_context import (
 )
 
 if TYPE_CHECKING:
-    from atom_runtime.engine.protocol import StepInputs
+    from atom_runtime.protocol.worker import StepInputs
 
 log = logging.getLogger(__name__)
 

@@ -23,16 +23,9 @@ import torch
 
 from atom_kernels import varlen_attention
 from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
-from atom_runtime.cuda_graphs import (
-    DecodeGraphs,
-    PrefillGraphs,
-    default_capture_sizes,
-    default_prefill_buckets,
-)
-from atom_runtime.device import resolve_device, resolve_dtype, to_device, to_device_many
-from atom_runtime.distributed import all_reduce_min, tp_rank, tp_size
-from atom_runtime.engine.protocol import StepInputs
-from atom_runtime.forward_context import (
+from atom_runtime.core.scheduler import ScheduledBatch
+from atom_runtime.core.sequence import PENDING_TOKEN, Sequence
+from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     StateMetadata,
     fresh_chunk_lengths,
@@ -40,12 +33,9 @@ from atom_runtime.forward_context import (
     set_attention_metadata,
     set_state_metadata,
 )
-from atom_runtime.layers.sampler import Sampler, SamplerOutput
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
-from atom_runtime.scheduler import ScheduledBatch
-from atom_runtime.sequence import PENDING_TOKEN, Sequence
-from atom_runtime.small_m import select_small_m_kernels
+from atom_runtime.protocol.worker import StepInputs
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
     StatePoolPlan,
@@ -54,6 +44,16 @@ from atom_runtime.state.checkpoint_spec import (
 from atom_runtime.state.copy_plan import StateCopyPlan
 from atom_runtime.state.maintenance import uint8_rows
 from atom_runtime.state.slot_pool import StateTensors, plan_state_slots
+from atom_runtime.system.device import resolve_device, resolve_dtype, to_device, to_device_many
+from atom_runtime.system.distributed import all_reduce_min, tp_rank, tp_size
+from atom_runtime.worker.cuda_graphs import (
+    DecodeGraphs,
+    PrefillGraphs,
+    default_capture_sizes,
+    default_prefill_buckets,
+)
+from atom_runtime.worker.kernel_choice import select_small_m_kernels
+from atom_runtime.worker.sampler import Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ def _median_ms(values: list[float]) -> float:
 def ttfts(engine, prompts: list[list[int]], output_len: int, at_once: bool) -> list[float]:
     """Seconds from submitting each prompt to the step that returns its first token. `at_once`
     submits every prompt before the first step; otherwise each runs alone to completion."""
-    from atom_runtime.engine.protocol import EngineRequest
+    from atom_runtime.protocol.engine_core import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -168,11 +168,11 @@ def measure_admission(
     """Milliseconds the scheduler and block manager spend admitting one request over a cached
     `prefix_len`-token prefix (schedule, commit, publish, finish), without a model: the
     Sequence is built outside the timed region; the rest is what every such admission pays."""
-    from atom_runtime.block_manager import BlockManager
-    from atom_runtime.block_pool import BlockPool
+    from atom_runtime.core.block_manager import BlockManager
+    from atom_runtime.core.block_pool import BlockPool
+    from atom_runtime.core.scheduler import Scheduler
+    from atom_runtime.core.sequence import Sequence
     from atom_runtime.sampling_params import SamplingParams
-    from atom_runtime.scheduler import Scheduler
-    from atom_runtime.sequence import Sequence
 
     blocks = 4 * (prefix_len + suffix_len) // block_size + 16
     manager = BlockManager(BlockPool(blocks, block_size), enable_prefix_caching=True)

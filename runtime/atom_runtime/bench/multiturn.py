@@ -36,8 +36,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from atom_runtime.block_hash import hash_token_blocks
 from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.protocol.block_hash import hash_token_blocks
 
 DEFAULT_INTERVALS = "-1,512,2048,8192"
 
@@ -229,7 +229,7 @@ def checkpoint_counters(engine):
     """The engine's live `StateCheckpointCounters`, or None when it has none (a model without
     recurrent state, or a hybrid model run with checkpoints off). Looked for on the
     engine itself and in its stats message, so it does not depend on the field's name."""
-    from atom_runtime.state.checkpoint_metrics import StateCheckpointCounters
+    from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 
     for value in vars(engine).values():
         if isinstance(value, StateCheckpointCounters):
@@ -246,7 +246,7 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
     """Run the trace through an EngineCore: `max_concurrency` conversations in flight, each
     turn submitted once the conversation's previous turn finished. Returns the turns in
     submission order and the engine-side figures of the run."""
-    from atom_runtime.engine.protocol import EngineRequest
+    from atom_runtime.protocol.engine_core import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     if max_concurrency < 1:

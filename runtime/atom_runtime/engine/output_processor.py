@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from tokenizers.decoders import DecodeStream
 
-from atom_runtime.engine.protocol import EngineRequest, RequestUpdate, StepOutputs
+from atom_runtime.protocol.engine_core import EngineRequest, RequestUpdate, StepOutputs
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.tokenizer import Tokenizer
+from atom_runtime.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -10,7 +10,7 @@ weights and holds its KV heads' part of the cache; all ranks agree on the block 
 smallest that fits everywhere), so rank 0's block ids are valid on every rank.
 
 A step: rank 0 turns the batch into `StepInputs` (host arrays), sends them as they are to every
-worker (msgspec over ZMQ, one PUSH socket per worker; engine/protocol.py), runs the same forward
+worker (msgspec over ZMQ, one PUSH socket per worker; protocol/worker.py), runs the same forward
 (the layers' all-reduce and all-gather run on the torch.distributed group: gloo on CPU, NCCL on
 GPUs), and samples alone.
 Why ZMQ and not a torch.distributed broadcast for the inputs: the send never blocks on a dead
@@ -44,20 +44,21 @@ from typing import Any, Protocol
 import torch
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.device import resolve_device
-from atom_runtime.distributed import (
+from atom_runtime.core.scheduler import ScheduledBatch
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.models.config import ModelConfig
+from atom_runtime.protocol import codec
+from atom_runtime.protocol import worker as wire
+from atom_runtime.system.device import resolve_device
+from atom_runtime.system.distributed import (
     abort_tensor_parallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
     tp_size,
 )
-from atom_runtime.engine import protocol
-from atom_runtime.layers.sampler import SamplerOutput
-from atom_runtime.model_runner import ModelRunner
-from atom_runtime.models.config import ModelConfig
-from atom_runtime.scheduler import ScheduledBatch
-from atom_runtime.sequence import Sequence
-from atom_runtime.worker import WorkerSpec, run_worker
+from atom_runtime.worker.model_runner import ModelRunner
+from atom_runtime.worker.sampler import SamplerOutput
+from atom_runtime.worker.tp_worker import WorkerSpec, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,8 @@ class TPExecutor:
         self._failure: str | None = None
         self._closed = False
         self._call_ids = itertools.count(1)
-        self._encoder = protocol.encoder()
-        self._decoder = protocol.decoder(protocol.FromWorker)
+        self._encoder = codec.encoder()
+        self._decoder = codec.decoder(wire.FromWorker)
         self._failed_messages: dict[int, str] = {}
         self.worker_gc_policies: list[dict] = []
 
@@ -171,10 +172,10 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _abandon, list(self.workers))
 
         try:
-            self._wait_for(protocol.WorkerHello, "start")
+            self._wait_for(wire.WorkerHello, "start")
             init_tensor_parallel(0, n, init_method, self.backend)
             self.runner = ModelRunner(config, model_config, model_path)
-            readies = self._wait_for(protocol.WorkerReady, "load the model")
+            readies = self._wait_for(wire.WorkerReady, "load the model")
         except BaseException as e:
             # A collective failing (RuntimeError) usually means a worker died: report that one.
             # Anything else is rank 0's own error (a bad config, a bad checkpoint): raise it.
@@ -371,13 +372,11 @@ class TPExecutor:
     def _send_call(self, method: str, args: list) -> int:
         self._check_alive()
         call_id = next(self._call_ids)
-        self._send_all(self._encoder.encode(protocol.WorkerCall(call_id, method, args)))
+        self._send_all(self._encoder.encode(wire.WorkerCall(call_id, method, args)))
         return call_id
 
     def _collect(self, call_id: int, timeout_s: float | None = None) -> list[Any]:
-        results = self._wait_for(
-            protocol.WorkerResult, f"answer call {call_id}", call_id, timeout_s
-        )
+        results = self._wait_for(wire.WorkerResult, f"answer call {call_id}", call_id, timeout_s)
         return [r.value for r in results]
 
     def _wait_for(self, kind, what: str, call_id: int | None = None, timeout_s=None) -> list:
@@ -407,9 +406,9 @@ class TPExecutor:
         `WorkerFailed` reports are kept for the death message."""
         if not self._replies.poll(timeout_ms):
             return []
-        out = list(protocol.receive_waiting(self._replies, self._decoder))
+        out = list(codec.receive_waiting(self._replies, self._decoder))
         for msg in out:
-            if isinstance(msg, protocol.WorkerFailed):
+            if isinstance(msg, wire.WorkerFailed):
                 self._failed_messages[msg.rank] = msg.message
         return out
 

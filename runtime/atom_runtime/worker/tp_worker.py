@@ -17,7 +17,7 @@ worker exits 1:
 rank 0 then takes the engine down with that message (a rank half-way through a collective cannot
 be resumed). The worker also exits when its parent (rank 0's process) is gone.
 
-Everything on the sockets is msgspec msgpack (engine/protocol.py), never pickle; the spawn call's
+Everything on the sockets is msgspec msgpack (protocol/worker.py), never pickle; the spawn call's
 only argument is a plain dict (`WorkerSpec` as a dict).
 """
 
@@ -30,15 +30,14 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from atom_runtime.engine.protocol import (
+from atom_runtime.protocol.codec import decoder, encoder
+from atom_runtime.protocol.worker import (
     StepInputs,
     ToWorker,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
     WorkerResult,
-    decoder,
-    encoder,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def run_worker(spec: dict) -> None:
     import torch
     import zmq
 
-    from atom_runtime.process import release_gc_policy, set_process_title
+    from atom_runtime.system.process import release_gc_policy, set_process_title
 
     s = WorkerSpec(**spec)
     set_process_title("Worker", s.engine_config.get("data_parallel_rank", 0), s.rank)
@@ -118,7 +117,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def _destroy_tensor_parallel() -> None:
-    from atom_runtime.distributed import destroy_tensor_parallel
+    from atom_runtime.system.distributed import destroy_tensor_parallel
 
     try:
         destroy_tensor_parallel()
@@ -131,9 +130,9 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         from atom_runtime.config import EngineConfig
-        from atom_runtime.distributed import init_tensor_parallel
-        from atom_runtime.model_runner import ModelRunner
         from atom_runtime.models.loader import load_model_config
+        from atom_runtime.system.distributed import init_tensor_parallel
+        from atom_runtime.worker.model_runner import ModelRunner
 
         self.spec = spec
         init_tensor_parallel(spec.rank, spec.world_size, spec.dist_init_method, spec.backend)
@@ -173,7 +172,7 @@ class Worker:
         return list(self.runner.graphs.sizes)
 
     def apply_gc_policy(self) -> dict:
-        from atom_runtime.process import apply_gc_policy
+        from atom_runtime.system.process import apply_gc_policy
 
         return dataclasses.asdict(apply_gc_policy())
 

@@ -85,7 +85,7 @@ class Guides:
             try:
                 from llguidance import LLTokenizer
 
-                from atom_runtime.tokenizer import Tokenizer
+                from atom_runtime.text.tokenizer import Tokenizer
 
                 tok = Tokenizer.from_path(Path(self.model_path), self.eos_token_ids)
                 self._tokenizer = LLTokenizer(

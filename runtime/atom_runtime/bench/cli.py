@@ -19,7 +19,7 @@ import random
 import sys
 import time
 
-from atom_runtime import bench_bound
+from atom_runtime.bench import bound as bench_bound
 from atom_runtime.config import EngineConfig, add_engine_arguments
 
 
@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
         add_engine_arguments(p)
-    from atom_runtime import bench_multiturn, bench_prefix, bench_serve
+    from atom_runtime.bench import multiturn as bench_multiturn
+    from atom_runtime.bench import prefix as bench_prefix
+    from atom_runtime.bench import serve as bench_serve
 
     pre = sub.add_parser("prefix", help="W3: TTFT over a cached shared prefix vs caching off")
     bench_prefix.add_arguments(pre)
@@ -79,7 +81,7 @@ def _clip_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.workload == "serve":
-        from atom_runtime import bench_serve
+        from atom_runtime.bench import serve as bench_serve
 
         return bench_serve.run(args)
     # The offline workloads run the engine in this process: on a machine without a GPU they run
@@ -90,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"atom bench {args.workload}: error: {problem}", file=sys.stderr)
             return 1
         if args.workload == "prefix":
-            from atom_runtime import bench_prefix
+            from atom_runtime.bench import prefix as bench_prefix
 
             return bench_prefix.run(args)
         if args.workload == "multiturn":
-            from atom_runtime import bench_multiturn
+            from atom_runtime.bench import multiturn as bench_multiturn
 
             return bench_multiturn.run(args)
         return _run_offline(args)
@@ -235,7 +237,7 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 def decode_ms_per_token(llm, prompt: list[int], output_len: int) -> float:
     """Steady-state decode time per token for one request: first token to last, per token."""
-    from atom_runtime.engine.protocol import EngineRequest
+    from atom_runtime.protocol.engine_core import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
     engine = llm.engine

@@ -42,7 +42,7 @@ class SampleRequest:
 class TokenSource:
     """What the client knows of the model's vocabulary: a tokenizer, or only its size."""
 
-    tokenizer: object | None  # atom_runtime.tokenizer.Tokenizer
+    tokenizer: object | None  # atom_runtime.text.tokenizer.Tokenizer
     vocab_size: int | None
     name: str | None
 
@@ -53,7 +53,7 @@ def load_token_source(name: str | None) -> TokenSource:
     if not name:
         return TokenSource(None, None, None)
     from atom_runtime.models.loader import resolve_model_path
-    from atom_runtime.tokenizer import Tokenizer
+    from atom_runtime.text.tokenizer import Tokenizer
 
     try:
         path = resolve_model_path(name)

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from atom_runtime.block_manager import BlockManager
-from atom_runtime.engine.protocol import RequestUpdate, StepOutputs
-from atom_runtime.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.core.block_manager import BlockManager
+from atom_runtime.core.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.protocol.engine_core import RequestUpdate, StepOutputs
 from atom_runtime.state.chains import CheckpointChains
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from atom_runtime.device import to_device
-from atom_runtime.structured_outputs import fill_bitmasks
+from atom_runtime.system.device import to_device
+from atom_runtime.text.structured_outputs import fill_bitmasks
 
 if TYPE_CHECKING:
-    from atom_runtime.sequence import Sequence
+    from atom_runtime.core.sequence import Sequence
 
 
 @dataclass

@@ -11,9 +11,9 @@ from array import array
 
 import numpy as np
 
-from atom_runtime.block_hash import hash_token_blocks
-from atom_runtime.block_pool import BlockPool
-from atom_runtime.sequence import Sequence
+from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.protocol.block_hash import hash_token_blocks
 
 
 class BlockManager:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from atom_runtime.bench_serve_datasets import BenchError, SampleRequest, TokenSource
+from atom_runtime.bench.serve_datasets import BenchError, SampleRequest, TokenSource
 
 # -- one request -------------------------------------------------------------------------------
 

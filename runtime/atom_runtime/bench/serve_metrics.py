@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 
-from atom_runtime.bench_serve_client import RequestOutput
-from atom_runtime.bench_serve_datasets import BenchError
+from atom_runtime.bench.serve_client import RequestOutput
+from atom_runtime.bench.serve_datasets import BenchError
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from atom_runtime.engine.core_client import EngineDeadError, RequestStream
-from atom_runtime.output_processor import RequestState
+from atom_runtime.engine.output_processor import RequestState
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
 from atom_runtime.server.tools import ToolPlan

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
-from atom_runtime.forward_context import (
+from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     padding_state_metadata,
     set_attention_metadata,

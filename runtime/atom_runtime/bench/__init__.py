@@ -1,0 +1,2 @@
+"""`atom bench`: the workloads of docs/benchmarks.md (W1-W5) with an optional peer measured in the
+same run."""
