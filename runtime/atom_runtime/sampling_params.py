@@ -6,13 +6,65 @@ invalid value raises ValueError naming the field; the server turns that into a 4
 
 from __future__ import annotations
 
-import msgspec
+import json
 
-from atom_runtime.text.structured_outputs import StructuredOutputs
+import msgspec
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # completions per request (OpenAI's bound): each is an engine request of its own
 _INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 to the engine core
+
+
+STRUCTURED_FIELD = "structured_outputs"
+
+
+class StructuredOutputs(
+    msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True
+):
+    json: str | None = None  # a JSON schema, serialized
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's dialect)
+    json_object: bool = False  # any JSON object
+    # JSON only: no whitespace between tokens ({"a":1,"b":2}). Off by default, as in vLLM: a
+    # model writes its JSON as trained; small models can ramble in whitespace, this stops it.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                f"{STRUCTURED_FIELD}: exactly one of json, regex, choice, grammar, json_object must be set"
+                f", got {given or 'none'}"
+            )
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise ValueError(f"{STRUCTURED_FIELD}: choice must be a list of non-empty strings")
+        if self.json is not None:
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(
+                    f"{STRUCTURED_FIELD}: json is not a valid JSON schema ({e})"
+                ) from None
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar for this request (not yet checked against a tokenizer)."""
+        from llguidance import LLMatcher
+
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(self.json, overrides=options)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            # Lark string literals take JSON's escapes.
+            return LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in self.choice)
+            )
+        return LLMatcher.grammar_from_lark(self.grammar)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -25,9 +25,10 @@ from safetensors.torch import save_file
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.config import EngineConfig
+from atom_runtime.core.batch import StepOutput
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.block_pool import BlockPool
-from atom_runtime.core.scheduler import Scheduler, StepOutput
+from atom_runtime.core.scheduler import Scheduler
 from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.engine.core import _warn_checkpoint_flags
 from atom_runtime.models.config import ModelConfig

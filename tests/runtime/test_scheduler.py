@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import random
 
+from atom_runtime.core.batch import StepOutput
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.block_pool import BlockPool
-from atom_runtime.core.scheduler import Scheduler, StepOutput
+from atom_runtime.core.scheduler import Scheduler
 from atom_runtime.core.sequence import FinishReason, Sequence, SequenceStatus
 from atom_runtime.sampling_params import SamplingParams
 

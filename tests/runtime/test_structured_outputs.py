@@ -14,7 +14,7 @@ import pytest
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.protocol.engine_core import EngineRequest
-from atom_runtime.text.structured_outputs import StructuredOutputs
+from atom_runtime.sampling_params import StructuredOutputs
 
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
 SCHEMA = {

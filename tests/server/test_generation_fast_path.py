@@ -11,7 +11,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from atom_runtime.server.api_server import GenerationFastPath
-from atom_runtime.server.errors import APIError
+from atom_runtime.web.errors import APIError
 
 
 class _Serving:

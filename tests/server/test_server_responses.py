@@ -22,8 +22,8 @@ from atom_runtime.protocol.engine_core import (
 )
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
-from atom_runtime.server.errors import field_path, from_validation_error, from_value_error
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from atom_runtime.web.errors import field_path, from_validation_error, from_value_error
 
 
 def _walk(obj):

@@ -10,8 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from atom_runtime.server.errors import APIError
 from atom_runtime.server.tools import ToolPlan, parse_hermes, plan_tools
+from atom_runtime.web.errors import APIError
 from tests.server.conftest import TINY_FLAGS
 
 WEATHER = {

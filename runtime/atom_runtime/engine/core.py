@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from atom_runtime.config import EngineConfig
+from atom_runtime.core.batch import ScheduledBatch, StepOutput
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.block_pool import BlockPool
-from atom_runtime.core.scheduler import ScheduledBatch, Scheduler, StepOutput, request_update
+from atom_runtime.core.scheduler import Scheduler, request_update
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.kv_transfer import make_transfer_agent

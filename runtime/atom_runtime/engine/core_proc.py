@@ -55,7 +55,12 @@ def run_engine_core(
     """Entry point of the EngineCore process (a multiprocessing spawn target)."""
     import zmq
 
-    from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
+    from atom_runtime.system.process import (
+        LOG_FORMAT,
+        apply_gc_policy,
+        release_gc_policy,
+        set_process_title,
+    )
 
     set_process_title("EngineCore", config.get("data_parallel_rank") or None)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
@@ -104,9 +109,6 @@ def run_engine_core(
         outbox.close()
         ctx.term()
         release_gc_policy()
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

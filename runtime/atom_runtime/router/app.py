@@ -37,7 +37,7 @@ from atom_runtime.router.discovery import (
 )
 from atom_runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from atom_runtime.router.relay import FORWARDED_HEADERS, RETRYABLE_STATUS, BackendRelay
-from atom_runtime.server.request_io import wait_disconnect
+from atom_runtime.web.request_io import wait_disconnect
 
 log = logging.getLogger(__name__)
 

@@ -135,8 +135,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from atom_runtime.engine.core_proc import LOG_FORMAT
-    from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
+    from atom_runtime.system.process import (
+        LOG_FORMAT,
+        apply_gc_policy,
+        release_gc_policy,
+        set_process_title,
+    )
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not 0 < args.port < 65536:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 
-from atom_runtime.server.errors import error_body
+from atom_runtime.web.errors import error_body
 
 POLICIES = ("kv-aware", "round-robin")
 

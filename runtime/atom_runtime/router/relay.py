@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from atom_runtime.router.backends import Backend
 from atom_runtime.router.config import RouterError
-from atom_runtime.server.errors import error_body
+from atom_runtime.web.errors import error_body
 
 RETRYABLE_STATUS = (502, 503, 504)  # the pod is loading, dying or gone; another may answer
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")

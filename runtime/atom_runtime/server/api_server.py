@@ -39,13 +39,6 @@ from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
 from atom_runtime.engine.output_processor import OutputProcessor
 from atom_runtime.server import openapi as D
 from atom_runtime.server import responses as R
-from atom_runtime.server.errors import (
-    APIError,
-    bad_request,
-    engine_unavailable,
-    error_body,
-    invalid_api_key,
-)
 from atom_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from atom_runtime.server.protocol import (
     ChatCompletionRequest,
@@ -53,10 +46,17 @@ from atom_runtime.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from atom_runtime.server.request_io import ClientGone, json_response, parse_body
 from atom_runtime.server.serving import OpenAIServing
 from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 from atom_runtime.text.tokenizer import Tokenizer
+from atom_runtime.web.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    error_body,
+    invalid_api_key,
+)
+from atom_runtime.web.request_io import ClientGone, json_response, parse_body
 
 log = logging.getLogger("atom_runtime.server")
 

@@ -13,11 +13,10 @@ from typing import Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.server.errors import bad_request, from_value_error
+from atom_runtime.sampling_params import STRUCTURED_FIELD as STRUCTURED
+from atom_runtime.sampling_params import SamplingParams, StructuredOutputs
 from atom_runtime.server.tools import ToolPlan
-from atom_runtime.text.structured_outputs import FIELD as STRUCTURED
-from atom_runtime.text.structured_outputs import StructuredOutputs
+from atom_runtime.web.errors import bad_request, from_value_error
 
 
 class _Body(BaseModel):

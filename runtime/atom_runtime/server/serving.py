@@ -8,7 +8,7 @@ SSE chunks are streamed. Whatever way a request ends, `finally` aborts what is u
 engine, records its metrics and logs its one line.
 
 The request's state in flight (`Run`, `_Shape`) is server/runs.py; parsing the body and sending
-JSON or SSE, server/request_io.py.
+JSON or SSE, web/request_io.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from atom_runtime.engine.core_client import EngineCoreClient, EngineDeadError
 from atom_runtime.engine.output_processor import RequestState, SequenceText
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
-from atom_runtime.server.errors import (
+from atom_runtime.server.in_flight import RequestCut, Run, _retrieve, _Shape, merged
+from atom_runtime.server.metrics import ServerMetrics
+from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from atom_runtime.server.tools import named_call_delta, plan_tools
+from atom_runtime.text.tokenizer import Tokenizer
+from atom_runtime.web.errors import (
     bad_request,
     engine_unavailable,
     error_body,
@@ -36,10 +41,7 @@ from atom_runtime.server.errors import (
     model_not_found,
     shutting_down,
 )
-from atom_runtime.server.in_flight import RequestCut, Run, _retrieve, _Shape, merged
-from atom_runtime.server.metrics import ServerMetrics
-from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from atom_runtime.server.request_io import (
+from atom_runtime.web.request_io import (
     ClientGone,
     _sse,
     json_response,
@@ -47,8 +49,6 @@ from atom_runtime.server.request_io import (
     random_id,
     wait_disconnect,
 )
-from atom_runtime.server.tools import named_call_delta, plan_tools
-from atom_runtime.text.tokenizer import Tokenizer
 
 log = logging.getLogger("atom_runtime.server")
 

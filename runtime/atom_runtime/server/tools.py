@@ -21,8 +21,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from atom_runtime.server.errors import bad_request
-from atom_runtime.text.structured_outputs import StructuredOutputs
+from atom_runtime.sampling_params import StructuredOutputs
+from atom_runtime.web.errors import bad_request
 
 TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

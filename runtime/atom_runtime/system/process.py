@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger("atom_runtime.gc")
 
+# Every ATOM process logs in this format (API server, engine core, workers, router).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
 FREEZE_ENV = "ATOM_GC_FREEZE"
 DEBUG_ENV = "ATOM_GC_DEBUG"
 # Used when freezing is turned off: young collections 70x rarer than CPython's default (700).

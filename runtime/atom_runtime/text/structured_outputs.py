@@ -1,8 +1,9 @@
 """Structured outputs: a request's text held to a JSON schema, a regex, a choice of strings or a
 Lark grammar, by masking every token the grammar cannot take next.
 
-`StructuredOutputs` is what a request asks for (vLLM's `StructuredOutputsParams` fields: exactly
-one of `json`, `regex`, `choice`, `grammar`, `json_object`). `Guides` turns it into a matcher per
+`StructuredOutputs` (sampling_params.py) is what a request asks for (vLLM's
+`StructuredOutputsParams` fields: exactly one of `json`, `regex`, `choice`, `grammar`,
+`json_object`). `Guides` turns it into a matcher per
 sequence with llguidance (its JSON-schema, regex and Lark compilers; token masks computed in
 Rust), built against the model's own tokenizer. Each step the model runner asks every guided
 sequence's matcher for its bitmask of allowed tokens and the sampler masks the rest; the engine
@@ -14,59 +15,10 @@ flight (the scheduler skips it), and the rest of the batch keeps overlapping.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import msgspec
-
-FIELD = "structured_outputs"
-
-
-class StructuredOutputs(
-    msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True
-):
-    json: str | None = None  # a JSON schema, serialized
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # Lark syntax (llguidance's dialect)
-    json_object: bool = False  # any JSON object
-    # JSON only: no whitespace between tokens ({"a":1,"b":2}). Off by default, as in vLLM: a
-    # model writes its JSON as trained; small models can ramble in whitespace, this stops it.
-    disable_any_whitespace: bool = False
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError(
-                f"{FIELD}: exactly one of json, regex, choice, grammar, json_object must be set"
-                f", got {given or 'none'}"
-            )
-        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
-            raise ValueError(f"{FIELD}: choice must be a list of non-empty strings")
-        if self.json is not None:
-            try:
-                json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"{FIELD}: json is not a valid JSON schema ({e})") from None
-
-    def grammar_text(self) -> str:
-        """The llguidance grammar for this request (not yet checked against a tokenizer)."""
-        from llguidance import LLMatcher
-
-        options = {"whitespace_flexible": not self.disable_any_whitespace}
-        if self.json is not None:
-            return LLMatcher.grammar_from_json_schema(self.json, overrides=options)
-        if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
-        if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            # Lark string literals take JSON's escapes.
-            return LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in self.choice)
-            )
-        return LLMatcher.grammar_from_lark(self.grammar)
+from atom_runtime.sampling_params import STRUCTURED_FIELD as FIELD
+from atom_runtime.sampling_params import StructuredOutputs
 
 
 class Guides:

@@ -97,9 +97,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:
-        from atom_runtime.models.loader import _gguf_reader, gguf_field
+        from atom_runtime.models.gguf import gguf_field, open_gguf
 
-        reader = _gguf_reader(path)
+        reader = open_gguf(path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from atom_runtime.config import EngineConfig
-from atom_runtime.core.scheduler import ScheduledBatch
+from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.protocol import codec

@@ -23,7 +23,7 @@ import torch
 
 from atom_kernels import varlen_attention
 from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
-from atom_runtime.core.scheduler import ScheduledBatch
+from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import PENDING_TOKEN, Sequence
 from atom_runtime.layers.forward_context import (
     AttentionMetadata,

@@ -7,12 +7,14 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from atom_runtime.server import responses as R
-from atom_runtime.server.errors import from_validation_error
+from atom_runtime.web.errors import from_validation_error
+
+_json = msgspec.json.Encoder()
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -23,7 +25,7 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
 
 
 def json_response(body: dict, status: int = 200) -> Response:
-    return Response(R.encode(body), status_code=status, media_type="application/json")
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
 
 
 class ClientGone(Exception):

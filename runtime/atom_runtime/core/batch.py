@@ -1,0 +1,40 @@
+"""What the scheduler hands the model runner (`ScheduledBatch`) and what comes back from a step
+(`StepOutput`): the light types both sides import, so the runner never imports the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atom_runtime.core.sequence import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: for each sequence, how many of its tokens to run."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+    # State checkpoints: this batch's id in the maintenance queue, and the unit table (int64
+    # [R, 3], `UnitCopyTable.rows`) of the copies to run before its forward (None: none).
+    batch_id: int | None = None
+    state_copy: object | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass
+class StepOutput:
+    """What a step sampled, read back to the host: row i belongs to `samplers[i]`. Logprobs (and
+    the top ones) are there when a sampler of the step asked for them."""
+
+    samplers: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
