@@ -1,4 +1,4 @@
-"""The generation endpoints' fast path (`api_server.GenerationFastPath`) in front of the app's
+"""The generation endpoints' fast path (`server/middleware.GenerationFastPath`) in front of the app's
 router: what it passes on, and the error answers it gives in place of the app's exception
 handlers (the rest of tests/server runs every request of those two endpoints through it on a real
 server: the key check, the body limit, the 503 while loading, streaming and disconnects)."""
@@ -10,7 +10,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from atom_runtime.server.api_server import GenerationFastPath
+from atom_runtime.server.middleware import GenerationFastPath
 from atom_runtime.web.errors import APIError
 
 

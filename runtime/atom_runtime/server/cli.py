@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from atom_runtime.engine.core_proc import HEARTBEAT_S
-    from atom_runtime.server.api_server import ServerConfig, run_event_loop, serve
+    from atom_runtime.server.api_server import run_event_loop, serve
+    from atom_runtime.server.state import ServerConfig
     from atom_runtime.system.process import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

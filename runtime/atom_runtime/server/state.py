@@ -1,0 +1,143 @@
+"""What every route of the API server reads: its settings (`ServerConfig`) and `ServerState`, the
+engine client plus the serving layer once the engine is ready, and the engine's warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
+from atom_runtime.engine.output_processor import OutputProcessor
+from atom_runtime.server.metrics import ServerMetrics
+from atom_runtime.server.serving import OpenAIServing
+from atom_runtime.system.process import apply_gc_policy
+from atom_runtime.text.tokenizer import Tokenizer
+from atom_runtime.web.errors import engine_unavailable
+
+log = logging.getLogger("atom_runtime.server")
+
+ENGINE_DEATH_EXIT_DELAY_ENV = "ATOM_ENGINE_DEATH_EXIT_DELAY_S"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    log_requests: bool = True
+    shutdown_grace_period: float = 10.0
+    engine_stall_timeout: float = 300.0
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto"
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_sequences_per_request: int = 256
+    enable_debug_endpoints: bool = False  # /debug/kv_cache and POST /reset_prefix_cache
+
+
+class ServerState:
+    """Everything the routes read: the engine client, and the serving layer once ready."""
+
+    def __init__(self, config: ServerConfig, engine_config: EngineConfig) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.client = EngineCoreClient(engine_config, config.log_level, config.engine_stall_timeout)
+        self.metrics = ServerMetrics(lambda: self.client.stats)
+        self.serving: OpenAIServing | None = None
+        self.server: uvicorn.Server | None = None
+        self.exit_code = 0
+        self.started = time.time()
+        self.model_names = [config.served_model_name or engine_config.served_model_name or
+                            engine_config.model or _default_model_name()]  # fmt: skip
+
+    @property
+    def healthy(self) -> bool:
+        return self.serving is not None and not self.client.dead and not self._stopping
+
+    @property
+    def _stopping(self) -> bool:
+        return self.server is not None and self.server.should_exit
+
+    def require_serving(self) -> OpenAIServing:
+        if self.client.dead:
+            raise engine_unavailable("the engine core died; the server is exiting")
+        if self.serving is None:
+            raise engine_unavailable("the model is still loading")
+        return self.serving
+
+    def exit(self, code: int) -> None:
+        self.exit_code = code
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def start_engine(self) -> None:
+        """Warm-up: load the engine core and the tokenizer, then apply the GC policy."""
+        try:
+            ready = await self.client.start()
+            tokenizer = await asyncio.to_thread(
+                Tokenizer.from_path, Path(ready.model_path), ready.eos_token_ids
+            )
+        except (EngineStartupError, OSError, ValueError) as e:
+            log.error("atom serve: the engine failed to start: %s", e)
+            self.exit(1)
+            return
+        self.client.attach_processor(OutputProcessor(tokenizer))
+        self.client.on_death = self.on_engine_death
+        self.serving = OpenAIServing(
+            self.client,
+            tokenizer,
+            self.model_names,
+            self.metrics,
+            self.config.log_requests,
+            self.config.tool_call_parser,
+            self.config.max_sequences_per_request,
+        )
+        apply_gc_policy()
+        c = self.config
+        log.info(
+            "serving %s (%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
+            "up to %d tokens a step",
+            self.model_names[0],
+            ready.model_path,
+            ready.device,
+            ready.num_blocks,
+            ready.block_size,
+            ready.max_model_len,
+            ready.max_num_batched_tokens,
+        )
+        log.info("OpenAI-compatible API ready at http://%s:%d/v1", c.host, c.port)
+
+    def cut_in_flight(self) -> None:
+        """The shutdown grace period is over: end the requests still running, cleanly."""
+        if self.serving is None:
+            return
+        grace = self.config.shutdown_grace_period
+        cut = self.serving.cut_in_flight(
+            f"the server is shutting down and the request did not finish within the "
+            f"{grace:g} s shutdown grace period"
+        )
+        if cut:
+            log.warning(
+                "shutdown grace period (%g s) over: %d request(s) still running were cut off "
+                "(503 / SSE error event)",
+                grace,
+                cut,
+            )
+
+    def on_engine_death(self) -> None:
+        self.exit_code = 1
+        delay = float(os.environ.get(ENGINE_DEATH_EXIT_DELAY_ENV, "1"))
+        asyncio.get_running_loop().call_later(delay, self.exit, 1)
+
+
+def _default_model_name() -> str:
+    from atom_runtime.models.loader import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
