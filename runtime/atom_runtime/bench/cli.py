@@ -8,7 +8,7 @@ optional peer (Hugging Face transformers) measured in the same run.
 
 W1 and W2 also print their bandwidth bound, from the bytes the engine's decode steps must move
 (bench_bound.py), at the device's peak and its measured copy bandwidth. `serve` is a client
-(bench_serve.py) and never imports torch; `prefix` lives in bench_prefix.py.
+(bench/serve.py) and never imports torch; `prefix` lives in bench/prefix.py.
 """
 
 from __future__ import annotations

@@ -51,14 +51,14 @@ class LinearBase(nn.Module):
         # the next norm needs.
         self.residual_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
-        # group at start-up (small_m.py), with the norm, the activation or the
+        # group at start-up (worker/kernel_choice.py), with the norm, the activation or the
         # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else
         # each in its own kernel).
         self.gemv = False
         self.fuse_norm = False
         self.fuse_act = False
         self.fuse_rope = False
-        # Producer and consumer of a `SummedRow` (ATOM_NORM_IN_PRODUCER=1, small_m.py): the
+        # Producer and consumer of a `SummedRow` (ATOM_NORM_IN_PRODUCER=1, worker/kernel_choice.py): the
         # GEMV adds the residual in its epilogue (`add_residual`), and the GEMV after the next
         # norm takes the row times the norm's weight and the sums of squares it left
         # (`fuse_norm_parts`).

@@ -7,7 +7,7 @@ stream. Then either the final outputs are collected (while watching for the clie
 SSE chunks are streamed. Whatever way a request ends, `finally` aborts what is unfinished in the
 engine, records its metrics and logs its one line.
 
-The request's state in flight (`Run`, `_Shape`) is server/runs.py; parsing the body and sending
+The request's state in flight (`Run`, `_Shape`) is server/in_flight.py; parsing the body and sending
 JSON or SSE, web/request_io.py.
 """
 

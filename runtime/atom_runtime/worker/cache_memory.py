@@ -1,0 +1,197 @@
+"""The model runner's memory: how many KV blocks (and, for hybrid models, state slots) fit, the
+cache tensors themselves, and the state-checkpoint copy plan over them. On a GPU the budget is
+what `gpu_memory_utilization` leaves after the weights and a profiling forward's peak; on CPU it
+is ATOM_CPU_KVCACHE_SPACE GiB."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from atom_runtime.layers.forward_context import (
+    AttentionMetadata,
+    padding_state_metadata,
+    set_attention_metadata,
+    set_state_metadata,
+)
+from atom_runtime.state.checkpoint_spec import (
+    PagedStateCheckpointSpec,
+    StatePoolPlan,
+    StateTensorShape,
+)
+from atom_runtime.state.copy_plan import StateCopyPlan
+from atom_runtime.state.maintenance import uint8_rows
+from atom_runtime.state.slot_pool import plan_state_slots
+from atom_runtime.system.distributed import all_reduce_min
+
+log = logging.getLogger("atom_runtime.worker.model_runner")
+
+CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
+
+
+class CacheMemory:
+    """ModelRunner's part that sizes and allocates the caches (a mixin: it reads the runner's
+    model, config, device, dtype and cache geometry)."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return 0 if self.state is None else self.state.bytes_per_slot
+
+    def _decide_num_blocks(self) -> int:
+        override = self.config.num_gpu_blocks_override
+        if self.state is not None:
+            return self._plan_hybrid_memory(override)
+        if override is not None:
+            return override
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        space = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        return max(1, int(space // self.bytes_per_block))
+
+    def _plan_hybrid_memory(self, override: int | None) -> int:
+        """Split the cache budget (GPU: what is left after weights and the peak activation;
+        CPU: ATOM_CPU_KVCACHE_SPACE) between state slots and KV blocks (`plan_state_slots`)."""
+        if self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        plan = plan_state_slots(
+            budget,
+            self.state.bytes_per_slot,
+            self.bytes_per_block,
+            self.config.max_num_seqs,
+            fixed_blocks=override,
+        )
+        if plan.num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache next to {plan.num_slots} state slots: raise "
+                "--gpu-memory-utilization or lower --max-num-seqs"
+            )
+        self._planned_slots = plan.num_slots
+        return plan.num_blocks
+
+    def _allocate_state_slots(self) -> None:
+        """Allocate the slots every rank agreed on; cap max_num_seqs to them (a running sequence
+        holds one slot)."""
+        self.num_state_slots = all_reduce_min(self._planned_slots, self.device)
+        self.state.allocate(self.num_state_slots)
+        if self.config.max_num_seqs > self.num_state_slots:
+            log.warning(
+                "max_num_seqs capped from %d to %d: the state slots that fit in memory",
+                self.config.max_num_seqs,
+                self.num_state_slots,
+            )
+            self.config.max_num_seqs = self.num_state_slots
+        log.info(
+            "hybrid state: %d slots of %.2f MiB each (%d stateful layers), %.2f GiB in all",
+            self.num_state_slots,
+            self.state.bytes_per_slot / 2**20,
+            len(self.state.layers),
+            self.num_state_slots * self.state.bytes_per_slot / 2**30,
+        )
+
+    def _plan_checkpoint_copies(self) -> None:
+        """The checkpoint spec of this rank's shard (PAGE unit: one block's K/V rows in every
+        attention layer; image: a slot's row in every state tensor, in slot-pool order) and the
+        byte views the per-batch copy launch works on."""
+        attn = self.model.attention_layers()
+        shapes = []
+        for i, layer in enumerate(self.state.layers):
+            for name, shape, dtype in zip(
+                ("conv", "recurrent"), layer.state_shapes(), self.state.dtypes(), strict=True
+            ):
+                shapes.append(StateTensorShape(f"layer{i}.{name}", tuple(shape), dtype))
+        plan = StatePoolPlan(
+            self.block_size, len(attn), self.num_kv_heads, self.head_dim, self.dtype, tuple(shapes)
+        )
+        spec = PagedStateCheckpointSpec.from_plan(plan)
+        if spec.image_bytes != self.state.bytes_per_slot:
+            raise RuntimeError(
+                f"state checkpoint image ({spec.image_bytes} bytes) differs from the slot "
+                f"({self.state.bytes_per_slot} bytes)"
+            )
+        pool_segments = [uint8_rows(t) for layer in attn for t in (layer.k_cache, layer.v_cache)]
+        slot_segments = [
+            uint8_rows(t)
+            for layer in self.state.layers
+            for t in (layer.conv_state, layer.ssm_state)
+        ]
+        self.checkpoint_spec = spec
+        self._copy_plan = StateCopyPlan(pool_segments, slot_segments, spec)
+
+    def copy_state(self, unit_rows: np.ndarray) -> None:
+        """Run a batch's checkpoint copies (a `UnitCopyTable`'s rows): one `ops.state_copy_`
+        launch on the current stream, so it completes before the forward that follows it."""
+        if self._copy_plan is None:
+            raise RuntimeError("state copies for a model without state checkpoints")
+        self._copy_plan.run(torch.from_numpy(np.asarray(unit_rows, dtype=np.int64)))
+
+    def _profile_gpu_blocks(self) -> int:
+        budget = self._profile_gpu_budget()
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache in {budget / 2**30:.2f} GiB: raise "
+                "--gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return num_blocks
+
+    def _profile_gpu_budget(self) -> float:
+        """Run the largest batch once against a one-block cache (and one state slot), then
+        return what is left under gpu_memory_utilization after weights and that peak."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.max_num_batched_tokens
+        self.num_blocks = 1
+        self._allocate_kv_cache()
+        if self.state is not None:
+            self.state.allocate(1)
+        blocks_wide = -(-tokens // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((1, blocks_wide), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            decode_only=False,
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=tokens,
+            # The path a whole-budget prompt takes: on the dense path, padded to its bucket.
+            fresh_chunks=(tokens,),
+            dense_rows=self._dense_rows((tokens,)),
+        )
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            set_attention_metadata(meta)
+            set_state_metadata(padding_state_metadata(1, tokens, self.device))
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float()
+            set_attention_metadata(None)
+            set_state_metadata(None)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
+        del hidden
+        log.info(
+            "weights and activations peak at %.1f GiB of %.1f GiB; %.2f GiB left for caches",
+            peak / 2**30,
+            total / 2**30,
+            budget / 2**30,
+        )
+        return budget
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        for layer in self.model.attention_layers():
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
