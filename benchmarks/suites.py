@@ -148,10 +148,15 @@ SUITES: tuple[Suite, ...] = (
     ),
     Suite(
         "kernels",
-        "attention kernels (decode TB/s, prefill TFLOP/s against SDPA, W3's step), batch-1 "
-        "GEMV launch shapes against cuBLAS, the dense prefill path and its crossover, its TTFT",
+        "attention kernels (decode TB/s, prefill TFLOP/s against SDPA, W3's step, W1's decode by "
+        "KV heads a program), batch-1 GEMV launch shapes against cuBLAS, the dense prefill path, "
+        "its crossover and its TTFT",
         (
             Step("python benchmarks/kernels_bench.py --out $json/kernels.json"),
+            Step(
+                "python benchmarks/kernels_bench.py --sweep w1pack --sweep-only "
+                "--out $json/decode_w1pack.json"
+            ),
             Step("python benchmarks/gemv_sweep.py --model $L8 --out $json/gemv_llama-3.1-8b.json"),
             Step("python benchmarks/gemv_sweep.py --model $Q3 --out $json/gemv_qwen3-0.6b.json"),
             Step("python benchmarks/prefill_dense_bench.py --out $json/prefill_dense.json"),
