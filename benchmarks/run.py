@@ -9,8 +9,8 @@
 From the repository root of a checkout on a GPU machine (`./install.sh` done, or the packages of
 pyproject.toml importable). Results go to the output folder (`--out`, else `$OUT`, else
 `results/`): `run.log` holds every command's whole output, `results.json` each command's exit
-status, seconds and the JSON it wrote, rewritten after every command so an interrupted run keeps
-what finished. Before anything runs, every config, script and test path of the chosen suites must
+status, seconds, time, commit and the JSON it wrote, rewritten after every command so an
+interrupted run keeps what finished; a later run into the same folder appends to both. Before anything runs, every config, script and test path of the chosen suites must
 exist and every flag must appear in its command's `--help`; a suite whose flags this checkout
 lacks fails there, by name, and nothing runs. A failed command does not stop the others; the exit
 status is 1 if any failed.
@@ -224,13 +224,22 @@ class Run:
         self.json_dir.mkdir(parents=True, exist_ok=True)
         self.env = environment(self.json_dir)
         self.log = open(out / "run.log", "a", buffering=1)
-        self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "suites": {}}
-        self.results["commit"] = _git_commit()
+        self.commit = _git_commit()
+        self.results: dict = {"suites": {}}
+        if (out / "results.json").exists():  # an earlier run into this folder: append to it
+            self.results = json.loads((out / "results.json").read_text())
         self.failed = 0
 
     def record(self, suite: str, line: str, rc: int, seconds: float) -> None:
         files = sorted(self.json_dir.glob("*.json"))
-        entry = {"command": line, "rc": rc, "seconds": round(seconds, 1), "results": {}}
+        entry = {
+            "command": line,
+            "rc": rc,
+            "seconds": round(seconds, 1),
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "commit": self.commit,
+            "results": {},
+        }
         for f in files:  # whatever the command wrote, folded in
             try:
                 entry["results"][f.stem] = json.loads(f.read_text())

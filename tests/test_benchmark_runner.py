@@ -30,6 +30,17 @@ def runner():
         sys.path.remove(str(BENCH))
 
 
+def run_steps(runner, out: Path, suite) -> list[dict]:
+    """Run a suite's steps as run.py does; the entries results.json holds for it."""
+    run = runner.Run(out, tail=5)
+    try:
+        for step in suite.steps:
+            run.step(suite, step, runner.free_port())
+    finally:
+        run.close()
+    return json.loads((out / "results.json").read_text())["suites"][suite.name]
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(BENCH / "run.py"), *args],
@@ -117,19 +128,15 @@ def test_a_run_records_exit_status_and_folds_the_json_written(runner, tmp_path):
             runner.Step("python -c 'import sys; sys.exit(3)'"),
         ),
     )
-    run = runner.Run(tmp_path, tail=5)
-    try:
-        for step in suite.steps:
-            run.step(suite, step, runner.free_port())
-    finally:
-        run.close()
-    entries = json.loads((tmp_path / "results.json").read_text())["suites"]["cpu"]
+    entries = run_steps(runner, tmp_path, suite)
     assert [e["rc"] for e in entries] == [0, 3]
     assert "admission" in entries[0]["results"]
     assert entries[0]["command"].startswith("atom bench prefix --admission-only")
-    assert run.failed == 1
     assert not (tmp_path / "json").exists()  # every JSON folded into results.json
     assert "== cpu: atom bench prefix" in (tmp_path / "run.log").read_text()
+    # A second run into the same folder appends its entries.
+    again = runner.Suite("cpu", "", suite.steps[1:])
+    assert [e["rc"] for e in run_steps(runner, tmp_path, again)] == [0, 3, 3]
 
 
 def test_a_server_runs_for_its_clients_and_is_stopped_after_them(runner, tmp_path):
@@ -144,13 +151,7 @@ def test_a_server_runs_for_its_clients_and_is_stopped_after_them(runner, tmp_pat
     server = runner.Step(
         "python -m http.server $port --bind 127.0.0.1", clients=(runner.Step(client),)
     )
-    suite = runner.Suite("srv", "", (server,))
-    run = runner.Run(tmp_path, tail=5)
-    try:
-        run.step(suite, server, runner.free_port())
-    finally:
-        run.close()
-    entries = json.loads((tmp_path / "results.json").read_text())["suites"]["srv"]
+    entries = run_steps(runner, tmp_path, runner.Suite("srv", "", (server,)))
     assert [e["rc"] for e in entries] == [0, 0]  # the client, then the server stopped by us
     log = (tmp_path / "run.log").read_text()
     assert "status 200" in log
@@ -159,12 +160,6 @@ def test_a_server_runs_for_its_clients_and_is_stopped_after_them(runner, tmp_pat
 
 def test_a_command_past_its_limit_is_stopped_and_recorded(runner, tmp_path):
     slow = runner.Step("python -c 'import time; time.sleep(600)'", timeout_s=1)
-    suite = runner.Suite("slow", "", (slow,))
-    run = runner.Run(tmp_path, tail=5)
-    try:
-        run.step(suite, slow, runner.free_port())
-    finally:
-        run.close()
-    entries = json.loads((tmp_path / "results.json").read_text())["suites"]["slow"]
+    entries = run_steps(runner, tmp_path, runner.Suite("slow", "", (slow,)))
     assert entries[0]["rc"] == 124
     assert entries[0]["seconds"] < 120
