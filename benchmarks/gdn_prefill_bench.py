@@ -1,13 +1,16 @@
 """Gated DeltaNet prefill kernels on one GPU: this repository's chunked kernel at chunks of 16, 32
 and 64 tokens against fla-core's (when installed), bf16, Qwen3.5-4B heads (16 k / 32 v of 128).
 
-python benchmarks/gdn_prefill_bench.py
+python benchmarks/gdn_prefill_bench.py [--out gdn_prefill.json]
 
 Microseconds a layer (`triton.testing.do_bench`) for three batch shapes: a W5-style mixed step
 (15 decode rows and one 500-token chunk), W1-style prefill (8 rows of 1,024) and one long prompt.
 """
 
 from __future__ import annotations
+
+import argparse
+import json
 
 import torch
 import triton
@@ -36,15 +39,23 @@ def time_us(fn) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the timings (us a layer) to this JSON file")
+    args = ap.parse_args()
+    rows = []
     for name, lens in SHAPES:
         case = make_case(lens)
-        row = [name]
+        row = {"shape": name}
         for chunk in (16, 32, 64):
             us = time_us(lambda c=chunk, a=case: gdn.gated_delta_rule_chunked_(*a, chunk=c))
-            row.append(f"own{chunk} {us:.0f}us")
+            row[f"own{chunk}_us"] = round(us, 1)
         if gdn._fla_chunk() is not None:
-            row.append(f"fla {time_us(lambda a=case: gdn.gated_delta_rule_chunked_fla_(*a)):.0f}us")
-        print(" | ".join(row), flush=True)
+            row["fla_us"] = round(time_us(lambda a=case: gdn.gated_delta_rule_chunked_fla_(*a)), 1)
+        rows.append(row)
+        print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

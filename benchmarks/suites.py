@@ -1,0 +1,280 @@
+"""The benchmark suites: what `benchmarks/run.py` runs, suite by suite.
+
+Each suite is a short list of commands, written as a user would type them from the repository
+root (`atom` is `python -m atom_runtime`). Placeholders: `$Q3`, `$L8`, `$H4`, `$M35` are the model
+configs in benchmarks/configs/ (dummy weights: a bare config.json), `$json` the folder each
+command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
+TCP port. docs/benchmarks.md says which published figure each command gives.
+
+A suite with `pending` uses flags that another issue is building; the runner refuses to start it
+(naming the unknown flag) until this checkout's `atom` knows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODELS = {
+    "Q3": "benchmarks/configs/qwen3-0.6b",
+    "L8": "benchmarks/configs/llama-3.1-8b",
+    "H4": "benchmarks/configs/qwen3.5-4b",
+    "M35": "benchmarks/configs/qwen3.5-35b-a3b",
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command. `clients` makes it a server: it is started in the background, the clients
+    run one after another against it, and it is stopped when the last one ends."""
+
+    command: str
+    timeout_s: int = 900
+    env: dict[str, str] = field(default_factory=dict)
+    clients: tuple[Step, ...] = ()
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    about: str
+    steps: tuple[Step, ...]
+    pending: str = ""  # the issue whose flags the suite needs, while they are being built
+
+
+def _w2(model: str, name: str, extra: str = "") -> Step:
+    return Step(
+        f"atom bench latency --load-format dummy --model ${model}{extra} "
+        f"--output-json $json/{name}.json",
+        timeout_s=600,
+    )
+
+
+def _w1(model: str, name: str, extra: str = "", timeout_s: int = 600) -> Step:
+    return Step(
+        f"atom bench throughput --load-format dummy --model ${model}{extra} "
+        f"--output-json $json/{name}.json",
+        timeout_s=timeout_s,
+    )
+
+
+def _serve_client(rate: str) -> Step:
+    return Step(
+        "atom bench serve --port $port --model $Q3 --dataset-name sharegpt --num-prompts 512 "
+        f"--request-rate {rate} --ignore-eos --disable-tqdm "
+        f"--result-filename $json/w4_sharegpt_{rate}.json",
+        timeout_s=900,
+    )
+
+
+SUITES: tuple[Suite, ...] = (
+    Suite(
+        "tests",
+        "every kernel test compiled for the GPU (bf16 and fp16 where a test has them)",
+        (Step("pytest -q -p no:cacheprovider tests/kernels", timeout_s=2400),),
+    ),
+    Suite(
+        "gputests",
+        "every test marked gpu: engine parity with transformers, CUDA graphs, PDL, hybrids, "
+        "state checkpoints, KV transfer (bf16 agreement lands in results.json)",
+        (Step("pytest -q -p no:cacheprovider -m gpu tests", timeout_s=2400),),
+    ),
+    Suite(
+        "w1",
+        "W1 offline throughput: Qwen3-0.6B and the Qwen3.5-4B dense hybrid, bound printed",
+        (_w1("Q3", "w1_qwen3-0.6b"), _w1("H4", "w1_qwen3.5-4b")),
+    ),
+    Suite(
+        "w2",
+        "W2 batch-1 decode latency: Qwen3-0.6B, Llama-3.1-8B, Qwen3.5-4B, bound printed",
+        (
+            _w2("Q3", "w2_qwen3-0.6b"),
+            _w2("L8", "w2_llama-3.1-8b"),
+            _w2("H4", "w2_qwen3.5-4b"),
+        ),
+    ),
+    Suite(
+        "w3",
+        "W3 prefix reuse: TTFT over a cached 8,000-token prefix against caching off, and the "
+        "scheduler's admission alone",
+        (
+            Step("atom bench prefix --load-format dummy --model $Q3 --output-json $json/w3.json"),
+            Step(
+                "atom bench prefix --load-format dummy --model $Q3 --output-len 1 "
+                "--at-once-requests 61 --output-json $json/w3_max1.json"
+            ),
+            Step("atom bench prefix --admission-only --output-json $json/w3_admission.json"),
+        ),
+    ),
+    Suite(
+        "w4",
+        "W4 online serving: ShareGPT-shaped Poisson load at 16, 64 and unbounded requests/s "
+        "against `atom serve`; then W1 through HTTP against W1 offline, same call (0.6B, 4B)",
+        (
+            Step(
+                "atom serve --load-format dummy --model $Q3 --port $port",
+                clients=(
+                    _serve_client("16"),
+                    _serve_client("64"),
+                    _serve_client("inf"),
+                ),
+            ),
+            Step(
+                "python benchmarks/serve_cpu_cost.py --model $Q3 --offline --client-procs 4 "
+                "--output-json $json/w4_http_qwen3-0.6b.json"
+            ),
+            Step(
+                "python benchmarks/serve_cpu_cost.py --model $H4 --offline --client-procs 4 "
+                "--output-json $json/w4_http_qwen3.5-4b.json"
+            ),
+        ),
+    ),
+    Suite(
+        "w5",
+        "W5 multi-turn reuse on the dense hybrid: the default checkpoints against prefix "
+        "caching off, then the other checkpoint intervals",
+        (
+            Step(
+                "atom bench multiturn --load-format dummy --model $H4 "
+                "--state-checkpoint-interval-tokens=-1 --output-json $json/w5.json",
+                timeout_s=600,
+            ),
+            Step(
+                "atom bench multiturn --load-format dummy --model $H4 --no-baseline "
+                "--state-checkpoint-interval-tokens=512,2048,8192 "
+                "--output-json $json/w5_intervals.json",
+                timeout_s=900,
+            ),
+        ),
+    ),
+    Suite(
+        "kernels",
+        "attention kernels (decode TB/s, prefill TFLOP/s against SDPA, W3's step, W1's decode by "
+        "KV heads a program), batch-1 GEMV launch shapes against cuBLAS, the dense prefill path, "
+        "its crossover and its TTFT",
+        (
+            Step("python benchmarks/kernels_bench.py --out $json/kernels.json"),
+            Step(
+                "python benchmarks/kernels_bench.py --sweep w1pack --sweep-only "
+                "--out $json/decode_w1pack.json"
+            ),
+            Step("python benchmarks/gemv_sweep.py --model $L8 --out $json/gemv_llama-3.1-8b.json"),
+            Step("python benchmarks/gemv_sweep.py --model $Q3 --out $json/gemv_qwen3-0.6b.json"),
+            Step("python benchmarks/prefill_dense_bench.py --out $json/prefill_dense.json"),
+            Step("python benchmarks/dense_crossover.py --out $json/dense_crossover.json"),
+            Step(
+                "python benchmarks/prefill_dense_bench.py --ttft $L8,$Q3 "
+                "--out $json/prefill_dense_ttft.json"
+            ),
+        ),
+    ),
+    Suite(
+        "hybrid",
+        "hybrid kernels (fused GDN decode, GDN prefill chunks, MoE pair GEMV), the 35B-A3B MoE "
+        "hybrid's W1 and W2, the 4B's W1 with state checkpoints off and on",
+        (
+            Step(
+                "python benchmarks/gdn_decode_bench.py --batch 1,4,16 --sweep "
+                "--out $json/gdn_decode.json"
+            ),
+            Step("python benchmarks/gdn_prefill_bench.py --out $json/gdn_prefill.json"),
+            Step("python benchmarks/moe_gemv_sweep.py --tokens 1,2,4,8 --out $json/moe_gemv.json"),
+            _w2("M35", "w2_qwen3.5-35b-a3b"),
+            _w1("M35", "w1_qwen3.5-35b-a3b"),
+            _w1("H4", "w1_qwen3.5-4b_ckpt_off", " --state-checkpoint-interval-tokens 0"),
+            _w1("H4", "w1_qwen3.5-4b_ckpt_on", " --state-checkpoint-interval-tokens -1"),
+        ),
+    ),
+    Suite(
+        "pd",
+        "prefill/decode disaggregation on one GPU: TCP connector GB/s, TTFT/TPOT aggregated "
+        "against disaggregated, KV-aware against round-robin routing",
+        (
+            Step("python benchmarks/pd_bench.py transfer --check --out $json/pd_transfer.json"),
+            Step(
+                "python benchmarks/pd_bench.py serve --model $Q3 --rates 4,16,32,64 "
+                "--num-requests 64 --input-len 2048 --output-len 128 --out $json/pd_serve.json",
+                timeout_s=1200,
+            ),
+            # Hit rate is what routing changes: the start-up's one-row kernel timing is skipped.
+            Step(
+                "python benchmarks/pd_bench.py routing --model $Q3 --groups 16 --prefix-len 2048 "
+                "--num-requests 256 --concurrency 16 --kv-blocks 1600 "
+                "--out $json/pd_routing.json",
+                env={"ATOM_SMALL_M_KERNELS": "cublas"},
+            ),
+        ),
+    ),
+    Suite(
+        "peers",
+        "the transformers peer in the same call as ATOM: W1 and W2 of every model config "
+        "(slow: the peer runs eager or compiles)",
+        (
+            _w1("Q3", "w1_qwen3-0.6b_peer", " --peer transformers --peer-num-prompts 64"),
+            _w2("Q3", "w2_qwen3-0.6b_peer", " --peer transformers"),
+            _w2("L8", "w2_llama-3.1-8b_peer", " --peer transformers"),
+            _w2("H4", "w2_qwen3.5-4b_peer", " --peer transformers"),
+            _w1(
+                "H4",
+                "w1_qwen3.5-4b_peer",
+                " --peer transformers --peer-num-prompts 16 --peer-batch-size 16",
+                timeout_s=900,
+            ),
+            _w1(
+                "M35",
+                "w1_qwen3.5-35b-a3b_peer",
+                " --peer transformers --peer-num-prompts 16 --peer-batch-size 16",
+                timeout_s=900,
+            ),
+        ),
+    ),
+    Suite(
+        "trace",
+        "where a batch-1 decode step's GPU time goes, kernel by kernel (torch.profiler), for "
+        "each model config",
+        tuple(
+            Step(
+                f"python benchmarks/trace_decode.py --model ${key} "
+                f"--out $json/trace_{path.rsplit('/', 1)[-1]}.json"
+            )
+            for key, path in MODELS.items()
+        ),
+    ),
+    # Needs the flags of issue 35 (FP8): --quantization fp8 and --kv-cache-dtype fp8. Each FP8
+    # figure is measured beside its bf16 twin in the same call (W6).
+    Suite(
+        "fp8",
+        "W6: W2 with FP8 weights and W1 with an FP8 KV cache, each beside its bf16 twin",
+        (
+            _w2("L8", "w6_w2_llama-3.1-8b_bf16"),
+            _w2("L8", "w6_w2_llama-3.1-8b_fp8", " --quantization fp8"),
+            _w2("Q3", "w6_w2_qwen3-0.6b_bf16"),
+            _w2("Q3", "w6_w2_qwen3-0.6b_fp8", " --quantization fp8"),
+            _w1("Q3", "w6_w1_qwen3-0.6b_bf16kv"),
+            _w1("Q3", "w6_w1_qwen3-0.6b_fp8kv", " --kv-cache-dtype fp8"),
+            _w1("L8", "w6_w1_llama-3.1-8b_bf16"),
+            _w1("L8", "w6_w1_llama-3.1-8b_fp8", " --quantization fp8 --kv-cache-dtype fp8"),
+        ),
+        pending="issue 35 (FP8: --quantization, --kv-cache-dtype)",
+    ),
+    # Needs the flag of issue 38 (speculative decoding): --speculative-config. With dummy weights
+    # acceptance means nothing; these time the speculative step against the plain one (W7).
+    Suite(
+        "spec",
+        "W7: batch-1 decode with n-gram speculation (k = 4) beside the plain step, 0.6B and 8B",
+        (
+            _w2("Q3", "w7_qwen3-0.6b_plain"),
+            _w2(
+                "Q3",
+                "w7_qwen3-0.6b_ngram4",
+                ' --speculative-config \'{"method":"ngram","num_speculative_tokens":4}\'',
+            ),
+            _w2("L8", "w7_llama-3.1-8b_plain"),
+            _w2(
+                "L8",
+                "w7_llama-3.1-8b_ngram4",
+                ' --speculative-config \'{"method":"ngram","num_speculative_tokens":4}\'',
+            ),
+        ),
+        pending="issue 38 (speculative decoding: --speculative-config)",
+    ),
+)
