@@ -53,7 +53,7 @@ def environment(json_dir: Path) -> dict[str, str]:
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
-    env["ATOM_REPORT_DIR"] = str(json_dir)  # tests/runtime/test_gpu_engine.py writes there
+    env["ATOM_REPORT_DIR"] = str(json_dir)  # tests/runtime/worker/test_gpu_engine.py writes there
     return env
 
 

@@ -4,7 +4,7 @@ per-token loops for the MoE, and transformers' public gated RMSNorm module in fp
 
 transformers' own GDN and conv1d functions are module internals that change between releases
 (5.25 wrapped them in hub-kernel objects), so they are not called here: the whole-model tests in
-tests/runtime/test_hybrid.py compare every op, inside the model, with transformers' public
+tests/runtime/models/test_hybrid.py compare every op, inside the model, with transformers' public
 `AutoModelForCausalLM` in fp32."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Programmatic dependent launch is only asked for where it can run (atom_kernels.pdl); the
-kernels themselves run with it on in tests/runtime/test_gpu_engine.py (Hopper)."""
+kernels themselves run with it on in tests/runtime/worker/test_gpu_engine.py (Hopper)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import zmq
 
 from atom_runtime.kv_events import BlockStored, KVEventsConfig, make_publisher
 from atom_runtime.kv_events.publisher import REPLAY_MAX_FRAME_BYTES, REPLAY_WARNING_INTERVAL_S
-from tests.runtime.test_kv_events import ask_replay, free_tcp_port
+from tests.runtime.kv_events.test_kv_events import ask_replay, free_tcp_port
 
 GUARD_S = 120.0  # deadlock guard, not a correctness window
 

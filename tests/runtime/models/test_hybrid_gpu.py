@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from atom_runtime import LLM, SamplingParams
-from tests.runtime.test_hybrid import PROMPTS, _hf_reference, _prompts
+from tests.runtime.models.test_hybrid import PROMPTS, _hf_reference, _prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

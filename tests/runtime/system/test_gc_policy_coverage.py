@@ -15,7 +15,7 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE_ROOTS = [ROOT / "runtime", ROOT / "operator"]
 REQUIRED = ("set_process_title", "apply_gc_policy", "release_gc_policy")
 ENGINE_BUILDERS = {"EngineCore", "ModelRunner"}
@@ -55,13 +55,15 @@ class ModuleInfo:
                     info.imports[alias.asname or alias.name] = node.module
         return info
 
-    def reachable_calls(self, entry: ast.AST) -> set[str]:
-        """Names called anywhere in the code reachable from `entry` inside this module."""
+    def reachable_calls(self, entry: ast.AST, modules: dict[str, ModuleInfo]) -> set[str]:
+        """Names called anywhere in the code reachable from `entry`: in this module, and in the
+        project modules its reachable code names through `from ... import` (an entry point may
+        leave the work to a class defined elsewhere, e.g. the API server's state and app)."""
         seen: set[int] = set()
         called: set[str] = set()
-        todo = [entry]
+        todo: list[tuple[ModuleInfo, ast.AST]] = [(self, entry)]
         while todo:
-            node = todo.pop()
+            info, node = todo.pop()
             if id(node) in seen:
                 continue
             seen.add(id(node))
@@ -69,7 +71,10 @@ class ModuleInfo:
                 if isinstance(sub, ast.Call) and (n := _name(sub.func)):
                     called.add(n)
                 if isinstance(sub, (ast.Name, ast.Attribute)) and (n := _name(sub)):
-                    todo.extend(self.defs.get(n, []))
+                    todo.extend((info, d) for d in info.defs.get(n, []))
+                    other = modules.get(info.imports.get(n, ""))
+                    if other is not None and other is not info:
+                        todo.extend((other, d) for d in other.defs.get(n, []))
         return called
 
     def builds_engine(self) -> bool:
@@ -133,7 +138,7 @@ def violations(modules: dict[str, ModuleInfo]) -> list[str]:
         if info is None or fn not in info.defs:
             problems.append(f"{module}.{fn}: process entry point not found in the source")
             continue
-        called = set().union(*(info.reachable_calls(d) for d in info.defs[fn]))
+        called = set().union(*(info.reachable_calls(d, modules) for d in info.defs[fn]))
         missing = [r for r in REQUIRED if r not in called]
         if missing:
             problems.append(f"{module}.{fn} does not call {', '.join(missing)}")

@@ -12,7 +12,7 @@ import transformers
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.protocol.engine_core import EngineRequest
-from tests.runtime.test_parity import _hf_greedy, _prompts
+from tests.runtime.models.test_parity import _hf_greedy, _prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -32,7 +32,7 @@ from atom_runtime.layers.forward_context import (
     set_attention_metadata,
 )
 from atom_runtime.worker.model_runner import DENSE_PREFILL_ENV, ModelRunner
-from tests.runtime.test_parity import _prompts
+from tests.runtime.models.test_parity import _prompts
 
 
 def test_bucket_lengths_round_up_by_less_than_an_eighth():
