@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import pdl
+from atom_kernels import envs, pdl
 from atom_kernels.pdl import wait_for_inputs
 
 _LOG2E = 1.4426950408889634
@@ -42,15 +41,13 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 # Splits the merge kernel reads at a time.
 _MERGE_SPLITS = 8
-# ATOM_DECODE_HEADS_FASTEST=1: the decode grid runs a sequence's KV heads together
-# (`paged_attention_decode(heads_fastest=)`), an experiment for W1's batch-256 decode, whose
-# attention reads K/V at 70-85% of the copy ceiling. Off: on an H200 it moved W1 by +1%
-# (29,242 -> 29,546 tok/s, one call; `run_h200.sh w1order`), inside what varies from call to
-# call, and W1's attention by -7% to +6% by context (`w1bal`). Read once at import.
-HEADS_FASTEST = os.environ.get("ATOM_DECODE_HEADS_FASTEST", "0") == "1"
+# `paged_attention_decode(heads_fastest=True)` runs a sequence's KV heads together in the grid.
+# Off by default: on an H200 it moved W1 by +1% (29,242 -> 29,546 tok/s, one call), inside what
+# varies from call to call, and W1's attention by -7% to +6% by context (kernels_bench.py
+# --sweep w1bal; docs/perf-journal/2026-12-02.md). The sweep passes it explicitly.
 # Two KV heads a program at large batch (`decode_heads_per_program`); ATOM_DECODE_PACK_HEADS=0
 # keeps one (for A/B runs). Read once at import.
-PACK_HEADS = os.environ.get("ATOM_DECODE_PACK_HEADS", "1") != "0"
+PACK_HEADS = envs.DECODE_PACK_HEADS.enabled()
 
 
 @triton.jit
@@ -308,7 +305,7 @@ def paged_attention_decode(
     sweeps them). `heads_fastest` orders the grid (kv head, sequence, split) instead of
     (sequence, kv head, split), so the programs of one sequence's KV heads run at the same time
     and read the same pages together (a token's K row of every head is one contiguous
-    `num_kv_heads * head_dim` run in the vLLM cache layout); default `HEADS_FASTEST`.
+    `num_kv_heads * head_dim` run in the vLLM cache layout); default off.
     `heads_per_program`: KV heads a program attends for (a divisor of `num_kv_heads` whose
     query heads fit 16 rows; default `decode_heads_per_program`)."""
     batch, num_heads, head_dim = q.shape
@@ -352,7 +349,7 @@ def paged_attention_decode(
         part_acc = part_max = part_sum = out  # unused by the single-split path
 
     block_d = triton.next_power_of_2(head_dim)
-    heads_fastest = HEADS_FASTEST if heads_fastest is None else heads_fastest
+    heads_fastest = bool(heads_fastest)
     programs = num_kv_heads // heads
     grid = (programs, batch, num_splits) if heads_fastest else (batch, programs, num_splits)
     _decode_split_kernel[grid](

@@ -19,11 +19,12 @@ fused decode step in `gdn_decode.py`).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from atom_kernels import envs
 
 
 @triton.jit
@@ -385,9 +386,7 @@ def gated_delta_rule_chunked_(
 # its Python wrappers and syncs with the host (measured on an H200 with fla-core 0.6: 24 GDN
 # layers added ~49 ms to every step that prefills, and a step with 15 decodes and a 500-token
 # chunk took ~95 ms), so it only pays for very long single prompts. Read once at import.
-PREFILL_KERNEL = os.environ.get("ATOM_GDN_PREFILL", "triton")
-if PREFILL_KERNEL not in ("triton", "fla"):
-    raise ValueError(f"ATOM_GDN_PREFILL={PREFILL_KERNEL!r}: expected 'triton' or 'fla'")
+PREFILL_KERNEL = envs.GDN_PREFILL.value()
 
 
 @functools.cache

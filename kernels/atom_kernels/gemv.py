@@ -37,14 +37,13 @@ every program pays for the whole row.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import norm, pdl
+from atom_kernels import envs, norm, pdl
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
 from atom_kernels.pdl import wait_for_inputs
 from atom_kernels.tickets import ticket_counters
@@ -493,7 +492,7 @@ def early_columns(
     whole slice is in flight before the wait), the Qwen3.5-4B-shaped hybrid 2.867 -> 2.743,
     Llama-3.1-8B 4.291 -> 4.298 (512 lost on all three: 0.990, 3.022, 4.372)."""
     default = "1024" if pdl_on else "0"
-    want = int(config.get("early", os.environ.get("ATOM_GEMV_EARLY", default))) or block_k
+    want = int(config.get("early", envs.GEMV_EARLY.value() or default)) or block_k
     cap = triton.next_power_of_2(triton.cdiv(k_per_split, block_k)) * block_k
     early = block_k
     while early * 2 <= min(want, cap):

@@ -20,21 +20,19 @@ small launches a layer. The router (`moe_topk`) is one kernel on every path.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import pdl
+from atom_kernels import envs, pdl
 from atom_kernels.pdl import wait_for_inputs
 
 # Steps of at most GEMV_MAX_TOKENS tokens take `fused_moe_gemv` unless ATOM_MOE_GEMV=0 (W2 of
 # the Qwen3.5-35B-A3B-shaped hybrid on an H200: 3.193 ms/token with it, 5.269 without). Read once.
-MOE_GEMV = os.environ.get("ATOM_MOE_GEMV", "1") != "0"
+MOE_GEMV = envs.MOE_GEMV.enabled()
 # Larger steps take the sorted grouped GEMMs; ATOM_MOE_GEMV_MAX_TOKENS raises the limit
 # (`benchmarks/moe_gemv_sweep.py --tokens` times both paths at a few tokens).
-GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", "1"))
+GEMV_MAX_TOKENS = int(envs.MOE_GEMV_MAX_TOKENS.number())
 
 
 @triton.jit

@@ -28,15 +28,14 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from atom_kernels import reference
+from atom_kernels import envs, reference
 
-BACKEND_ENV = "ATOM_KERNEL_BACKEND"
+BACKEND_ENV = envs.KERNEL_BACKEND.name
 _BACKENDS = ("torch", "triton")
 
 _forced_backend: str | None = None
@@ -97,7 +96,7 @@ def op(triton: str | None, on: str) -> Callable[[Callable[..., None]], Callable[
 def refresh_backend() -> None:
     """Re-read `ATOM_KERNEL_BACKEND` and forget the loaded Triton launchers (for tests)."""
     global _forced_backend, _triton_installed
-    value = os.environ.get(BACKEND_ENV, "").strip().lower() or None
+    value = envs.KERNEL_BACKEND.value().lower() or None
     if value is not None and value not in _BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={value!r}: expected one of {', '.join(_BACKENDS)}")
     _forced_backend = value

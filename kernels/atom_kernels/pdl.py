@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
+
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
@@ -50,7 +52,7 @@ def _triton_supports_pdl() -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("ATOM_PDL", "1") == "0" or torch.version.hip is not None:
+    if not envs.PDL.enabled() or torch.version.hip is not None:
         return False
     if os.environ.get("TRITON_INTERPRET") == "1" or not _triton_supports_pdl():
         return False

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from atom_runtime import envs
 from atom_runtime.config import EngineConfig, add_engine_arguments
 from atom_runtime.server.tools import TOOL_CALL_PARSERS
 
-API_KEY_ENV = "ATOM_API_KEY"
+API_KEY_ENV = envs.API_KEY.name
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=envs.API_KEY.value() or None,
         help="require `Authorization: Bearer <key>` on /v1/*, /tokenize, /detokenize and the debug "
         f"routes; /health, /metrics and /version stay open (default: ${API_KEY_ENV})",
     )

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
+from atom_runtime import envs
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core_client import EngineCoreClient, EngineStartupError
 from atom_runtime.engine.output_processor import OutputProcessor
@@ -22,8 +22,6 @@ from atom_runtime.text.tokenizer import Tokenizer
 from atom_runtime.web.errors import engine_unavailable
 
 log = logging.getLogger("atom_runtime.server")
-
-ENGINE_DEATH_EXIT_DELAY_ENV = "ATOM_ENGINE_DEATH_EXIT_DELAY_S"
 
 
 @dataclass
@@ -133,7 +131,7 @@ class ServerState:
 
     def on_engine_death(self) -> None:
         self.exit_code = 1
-        delay = float(os.environ.get(ENGINE_DEATH_EXIT_DELAY_ENV, "1"))
+        delay = envs.ENGINE_DEATH_EXIT_DELAY_S.number()
         asyncio.get_running_loop().call_later(delay, self.exit, 1)
 
 

@@ -26,11 +26,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from atom_runtime import envs
 from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 
 log = logging.getLogger(__name__)
 
-DEMAND_ENV = "ATOM_STATE_CHECKPOINT_DEMAND"
+DEMAND_ENV = envs.STATE_CHECKPOINT_DEMAND.name
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

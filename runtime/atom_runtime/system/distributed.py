@@ -12,10 +12,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from atom_runtime import envs
+
 # A collective that waits longer than this raises instead of hanging (a stuck peer). A peer that
 # died is noticed much sooner: gloo sees the closed connection, and the executor's liveness watch
 # aborts NCCL collectives.
-TIMEOUT_ENV = "ATOM_TP_TIMEOUT_S"
+TIMEOUT_ENV = envs.TP_TIMEOUT_S.name
 DEFAULT_TIMEOUT_S = 300.0
 
 _rank = 0

@@ -24,13 +24,15 @@ import re
 import time
 from dataclasses import dataclass
 
+from atom_runtime import envs
+
 log = logging.getLogger("atom_runtime.gc")
 
 # Every ATOM process logs in this format (API server, engine core, workers, router).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
-FREEZE_ENV = "ATOM_GC_FREEZE"
-DEBUG_ENV = "ATOM_GC_DEBUG"
+FREEZE_ENV = envs.GC_FREEZE.name
+DEBUG_ENV = envs.GC_DEBUG.name
 # Used when freezing is turned off: young collections 70x rarer than CPython's default (700).
 TUNED_THRESHOLDS = (50_000, 20, 20)
 _ROLE = re.compile(r"[A-Z][A-Za-z0-9]*")

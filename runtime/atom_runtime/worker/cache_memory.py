@@ -6,11 +6,11 @@ is ATOM_CPU_KVCACHE_SPACE GiB."""
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 
+from atom_runtime import envs
 from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     padding_state_metadata,
@@ -28,8 +28,6 @@ from atom_runtime.state.slot_pool import plan_state_slots
 from atom_runtime.system.distributed import all_reduce_min
 
 log = logging.getLogger("atom_runtime.worker.model_runner")
-
-CPU_KVCACHE_ENV = "ATOM_CPU_KVCACHE_SPACE"  # GiB of host memory for the KV cache on CPU
 
 
 class CacheMemory:
@@ -53,7 +51,7 @@ class CacheMemory:
             return override
         if self.device.type == "cuda":
             return self._profile_gpu_blocks()
-        space = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+        space = envs.CPU_KVCACHE_SPACE.number() * (1 << 30)
         return max(1, int(space // self.bytes_per_block))
 
     def _plan_hybrid_memory(self, override: int | None) -> int:
@@ -62,7 +60,7 @@ class CacheMemory:
         if self.device.type == "cuda":
             budget = self._profile_gpu_budget()
         else:
-            budget = float(os.environ.get(CPU_KVCACHE_ENV, "2")) * (1 << 30)
+            budget = envs.CPU_KVCACHE_SPACE.number() * (1 << 30)
         plan = plan_state_slots(
             budget,
             self.state.bytes_per_slot,

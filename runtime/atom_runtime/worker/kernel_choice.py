@@ -21,7 +21,6 @@ check against 1.060 and 1.059 without it (one call, A/B/A); Llama-3.1-8B 4.252 w
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
+from atom_runtime import envs
 from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     padding_state_metadata,
@@ -44,18 +44,18 @@ REFINE_MARGIN = 0.01
 # "auto" (default): time the paths per layer group at start-up; "checked": that, then check the
 # choices on a whole batch-1 step (`refine_small_m_kernels`); "cublas": always cuBLAS;
 # "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
-SMALL_M_ENV = "ATOM_SMALL_M_KERNELS"
+SMALL_M_ENV = envs.SMALL_M_KERNELS.name
 # "1": the residual add, the RMSNorm's sum of squares and the row times the norm's weight move
 # into the GEMV that writes the row (o_proj, down, out_proj: "gemv+add"), and the GEMV after the
 # norm multiplies by that row and scales its sums by the inverse RMS ("gemv+sumnorm"), so the
 # norm needs no launch of its own. Off by default: on an H200 it made the whole batch-1 step
 # slower though each fused GEMV won alone (docs/kernels.md).
-NORM_IN_PRODUCER_ENV = "ATOM_NORM_IN_PRODUCER"
+NORM_IN_PRODUCER_ENV = envs.NORM_IN_PRODUCER.name
 
 
 def norm_in_producer() -> bool:
     """ATOM_NORM_IN_PRODUCER=1: offer the "gemv+add" and "gemv+sumnorm" paths."""
-    return os.environ.get(NORM_IN_PRODUCER_ENV, "0") == "1"
+    return envs.NORM_IN_PRODUCER.value() == "1"
 
 
 def select_small_m_kernels(
@@ -72,10 +72,7 @@ def select_small_m_kernels(
 
 def small_m_mode() -> str:
     """ATOM_SMALL_M_KERNELS: "auto" (the default), "checked", "cublas" or "gemv"."""
-    mode = os.environ.get(SMALL_M_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "checked", "cublas", "gemv"):
-        raise ValueError(f"{SMALL_M_ENV}={mode!r}: expected auto, checked, cublas or gemv")
-    return mode
+    return envs.SMALL_M_KERNELS.value()
 
 
 def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:

@@ -15,13 +15,13 @@ model and the LM head; under tensor parallelism every rank runs it on the same S
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from atom_kernels import varlen_attention
+from atom_runtime import envs
 from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import Sequence
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 # 7% on another; its eager prefill waits on the host, so shorter prompts lost; W3's cold runs,
 # 8k-token fresh prompts, were not measured with it). "0": the paged kernel for every prefill.
 # docs/benchmarks.md, 2026-12-02 sixth session.
-DENSE_PREFILL_ENV = "ATOM_DENSE_PREFILL"
+DENSE_PREFILL_ENV = envs.DENSE_PREFILL.name
 
 
 class ModelRunner(CacheMemory, StepInputPreparation):
@@ -140,7 +140,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         measures the dense path's peak (its whole-budget prompt takes the path a served one
         does, padded to its bucket)."""
         first = layers[0]
-        asked = os.environ.get(DENSE_PREFILL_ENV, "")
+        asked = envs.DENSE_PREFILL.value()
         wide = first.num_heads * first.head_dim >= varlen_attention.WIDE_QUERY
         on = (
             (asked == "1" or (asked != "0" and wide))

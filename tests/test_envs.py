@@ -1,0 +1,45 @@
+"""Every ATOM_* environment variable is defined once (an envs.py of the runtime or the kernels)
+and listed in docs/configuration.md; nothing reads one by a name those modules do not define."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from atom_kernels import envs as kernel_envs
+from atom_runtime import envs as runtime_envs
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFINED = {v.name for v in runtime_envs.VARIABLES + kernel_envs.VARIABLES}
+NAME = re.compile(r"\bATOM_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def test_every_variable_named_in_the_code_is_defined_in_an_envs_module():
+    named = {}
+    for root in ("runtime", "kernels"):
+        for path in (ROOT / root).rglob("*.py"):
+            if path.name == "envs.py":
+                continue
+            for name in NAME.findall(path.read_text()):
+                named.setdefault(name, path.relative_to(ROOT))
+    undefined = {n: str(p) for n, p in named.items() if n not in DEFINED}
+    assert undefined == {}
+
+
+def test_the_docs_list_every_variable_with_its_default():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    for var in runtime_envs.VARIABLES + kernel_envs.VARIABLES:
+        default = var.default or "unset"
+        assert f"| `{var.name}` | `{default}` |" in doc, var.name
+
+
+def test_a_variable_with_choices_refuses_others_naming_itself(monkeypatch):
+    monkeypatch.setenv("ATOM_SMALL_M_KERNELS", "fastest")
+    try:
+        runtime_envs.SMALL_M_KERNELS.value()
+    except ValueError as e:
+        assert str(e).startswith("ATOM_SMALL_M_KERNELS='fastest': expected one of auto")
+    else:
+        raise AssertionError("no error for a value outside the choices")
+    monkeypatch.delenv("ATOM_SMALL_M_KERNELS")
+    assert runtime_envs.SMALL_M_KERNELS.value() == "auto"
