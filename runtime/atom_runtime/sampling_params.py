@@ -93,6 +93,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_sampling()
+        self._check_lengths_and_stops()
+        self._check_logprobs_penalties_and_masks()
+
+    def _check_sampling(self) -> None:
         _check(
             _int_in(self.n, 1, MAX_N), "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}"
         )
@@ -116,6 +121,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "min_p",
             f"must be in [0, 1], got {self.min_p!r}",
         )
+
+    def _check_lengths_and_stops(self) -> None:
         _check(
             self.seed is None or _int_in(self.seed, -_INT64_MAX - 1, _INT64_MAX),
             "seed",
@@ -150,6 +157,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "stop_token_ids",
                 "must be a list of non-negative integers",
             )
+
+    def _check_logprobs_penalties_and_masks(self) -> None:
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             "logprobs",
@@ -170,7 +179,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             "repetition_penalty",
             f"must be in (0, 2], got {self.repetition_penalty!r}",
         )
-
         if self.logit_bias is not None:
             _check(
                 isinstance(self.logit_bias, dict)

@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 from atom_runtime.bench import bound as bench_bound
 from atom_runtime.config import EngineConfig, add_engine_arguments
@@ -134,7 +135,6 @@ def _run_offline(args: argparse.Namespace) -> int:
     import torch
 
     from atom_runtime.llm import LLM
-    from atom_runtime.sampling_params import SamplingParams
 
     config = EngineConfig.from_args(args)
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
@@ -147,92 +147,108 @@ def _run_offline(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
     }
     llm = LLM(config.model, **kwargs)
-    vocab = llm.engine.model_config.vocab_size
     # Which kernel each group of batch-1 projections took at start-up (GPU only).
     one_row = dict(getattr(getattr(llm.engine, "executor", None), "small_m_kernels", None) or {})
     if one_row:
         result["one_row_paths"] = one_row
         print("atom  one-row paths: " + ", ".join(f"{k} {v}" for k, v in one_row.items()))
-    if args.workload == "throughput":
-        prompts = _clip_vocab(
-            w1_prompts(args.num_prompts, args.input_len_min, args.input_len_max), vocab
-        )
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(
-            [{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False
-        )  # warm-up
-        _sync()
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        _sync()
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        result.update(
-            num_prompts=len(prompts),
-            output_tokens=tokens,
-            seconds=elapsed,
-            output_tokens_per_s=tokens / elapsed,
-            preemptions=llm.engine.scheduler.num_preemptions,
-        )
-        print(f"atom  W1: {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:,.0f} tok/s")
-        result["bound"] = bench_bound.report(
-            llm.engine,
-            "throughput",
-            result["output_tokens_per_s"],
-            prompt_lens=[len(p) for p in prompts],
-            output_len=args.output_len,
-        )
-        print(bench_bound.describe("throughput", result["bound"]))
-        if args.peer == "transformers":
-            llm.shutdown()
-            del llm
-            _free()
-            n = args.peer_num_prompts or len(prompts)
-            peer = peer_throughput(
-                llm_model_path(config), prompts[:n], args.output_len, args.peer_batch_size
-            )
-            result["peer"] = peer
-            result["ratio"] = result["output_tokens_per_s"] / peer["output_tokens_per_s"]
-            print(
-                f"peer W1: {peer['output_tokens_per_s']:,.0f} tok/s ({n} prompts, static "
-                f"batches of {args.peer_batch_size}); atom/peer = {result['ratio']:.1f}x"
-            )
-    else:
-        prompt = _clip_vocab(w1_prompts(1, args.input_len, args.input_len, seed=1), vocab)[0]
-        ms = [decode_ms_per_token(llm, prompt, args.output_len) for _ in range(args.iters)]
-        result.update(
-            input_len=args.input_len,
-            output_len=args.output_len,
-            ms_per_token=min(ms),
-            ms_per_token_runs=ms,
-        )
-        print(f"atom  W2: {min(ms):.3f} ms/token (runs: {', '.join(f'{m:.3f}' for m in ms)})")
-        result["bound"] = bench_bound.report(
-            llm.engine,
-            "latency",
-            result["ms_per_token"],
-            input_len=args.input_len,
-            output_len=args.output_len,
-        )
-        print(bench_bound.describe("latency", result["bound"]))
-        if args.peer == "transformers":
-            cache = args.peer_cache
-            if cache == "auto":
-                cache = "dynamic" if llm.engine.model_config.is_hybrid else "static"
-            llm.shutdown()
-            del llm
-            _free()
-            peer = peer_latency(llm_model_path(config), prompt, args.output_len, cache)
-            result["peer"] = peer
-            result["ratio"] = peer["ms_per_token"] / result["ms_per_token"]
-            print(
-                f"peer W2: {peer['ms_per_token']:.3f} ms/token ({peer['system']}); "
-                f"peer/atom = {result['ratio']:.2f}x"
-            )
+    run = _run_throughput if args.workload == "throughput" else _run_latency
+    peer_run = run(llm, args, result)
+    if args.peer == "transformers":
+        llm.shutdown()  # the peer gets the device to itself
+        del llm
+        _free()
+        peer_run(llm_model_path(config))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def _run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
+    """W1: every prompt at once; output tokens per second and the bound. Returns the peer's run
+    of the same prompts, for after the engine is shut down."""
+    from atom_runtime.sampling_params import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    prompts = _clip_vocab(
+        w1_prompts(args.num_prompts, args.input_len_min, args.input_len_max), vocab
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False
+    )  # warm-up
+    _sync()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result.update(
+        num_prompts=len(prompts),
+        output_tokens=tokens,
+        seconds=elapsed,
+        output_tokens_per_s=tokens / elapsed,
+        preemptions=llm.engine.scheduler.num_preemptions,
+    )
+    print(f"atom  W1: {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:,.0f} tok/s")
+    result["bound"] = bench_bound.report(
+        llm.engine,
+        "throughput",
+        result["output_tokens_per_s"],
+        prompt_lens=[len(p) for p in prompts],
+        output_len=args.output_len,
+    )
+    print(bench_bound.describe("throughput", result["bound"]))
+
+    def peer_run(model_path: str) -> None:
+        n = args.peer_num_prompts or len(prompts)
+        peer = peer_throughput(model_path, prompts[:n], args.output_len, args.peer_batch_size)
+        result["peer"] = peer
+        result["ratio"] = result["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        print(
+            f"peer W1: {peer['output_tokens_per_s']:,.0f} tok/s ({n} prompts, static "
+            f"batches of {args.peer_batch_size}); atom/peer = {result['ratio']:.1f}x"
+        )
+
+    return peer_run
+
+
+def _run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
+    """W2: one request's steady-state ms per token and the bound. Returns the peer's run of the
+    same prompt, for after the engine is shut down."""
+    vocab = llm.engine.model_config.vocab_size
+    prompt = _clip_vocab(w1_prompts(1, args.input_len, args.input_len, seed=1), vocab)[0]
+    ms = [decode_ms_per_token(llm, prompt, args.output_len) for _ in range(args.iters)]
+    result.update(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        ms_per_token=min(ms),
+        ms_per_token_runs=ms,
+    )
+    print(f"atom  W2: {min(ms):.3f} ms/token (runs: {', '.join(f'{m:.3f}' for m in ms)})")
+    result["bound"] = bench_bound.report(
+        llm.engine,
+        "latency",
+        result["ms_per_token"],
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )
+    print(bench_bound.describe("latency", result["bound"]))
+    cache = args.peer_cache
+    if cache == "auto":
+        cache = "dynamic" if llm.engine.model_config.is_hybrid else "static"
+
+    def peer_run(model_path: str) -> None:
+        peer = peer_latency(model_path, prompt, args.output_len, cache)
+        result["peer"] = peer
+        result["ratio"] = peer["ms_per_token"] / result["ms_per_token"]
+        print(
+            f"peer W2: {peer['ms_per_token']:.3f} ms/token ({peer['system']}); "
+            f"peer/atom = {result['ratio']:.2f}x"
+        )
+
+    return peer_run
 
 
 def decode_ms_per_token(llm, prompt: list[int], output_len: int) -> float:

@@ -128,6 +128,22 @@ class TPExecutor:
         self.worker_gc_policies: list[dict] = []
 
         self._zmq = zmq
+        reply_address, command_addresses = self._open_sockets(n)
+        # On CPU each rank gets its slice of the cores (rank 0 included, restored at shutdown).
+        self._saved_threads = torch.get_num_threads()
+        threads = max(1, (os.cpu_count() or 1) // n)
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._spawn_workers(
+            config, model_path, init_method, reply_address, command_addresses, threads
+        )
+        self._start_ranks(config, model_config, model_path, init_method)
+
+    def _open_sockets(self, n: int) -> tuple[str, list[str]]:
+        """The PULL socket every worker replies to and one PUSH socket per worker, all on
+        127.0.0.1 (the ranks of one engine share a host)."""
+        zmq = self._zmq
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
         reply_port = self._replies.bind_to_random_port("tcp://127.0.0.1")
@@ -140,26 +156,29 @@ class TPExecutor:
             port = sock.bind_to_random_port("tcp://127.0.0.1")
             self._commands.append(sock)
             command_addresses.append(f"tcp://127.0.0.1:{port}")
+        return f"tcp://127.0.0.1:{reply_port}", command_addresses
 
-        # On CPU each rank gets its slice of the cores (rank 0 included, restored at shutdown).
-        self._saved_threads = torch.get_num_threads()
-        threads = max(1, (os.cpu_count() or 1) // n)
-        if device.type == "cpu":
-            torch.set_num_threads(threads)
-
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    def _spawn_workers(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        init_method: str,
+        reply_address: str,
+        command_addresses: list[str],
+        threads: int,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.workers: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(1, n):
+        for rank in range(1, self.world_size):
             spec = WorkerSpec(
                 rank=rank,
-                world_size=n,
+                world_size=self.world_size,
                 engine_config=asdict(config),
                 model_path=str(model_path),
                 dist_init_method=init_method,
                 backend=self.backend,
                 command_address=command_addresses[rank - 1],
-                reply_address=f"tcp://127.0.0.1:{reply_port}",
+                reply_address=reply_address,
                 parent_pid=os.getpid(),
                 num_threads=threads,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
@@ -171,6 +190,12 @@ class TPExecutor:
         # Reaps the workers and the process group if this executor is dropped without shutdown.
         self._finalizer = weakref.finalize(self, _abandon, list(self.workers))
 
+    def _start_ranks(
+        self, config: EngineConfig, model_config: ModelConfig, model_path: Path, init_method: str
+    ) -> None:
+        """Join the process group, load rank 0's shard, and check every rank sized the same
+        cache; any failure stops the workers and names the rank that failed."""
+        n = self.world_size
         try:
             self._wait_for(wire.WorkerHello, "start")
             init_tensor_parallel(0, n, init_method, self.backend)
