@@ -310,6 +310,11 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
             elif not_started:
                 submit(not_started.popleft(), 0)
     elapsed = time.perf_counter() - start
+    return turns, _run_figures(engine, before, elapsed, counters, memory)
+
+
+def _run_figures(engine, before, elapsed: float, counters, memory: CheckpointMemory) -> dict:
+    """The engine-side figures of a trace run: what it computed and hit, since `before`."""
     after = engine.stats()
     figures = {
         "seconds": elapsed,
@@ -328,7 +333,7 @@ def drive_trace(engine, trace: Trace, max_concurrency: int) -> tuple[list[TurnRe
         figures["checkpoint_counters"] = dataclasses.asdict(counters)
     else:
         figures["checkpoint_memory_peak"] = figures["checkpoint_memory_mean"] = None
-    return turns, figures
+    return figures
 
 
 def summarize(turns: list[TurnRecord], figures: dict, block_size: int, num_turns: int) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from atom_runtime.state.checkpoint_store import CheckpointRef
+from atom_runtime.state.checkpoint_record import CheckpointRef
 
 
 class CheckpointChains:

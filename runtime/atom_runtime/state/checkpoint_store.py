@@ -20,104 +20,24 @@ reference to a record that has since been freed is detected (RuntimeError), neve
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from atom_runtime.core.block_pool import BlockPool
 from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
+from atom_runtime.state.checkpoint_record import (
+    OWNER_PREFIX,
+    CheckpointHit,
+    CheckpointRecord,
+    CheckpointRef,
+    CheckpointState,
+    StagedCheckpoint,
+    require_int,
+)
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
 
 log = logging.getLogger(__name__)
-
-OWNER_PREFIX = "state-ckpt"
-
-
-class CheckpointState(enum.Enum):
-    COPYING = "copying"
-    READY = "ready"
-    EVICTING = "evicting"
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    index: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class StagedCheckpoint:
-    """A COPYING record and the pool blocks its image must be copied into."""
-
-    ref: CheckpointRef
-    units: tuple[int, ...]
-    prefix_hash: int
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class CheckpointHit:
-    """The deepest READY checkpoint found for a prefix: resume at num_tokens from these units."""
-
-    ref: CheckpointRef
-    num_tokens: int
-    units: tuple[int, ...]
-
-
-class CheckpointRecord:
-    __slots__ = (
-        "index",
-        "generation",
-        "state",
-        "prefix_hash",
-        "num_tokens",
-        "units",
-        "pins",
-        "demand",
-        "rolling",
-        "from_decode",
-        "launched_in",
-    )
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.generation = 0
-        self.state: CheckpointState | None = None  # None: a free slot of the record table
-        self.prefix_hash = 0
-        self.num_tokens = 0
-        self.units: tuple[int, ...] = ()
-        self.pins = 0
-        self.demand = False
-        self.rolling = False  # an unread decode anchor: only another decode anchor displaces it
-        self.from_decode = False  # staged as a decode anchor (kept once read, unlike rolling)
-        self.launched_in: int | None = None  # the batch whose launch carries the copy
-
-    @property
-    def ref(self) -> CheckpointRef:
-        return CheckpointRef(self.index, self.generation)
-
-    @property
-    def owner(self) -> str:
-        # The generation is part of the owner tag: blocks lent to an earlier life of this slot
-        # can never be taken back in its name.
-        return f"{OWNER_PREFIX}:{self.index}.{self.generation}"
-
-    def __repr__(self) -> str:
-        state = self.state.value if self.state else "free"
-        return (
-            f"CheckpointRecord({self.index}.{self.generation}, {state}, "
-            f"tokens={self.num_tokens}, pins={self.pins}, units={list(self.units)})"
-        )
-
-
-def _int(field: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{field}: must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{field}: must be >= {minimum}, got {value}")
-    return value
 
 
 class StateCheckpointStore:
@@ -138,12 +58,12 @@ class StateCheckpointStore:
         self.units_per_image = spec.units_per_image
         # At most a tenth of the pool holds checkpoints unless told otherwise; the target the
         # multi-turn benchmark holds us to.
-        self.max_units = _int(
+        self.max_units = require_int(
             "max_units", pool.num_blocks // 10 if max_units is None else max_units, 0
         )
         # The watermark: a checkpoint is never staged if it would leave the pool with fewer free
         # blocks than this, so live KV keeps room to grow without first reclaiming checkpoints.
-        self.min_free_blocks = _int(
+        self.min_free_blocks = require_int(
             "min_free_blocks",
             pool.num_blocks // 20 if min_free_blocks is None else min_free_blocks,
             0,
@@ -224,8 +144,8 @@ class StateCheckpointStore:
         enters the LRU at its head. rolling (a decode anchor): it makes room only by evicting
         other decode anchors nobody has read, so a store that is full does not trade its anchors,
         rungs and demand rungs for the text being generated."""
-        _int("prefix_hash", prefix_hash, 0)
-        _int("num_tokens", num_tokens, 1)
+        require_int("prefix_hash", prefix_hash, 0)
+        require_int("num_tokens", num_tokens, 1)
         if num_tokens % self.block_size:
             raise ValueError(
                 f"num_tokens: a checkpoint sits on a block boundary (block size "
@@ -357,7 +277,7 @@ class StateCheckpointStore:
         """Free checkpoints until num_blocks blocks went back to the pool (live KV needs them):
         unpinned READY records LRU first, then copies not yet launched. Returns the blocks
         returned, which may be fewer (pinned and in-flight records stay)."""
-        _int("num_blocks", num_blocks, 0)
+        require_int("num_blocks", num_blocks, 0)
         returned = 0
         for index in list(self._lru):
             if returned >= num_blocks:

@@ -23,13 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from atom_runtime.state.checkpoint_record import CheckpointHit, CheckpointRef, StagedCheckpoint
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
-from atom_runtime.state.checkpoint_store import (
-    CheckpointHit,
-    CheckpointRef,
-    StagedCheckpoint,
-    StateCheckpointStore,
-)
+from atom_runtime.state.checkpoint_store import StateCheckpointStore
 
 
 @dataclass(frozen=True)

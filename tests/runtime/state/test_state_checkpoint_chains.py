@@ -4,7 +4,7 @@ conversation supersedes, as pure bookkeeping over refs."""
 from __future__ import annotations
 
 from atom_runtime.state.chains import CheckpointChains
-from atom_runtime.state.checkpoint_store import CheckpointRef
+from atom_runtime.state.checkpoint_record import CheckpointRef
 
 
 def ref(i: int) -> CheckpointRef:

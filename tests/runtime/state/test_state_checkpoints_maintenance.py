@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from atom_runtime.core.block_pool import BlockPool
+from atom_runtime.state.checkpoint_record import CheckpointState
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
     StatePoolPlan,
     gated_deltanet_state_tensors,
 )
-from atom_runtime.state.checkpoint_store import CheckpointState, StateCheckpointStore
+from atom_runtime.state.checkpoint_store import StateCheckpointStore
 from atom_runtime.state.maintenance import (
     RelocateOp,
     RestoreOp,

@@ -14,12 +14,9 @@ from atom_runtime.core.block_pool import BlockPool
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.state.checkpoint_record import CheckpointRef, CheckpointState
 from atom_runtime.state.checkpoint_spec import PagedStateCheckpointSpec
-from atom_runtime.state.checkpoint_store import (
-    CheckpointRef,
-    CheckpointState,
-    StateCheckpointStore,
-)
+from atom_runtime.state.checkpoint_store import StateCheckpointStore
 
 BS = 4
 # 250 image bytes in 100-byte units: 3 units per checkpoint.
