@@ -24,10 +24,8 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-ATOM = [sys.executable, "-m", "atom_runtime"]
+from atom_runtime.bench.processes import AtomProcess
 
 
 def free_port() -> int:
@@ -192,52 +190,22 @@ def prepare_model(src: Path, scratch: Path) -> Path:
     return dst
 
 
-class Proc:
-    def __init__(self, name: str, argv: list[str], url: str, log: Path) -> None:
-        self.name, self.url, self.log = name, url, log
-        with log.open("w") as f:
-            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not healthy in {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-def engine(name, model: Path, args, scratch: Path, *extra: str) -> tuple[Proc, str]:
+def engine(name, model: Path, args, scratch: Path, *extra: str) -> tuple[AtomProcess, str]:
     port, kv, replay = free_port(), free_port(), free_port()
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv}",
               "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@{name}"}  # fmt: skip
-    argv = [*ATOM, "serve", "--port", str(port), "--model", str(model),
-            "--max-model-len", str(args.max_model_len),
+    argv = ["--model", str(model), "--max-model-len", str(args.max_model_len),
             "--num-gpu-blocks-override", str(args.kv_blocks),
             "--kv-events-config", json.dumps(events), *args.engine_arg, *extra]  # fmt: skip
     if args.load_format:
         argv += ["--load-format", args.load_format]
-    p = Proc(name, argv, f"http://127.0.0.1:{port}", scratch / f"{name}.log")
+    p = AtomProcess("serve", port, argv, scratch / f"{name}.log")
     return p, f"{p.url},kv-events={kv},kv-replay={replay}"
 
 
-def router(name, scratch: Path, *args: str) -> Proc:
+def router(name, scratch: Path, *args: str) -> AtomProcess:
     port = free_port()
-    argv = [*ATOM, "router", "--port", str(port), "--probe-interval", "0.5", *args]
-    return Proc(name, argv, f"http://127.0.0.1:{port}", scratch / f"{name}.log")
+    return AtomProcess("router", port, ["--probe-interval", "0.5", *args], scratch / f"{name}.log")
 
 
 def transfer_config(role: str) -> str:
@@ -245,9 +213,9 @@ def transfer_config(role: str) -> str:
                        "kv_ip": "127.0.0.1", "kv_port": free_port()})  # fmt: skip
 
 
-def start(procs: list[Proc]) -> None:
+def start(procs: list[AtomProcess]) -> None:
     for p in procs:
-        p.wait_healthy()
+        p.wait_healthy(900)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -326,7 +294,7 @@ WATCHED = {
 }  # fmt: skip
 
 
-def snapshot(procs: dict[str, Proc]) -> dict[str, dict[str, float]]:
+def snapshot(procs: dict[str, AtomProcess]) -> dict[str, dict[str, float]]:
     return {role: counters(p.url) for role, p in procs.items()}
 
 
@@ -373,7 +341,7 @@ def bench_serve(args, scratch: Path) -> dict:
     name = str(model)
     out = {"input_len": args.input_len, "output_len": args.output_len, "rows": []}
     for mode in args.modes:
-        procs: list[Proc] = []
+        procs: list[AtomProcess] = []
         try:
             if mode == "aggregated":
                 e, backend = engine("agg", model, args, scratch)
@@ -436,7 +404,7 @@ def bench_routing(args, scratch: Path) -> dict:
         trace.append(prefixes[g] + [rng.randrange(10, vocab) for _ in range(args.suffix_len)])
     out = {"groups": args.groups, "prefix_len": args.prefix_len, "rows": []}
     for policy in args.policies:
-        procs: list[Proc] = []
+        procs: list[AtomProcess] = []
         try:
             backends = []
             for k in range(2):

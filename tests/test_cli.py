@@ -1,9 +1,8 @@
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from atom_runtime.bench.processes import ATOM
 from atom_runtime.cli import COMMANDS, main
 
 
@@ -29,7 +28,6 @@ def test_help_flags(flag):
     assert main([flag]) == 0
 
 
-ATOM = Path(sys.executable).parent / "atom"
 PP_REFUSED = "pipeline_parallel_size: must be 1, got 2: pipeline parallelism is not supported"
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ATOM, TINY_FLAGS, Launcher, ServerProcess, free_port
+from atom_runtime.bench.processes import AtomProcess
+from tests.server.conftest import TINY_FLAGS, Launcher, ServerProcess, free_port
 
 
 @dataclass
@@ -85,18 +83,11 @@ def prompt_ids(seed: int, n: int = 150) -> list[int]:
     return [(i * 31 + seed * 7) % 480 + 5 for i in range(n)]
 
 
-@dataclass
-class RouterProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
+class RouterProcess(AtomProcess):
+    """An `atom router` child process (bench/processes.py) and what tests read from it."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text()
+    def __init__(self, port: int, args: tuple[str, ...], log_path: Path) -> None:
+        super().__init__("router", port, args, log_path)
 
     def backends(self) -> dict:
         return httpx.get(f"{self.url}/router/backends", timeout=10).json()
@@ -116,40 +107,19 @@ class RouterProcess:
             time.sleep(0.1)
         raise AssertionError(f"{role} backends never reached {healthy} healthy: {state}")
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def stop(self, timeout: float = 20.0) -> int:
+        return super().stop(timeout)
 
 
 def launch_router(tmp: Path, *args: str, timeout: float = 60) -> RouterProcess:
     port = free_port()
-    log_path = tmp / f"router-{port}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [str(ATOM), "router", "--port", str(port), "--probe-interval", "0.3", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ),
-        )
-    router = RouterProcess(proc, port, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"atom router exited with {proc.returncode}:\n{router.log()}")
-        try:
-            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
-                return router
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    router.stop()
-    raise RuntimeError(f"atom router was not up within {timeout}s:\n{router.log()}")
+    router = RouterProcess(port, ("--probe-interval", "0.3", *args), tmp / f"router-{port}.log")
+    try:
+        router.wait_healthy(timeout)
+    except RuntimeError:
+        router.stop()
+        raise
+    return router
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,16 @@ test waits for a state (a /health answer, a metric, an exit code), never for a c
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-ATOM = Path(sys.executable).parent / "atom"
+from atom_runtime.bench.processes import AtomProcess
+
 TINY_FLAGS = ("--dtype", "float32", "--num-gpu-blocks-override", "256")
 # Deadlock guards: how long a server may take to load or to stop before the test gives up.
 STARTUP_GUARD_S = 300.0
@@ -53,18 +48,11 @@ def wait_for(predicate: Callable[[], object], timeout: float = 120.0, what: str 
         time.sleep(0.05)
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
+class ServerProcess(AtomProcess):
+    """An `atom serve` child process (bench/processes.py) and its EngineCore."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text()
+    def __init__(self, port: int, args: tuple[str, ...], log_path: Path, env: dict | None) -> None:
+        super().__init__("serve", port, args, log_path, env)
 
     def engine_pid(self) -> int:
         """The EngineCore child's pid (found by its process title's parent)."""
@@ -81,52 +69,18 @@ class ServerProcess:
         raise RuntimeError(f"no ATOM::EngineCore child of {self.proc.pid}: {out!r}")
 
     def stop(self, timeout: float = STOP_GUARD_S) -> int:
-        """SIGTERM and wait for the exit code; the process group is killed if it hangs, and
-        whatever of the group outlived its leader (an orphaned EngineCore) is killed too."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill_group()
-        return self.proc.returncode
-
-    def kill_group(self) -> None:
-        """SIGKILL everything in the server's process group (it leads its own, see `_start`)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        return super().stop(timeout)
 
 
 def _start(
     tmp_dir: Path, args: tuple[str, ...], env: dict | None, port: int | None
 ) -> ServerProcess:
     port = port or free_port()
-    log_path = tmp_dir / f"serve-{port}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [str(ATOM), "serve", "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,  # its own process group, so teardown can kill all of it
-        )
-    return ServerProcess(proc, port, log_path)
+    return ServerProcess(port, args, tmp_dir / f"serve-{port}.log", env)
 
 
 def wait_healthy(server: ServerProcess, timeout: float = STARTUP_GUARD_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"atom serve exited with {server.proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"atom serve was not healthy within {timeout}s:\n{server.log()}")
+    server.wait_healthy(timeout)
 
 
 class Launcher:

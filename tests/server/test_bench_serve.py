@@ -16,8 +16,9 @@ import pytest
 from atom_runtime.bench import serve_client as bsc
 from atom_runtime.bench import serve_datasets as bsd
 from atom_runtime.bench import serve_metrics as bsm
+from atom_runtime.bench.processes import ATOM
 from atom_runtime.cli import main as atom_main
-from tests.server.conftest import ATOM, free_port
+from tests.server.conftest import free_port
 
 # vLLM's `vllm bench serve` result keys (vllm/benchmarks/serve.py), for the default metrics.
 VLLM_KEYS = {

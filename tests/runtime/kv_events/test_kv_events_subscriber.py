@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 from array import array
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import xxhash
 import zmq
 
+from atom_runtime.bench.processes import ATOM
 from atom_runtime.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -34,7 +34,6 @@ from atom_runtime.kv_events import (
 
 H1 = 8356527653647720045  # contract 1: [1, 2, 3, 4]
 H2 = 610383040053763902  # contract 1: [5, 6, 7, 8] after H1
-ATOM = Path(sys.executable).with_name("atom")
 
 
 def free_tcp_port() -> int:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -33,6 +31,7 @@ from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.engine.core import _warn_checkpoint_flags
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.state.slot_pool import StateSlotPool, plan_state_slots
+from tests.hf_reference import hf_greedy, random_prompts
 from tests.model_factory import hybrid_references_on_torch
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -41,41 +40,20 @@ MAX_TOKENS = 8
 pytestmark = pytest.mark.timeout(300)
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = _prompts(0, [1, 5, 17, 40, 97])
+PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _hf_reference(folder, prompts):
-    """Greedy tokens and the first step's log-softmax, per prompt."""
+def _hybrid_reference(folder, prompts):
+    """Greedy tokens and the first step's log-softmax, per prompt, from transformers' pure-torch
+    Gated DeltaNet."""
     hybrid_references_on_torch()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens, first = [], []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-            tokens.append(gen.sequences[0, len(p) :].tolist())
-            first.append(gen.logits[0][0].log_softmax(-1))
-    return tokens, first
+    return hf_greedy(folder, prompts, MAX_TOKENS, first_logprobs=True)
 
 
 @pytest.fixture(scope="module")
 def references(tiny_hybrid_models):
-    return {kind: _hf_reference(tiny_hybrid_models[kind], PROMPTS) for kind in KINDS}
+    return {kind: _hybrid_reference(tiny_hybrid_models[kind], PROMPTS) for kind in KINDS}
 
 
 def _greedy(llm: LLM, prompts, params=GREEDY):
@@ -129,8 +107,8 @@ def test_async_scheduling_matches_transformers(tiny_hybrid_models, references):
 
 def test_preemption_under_a_small_kv_pool_rebuilds_state(tiny_hybrid_models):
     folder = tiny_hybrid_models["qwen3_next"]
-    prompts = _prompts(7, [28, 30, 31, 14])
-    expected, _ = _hf_reference(folder, prompts)
+    prompts = random_prompts(7, [28, 30, 31, 14])
+    expected, _ = _hybrid_reference(folder, prompts)
     # 7 blocks of 16 tokens hold the four prompts (2 + 2 + 2 + 1) but not their growth: the
     # tail is preempted, loses its slot, and recomputes its state from token 0 when readmitted.
     llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=7, max_model_len=112)
@@ -357,7 +335,7 @@ def test_prefix_caching_is_off_for_hybrid_models_without_checkpoints(tiny_hybrid
         )
     assert "prefix reuse for hybrid models needs state checkpoints" in caplog.text
     assert llm.engine.checkpoints is None
-    prompt = _prompts(5, [40])[0]
+    prompt = random_prompts(5, [40])[0]
     _greedy(llm, [prompt])
     again = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and llm.engine.pool.cached == {}

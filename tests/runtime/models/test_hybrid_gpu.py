@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from atom_runtime import LLM, SamplingParams
-from tests.runtime.models.test_hybrid import PROMPTS, _hf_reference, _prompts
+from atom_runtime import LLM
+from tests.hf_reference import atom_greedy, random_prompts
+from tests.runtime.models.test_hybrid import MAX_TOKENS, PROMPTS, _hybrid_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
-def _greedy(llm: LLM, prompts, max_tokens=8):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_fp32_greedy_parity_on_gpu(tiny_hybrid_models, kind, enforce_eager):
-    expected, _ = _hf_reference(tiny_hybrid_models[kind], PROMPTS)
+    expected, _ = _hybrid_reference(tiny_hybrid_models[kind], PROMPTS)
     llm = LLM(
         str(tiny_hybrid_models[kind]),
         dtype="float32",
@@ -35,17 +30,17 @@ def test_fp32_greedy_parity_on_gpu(tiny_hybrid_models, kind, enforce_eager):
         max_num_seqs=16,
     )
     assert llm.engine.async_scheduling
-    assert _greedy(llm, PROMPTS) == expected
+    assert atom_greedy(llm, PROMPTS, MAX_TOKENS) == expected
 
 
 def test_cuda_graph_replay_with_reused_slots_gives_eager_tokens(tiny_hybrid_models):
     # 13 prompts through 4 slots: slots are reused many times, graphs padded (rows of slot -1).
-    prompts = _prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])
+    prompts = random_prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=4)
     eager = LLM(str(tiny_hybrid_models["qwen3_next"]), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_hybrid_models["qwen3_next"]), enforce_eager=False, **kw)
     assert graphs.engine.executor.graphs, "no CUDA graph was captured"
-    assert _greedy(graphs, prompts, 24) == _greedy(eager, prompts, 24)
+    assert atom_greedy(graphs, prompts, 24) == atom_greedy(eager, prompts, 24)
 
 
 def test_bf16_dummy_qwen3_5_4b_shape_starts_and_serves():
@@ -58,6 +53,6 @@ def test_bf16_dummy_qwen3_5_4b_shape_starts_and_serves():
     pool = llm.engine.state_pool
     assert pool.num_slots == 64  # 64 x 49 MiB fit easily next to an 8 GiB model
     assert llm.engine.executor.state_bytes_per_slot == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
-    outs = _greedy(llm, _prompts(1, [500, 37, 1200, 3]), max_tokens=32)
+    outs = atom_greedy(llm, random_prompts(1, [500, 37, 1200, 3]), 32)
     assert [len(o) for o in outs] == [32] * 4
     assert pool.num_in_use == 0

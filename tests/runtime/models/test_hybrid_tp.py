@@ -8,22 +8,17 @@ be those of one rank, also when chunked prefill carries the state across chunks.
 from __future__ import annotations
 
 import multiprocessing
-import random
 
 import pytest
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import LLM
 from atom_runtime.system import distributed
+from tests.hf_reference import atom_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = _prompts(0, [1, 5, 17, 40, 97])
+PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
 
 
 def _run(folder, tp: int, **kwargs) -> tuple[list[list[int]], int]:
@@ -36,9 +31,7 @@ def _run(folder, tp: int, **kwargs) -> tuple[list[list[int]], int]:
         **kwargs,
     )
     try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.engine.executor.state_bytes_per_slot
+        return atom_greedy(llm, PROMPTS, 8), llm.engine.executor.state_bytes_per_slot
     finally:
         llm.shutdown()
 

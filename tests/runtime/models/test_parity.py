@@ -8,58 +8,26 @@ must be close.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-import transformers
 
 from atom_runtime import LLM, SamplingParams
+from tests.hf_reference import atom_greedy, hf_greedy, hf_logprobs, random_prompts
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]
 MAX_TOKENS = 12
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-def _hf_greedy(folder, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(p) :].tolist())
-    return out
-
-
-def _atom_greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def references(tiny_models):
-    prompts = _prompts(0, [1, 5, 16, 17, 40, 97])
-    return prompts, {kind: _hf_greedy(tiny_models[kind], prompts) for kind in KINDS}
+    prompts = random_prompts(0, [1, 5, 16, 17, 40, 97])
+    return prompts, {kind: hf_greedy(tiny_models[kind], prompts, MAX_TOKENS) for kind in KINDS}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_match_transformers(tiny_models, references, kind):
     prompts, expected = references
     llm = LLM(str(tiny_models[kind]), dtype="float32", num_gpu_blocks_override=256)
-    assert _atom_greedy(llm, prompts) == expected[kind]
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected[kind]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -72,15 +40,15 @@ def test_chunked_prefill_with_tiny_budget_matches(tiny_models, references, kind)
         max_num_batched_tokens=7,
         max_num_seqs=4,
     )
-    assert _atom_greedy(llm, prompts) == expected[kind]
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected[kind]
 
 
 def test_prefix_hits_give_the_same_tokens(tiny_models):
-    shared = _prompts(1, [48])[0]
-    prompts = [shared + tail for tail in _prompts(2, [3, 9, 20])]
-    expected = _hf_greedy(tiny_models["qwen2"], prompts)
+    shared = random_prompts(1, [48])[0]
+    prompts = [shared + tail for tail in random_prompts(2, [3, 9, 20])]
+    expected = hf_greedy(tiny_models["qwen2"], prompts, MAX_TOKENS)
     llm = LLM(str(tiny_models["qwen2"]), dtype="float32", num_gpu_blocks_override=128)
-    assert _atom_greedy(llm, prompts) == expected
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected
     again = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -97,19 +65,15 @@ def test_preemption_under_a_small_kv_pool_matches(tiny_models, references):
     llm = LLM(
         str(tiny_models["llama"]), dtype="float32", num_gpu_blocks_override=9, max_model_len=120
     )
-    assert _atom_greedy(llm, prompts) == expected["llama"]
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected["llama"]
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.pool.num_free_blocks == 9
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 def test_first_step_logprobs_close_to_transformers(tiny_models, kind):
-    prompt = _prompts(3, [23])[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_models[kind], dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    prompt = random_prompts(3, [23])[0]
+    ref = hf_logprobs(tiny_models[kind], [prompt])[0][-1]
     llm = LLM(str(tiny_models[kind]), dtype="float32", num_gpu_blocks_override=64)
     out = llm.generate(
         {"prompt_token_ids": prompt},

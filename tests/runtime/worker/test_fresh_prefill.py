@@ -32,7 +32,7 @@ from atom_runtime.layers.forward_context import (
     set_attention_metadata,
 )
 from atom_runtime.worker.model_runner import DENSE_PREFILL_ENV, ModelRunner
-from tests.runtime.models.test_parity import _prompts
+from tests.hf_reference import random_prompts
 
 
 def test_bucket_lengths_round_up_by_less_than_an_eighth():
@@ -380,7 +380,7 @@ def test_the_runner_marks_only_steps_of_fresh_prompts(tiny_models, monkeypatch):
     assert not any(layer.dense_prefill for layer in layers)
     seen = _record_fresh_chunks(monkeypatch, layers[0])
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    a, b, long = _prompts(40, [20, 9, 70])
+    a, b, long = random_prompts(40, [20, 9, 70])
     llm.generate([{"prompt_token_ids": p} for p in (a, b)], params, use_tqdm=False)
     assert seen == [(20, 9), "decode"]
     seen.clear()
@@ -424,7 +424,7 @@ def _assert_same(got, want):
 def test_the_dense_path_gives_the_paged_paths_tokens(tiny_models, kind, dense_for_any_chunks):
     """The layers' dense path forced on (its op is the torch reference on CPU): the k and v
     views `prepare` returns give the tokens and logprobs of the paged path (fp32)."""
-    prompts = _prompts(41, [1, 5, 17, 40])
+    prompts = random_prompts(41, [1, 5, 17, 40])
     kw = dict(num_gpu_blocks_override=64)
     on = _tokens_and_logprobs(tiny_models[kind], prompts, True, **kw)
     assert dense_for_any_chunks and dense_for_any_chunks[0] == (1, 5, 17, 40)
@@ -437,7 +437,7 @@ def test_the_dense_path_gives_the_paged_paths_tokens_in_gated_attention(
     tiny_hybrid_models, dense_for_any_chunks
 ):
     """The hybrid's gated attention (q strided past its output gates, partial rotary)."""
-    prompts = _prompts(42, [5, 23])
+    prompts = random_prompts(42, [5, 23])
     kw = dict(num_gpu_blocks_override=64, max_num_seqs=2)
     on = _tokens_and_logprobs(tiny_hybrid_models["qwen3_5"], prompts, True, **kw)
     assert dense_for_any_chunks and dense_for_any_chunks[0] == (5, 23)
@@ -453,7 +453,7 @@ def test_short_fresh_prompts_keep_the_paged_kernel_in_the_engine(tiny_models, mo
     for layer in llm.engine.executor.model.attention_layers():
         layer.dense_prefill = True
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    for prompts in (_prompts(43, [20, 9]), _prompts(44, [40])):
+    for prompts in (random_prompts(43, [20, 9]), random_prompts(44, [40])):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert calls == []
 
@@ -482,7 +482,7 @@ def test_the_qkv_projection_is_padded_for_a_lone_fresh_chunk(
 
     monkeypatch.setattr(ops, "varlen_causal_attention", dense)
     folder = {**tiny_models, **tiny_hybrid_models}[kind]
-    prompts = _prompts(45, [5, 23, 41])
+    prompts = random_prompts(45, [5, 23, 41])
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
     outs = {}
     for on in (True, False):

@@ -8,28 +8,24 @@ import os
 
 import pytest
 import torch
-import transformers
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.protocol.engine_core import EngineRequest
-from tests.runtime.models.test_parity import _hf_greedy, _prompts
+from tests.hf_reference import atom_greedy, hf_greedy, hf_logprobs, random_prompts
 
 pytestmark = pytest.mark.gpu
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]
-PROMPTS = _prompts(0, [1, 5, 16, 17, 40, 97, 130])
+PROMPTS = random_prompts(0, [1, 5, 16, 17, 40, 97, 130])
 
 
-def _greedy(llm: LLM, prompts, max_tokens=12):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+MAX_TOKENS = 12
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_fp32_greedy_parity_on_gpu(tiny_models, kind, enforce_eager):
-    expected = _hf_greedy(tiny_models[kind], PROMPTS)
+    expected = hf_greedy(tiny_models[kind], PROMPTS, MAX_TOKENS)
     llm = LLM(
         str(tiny_models[kind]),
         dtype="float32",
@@ -38,24 +34,24 @@ def test_fp32_greedy_parity_on_gpu(tiny_models, kind, enforce_eager):
         enforce_eager=enforce_eager,
         max_num_seqs=16,
     )
-    assert _greedy(llm, PROMPTS) == expected
+    assert atom_greedy(llm, PROMPTS, MAX_TOKENS) == expected
 
 
 def test_cuda_graph_replay_gives_the_same_tokens_as_eager(tiny_models):
     # fp32: a graph's block tables are as wide as the model's context, an eager step's as its
     # longest sequence, so decode attention splits the context differently; in bf16 that
     # rounding alone flips near-tied argmaxes of a random tiny model now and then.
-    prompts = _prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])  # 13: padded to 16
+    prompts = random_prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])  # 13: padded to 16
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=32)
     eager = LLM(str(tiny_models["qwen3"]), enforce_eager=True, **kw)
     graphs = LLM(str(tiny_models["qwen3"]), enforce_eager=False, **kw)
     assert graphs.engine.executor.graphs, "no CUDA graph was captured"
-    assert _greedy(graphs, prompts, 24) == _greedy(eager, prompts, 24)
+    assert atom_greedy(graphs, prompts, 24) == atom_greedy(eager, prompts, 24)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_async_scheduling_gives_the_same_tokens_as_the_synchronous_loop(tiny_models, enforce_eager):
-    prompts = _prompts(9, [3, 9, 14, 33, 2, 7, 61, 18, 5])
+    prompts = random_prompts(9, [3, 9, 14, 33, 2, 7, 61, 18, 5])
     kw = dict(
         dtype="bfloat16",
         device="cuda",
@@ -65,8 +61,10 @@ def test_async_scheduling_gives_the_same_tokens_as_the_synchronous_loop(tiny_mod
     )
     on = LLM(str(tiny_models["qwen3"]), async_scheduling=True, **kw)
     off = LLM(str(tiny_models["qwen3"]), async_scheduling=False, **kw)
-    assert _greedy(on, prompts, 20) == _greedy(off, prompts, 20)
-    assert _greedy(on, prompts[:1], 20) == _greedy(off, prompts[:1], 20)  # batch 1: GEMV path
+    assert atom_greedy(on, prompts, 20) == atom_greedy(off, prompts, 20)
+    assert atom_greedy(on, prompts[:1], 20) == atom_greedy(
+        off, prompts[:1], 20
+    )  # batch 1: GEMV path
     seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
     draw = [{"prompt_token_ids": p} for p in prompts[:4]]
     assert [o.outputs[0].token_ids for o in on.generate(draw, seeded, use_tqdm=False)] == [
@@ -78,9 +76,9 @@ def test_async_scheduling_gives_the_same_tokens_as_the_synchronous_loop(tiny_mod
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_stays_close_to_fp32_reference(tiny_models, kind):
-    expected = _hf_greedy(tiny_models[kind], PROMPTS)
+    expected = hf_greedy(tiny_models[kind], PROMPTS, MAX_TOKENS)
     llm = LLM(str(tiny_models[kind]), dtype="bfloat16", device="cuda", num_gpu_blocks_override=256)
-    got = _greedy(llm, PROMPTS)
+    got = atom_greedy(llm, PROMPTS, MAX_TOKENS)
     pairs = [(a, b) for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     first = sum(g[0] == e[0] for g, e in zip(got, expected, strict=True)) / len(got)
@@ -91,11 +89,7 @@ def test_bf16_stays_close_to_fp32_reference(tiny_models, kind):
     print(f"bf16 {kind}: token agreement {agreement:.3f}, first-token {first:.3f}")
     assert first >= 0.7
     # First-step logprobs in bf16 stay within bf16's resolution of the fp32 reference.
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_models[kind], dtype=torch.float32
-    )
-    with torch.no_grad():
-        ref = model(torch.tensor([PROMPTS[4]])).logits[0, -1].log_softmax(-1)
+    ref = hf_logprobs(tiny_models[kind], [PROMPTS[4]])[0][-1]
     out = llm.generate(
         {"prompt_token_ids": PROMPTS[4]},
         SamplingParams(temperature=0, max_tokens=1, logprobs=5),
@@ -182,14 +176,14 @@ def test_short_chunk_over_a_cached_prefix_matches_a_full_prefill(tiny_models):
     equal those of the same prompt prefilled whole with caching off (fp32)."""
     from atom_kernels import prefill_attention
 
-    prefix = _prompts(11, [900])[0]
-    suffixes = _prompts(12, [30, 30])
+    prefix = random_prompts(11, [900])[0]
+    suffixes = random_prompts(12, [30, 30])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=4)
     cached = LLM(str(tiny_models["qwen2"]), enable_prefix_caching=True, **kw)
     cold = LLM(str(tiny_models["qwen2"]), enable_prefix_caching=False, **kw)
-    _greedy(cached, [prefix + suffixes[0]], 1)  # computes and publishes the prefix
+    atom_greedy(cached, [prefix + suffixes[0]], 1)  # computes and publishes the prefix
     prompt = prefix + suffixes[1]
-    got = _greedy(cached, [prompt], 8)
+    got = atom_greedy(cached, [prompt], 8)
     assert cached.engine.scheduler.prefix_hits >= 896  # the prefix's full blocks
     cfg = cached.engine.model_config
     plan = prefill_attention.plan_prefill_launch(
@@ -203,7 +197,7 @@ def test_short_chunk_over_a_cached_prefix_matches_a_full_prefill(tiny_models):
         num_multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count,
     )
     assert plan.num_splits > 1, "the cached step should take the split-KV path"
-    assert got == _greedy(cold, [prompt], 8)
+    assert got == atom_greedy(cold, [prompt], 8)
 
 
 def test_prefill_graphs_give_the_same_tokens_as_eager_prefill(tiny_models):
@@ -217,21 +211,21 @@ def test_prefill_graphs_give_the_same_tokens_as_eager_prefill(tiny_models):
     runner = graphs.engine.executor
     assert runner.prefill_graphs, "no prefill graph was captured"
     assert not eager.engine.executor.prefill_graphs
-    prefix = _prompts(21, [200])[0]
+    prefix = random_prompts(21, [200])[0]
     cases = [  # (prompts, whether a graph runs their prefill)
-        (_prompts(22, [7]), True),  # one short prompt: bucket (16, 1)
-        ([prefix + p for p in _prompts(23, [5])], False),  # caches the prefix (205 tokens)
-        ([prefix + p for p in _prompts(24, [9, 30])], True),  # 17 + 38 new tokens over it
-        (_prompts(25, [3, 11, 2, 40, 17]), False),  # 73 tokens: eager, then graph decodes
+        (random_prompts(22, [7]), True),  # one short prompt: bucket (16, 1)
+        ([prefix + p for p in random_prompts(23, [5])], False),  # caches the prefix (205 tokens)
+        ([prefix + p for p in random_prompts(24, [9, 30])], True),  # 17 + 38 new tokens over it
+        (random_prompts(25, [3, 11, 2, 40, 17]), False),  # 73 tokens: eager, then graph decodes
     ]
     for prompts, replayed in cases:
         before = runner.prefill_graphs.replays
-        assert _greedy(graphs, prompts, 10) == _greedy(eager, prompts, 10), prompts
+        assert atom_greedy(graphs, prompts, 10) == atom_greedy(eager, prompts, 10), prompts
         assert (runner.prefill_graphs.replays > before) == replayed, prompts
     # Prompts arriving one by one while earlier ones decode: mixed steps of chunk + decodes.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = _prompts(26, [6, 13, 4, 21, 9, 33])
-    want = _greedy(eager, prompts, 12)
+    prompts = random_prompts(26, [6, 13, 4, 21, 9, 33])
+    want = atom_greedy(eager, prompts, 12)
     engine = graphs.engine
     before = runner.prefill_graphs.replays
     outputs = []
@@ -254,18 +248,18 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(tiny_models, kind, 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 or later")
     # Eight prompts, 147 tokens: the first step replays a prefill graph, then decode graphs.
-    prompts = _prompts(31, [3, 9, 14, 33, 2, 7, 61, 18])
+    prompts = random_prompts(31, [3, 9, 14, 33, 2, 7, 61, 18])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=256, max_num_seqs=16)
     monkeypatch.setenv("ATOM_PDL", "0")
     pdl._enabled.cache_clear()
-    want = _greedy(LLM(str(tiny_models[kind]), **kw), prompts, 24)
+    want = atom_greedy(LLM(str(tiny_models[kind]), **kw), prompts, 24)
     monkeypatch.setenv("ATOM_PDL", "1")
     pdl._enabled.cache_clear()
     try:
         assert pdl.enabled(torch.device("cuda")), "PDL did not turn on"
         for eager in (False, True):
             llm = LLM(str(tiny_models[kind]), enforce_eager=eager, **kw)
-            assert _greedy(llm, prompts, 24) == want, f"enforce_eager={eager}"
+            assert atom_greedy(llm, prompts, 24) == want, f"enforce_eager={eager}"
     finally:
         pdl._enabled.cache_clear()
 
@@ -279,16 +273,18 @@ def test_a_failed_prefill_capture_leaves_those_steps_eager(tiny_models, monkeypa
     def refuse(self, *args, **kwargs):
         raise RuntimeError("capture refused")
 
-    prompts = _prompts(41, [7, 12, 30])
+    prompts = random_prompts(41, [7, 12, 30])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=128, max_num_seqs=4)
-    want = _greedy(LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=0, **kw), prompts)
+    want = atom_greedy(
+        LLM(str(tiny_models["qwen3"]), prefill_graph_max_tokens=0, **kw), prompts, MAX_TOKENS
+    )
     monkeypatch.setattr(cuda_graphs.PrefillGraphs, "capture", refuse)
     with caplog.at_level("WARNING", logger="atom_runtime.worker.model_runner"):
         llm = LLM(str(tiny_models["qwen3"]), **kw)
     assert "run eagerly" in caplog.text and "capture refused" in caplog.text
     assert not llm.engine.executor.prefill_graphs
     assert llm.engine.executor.graphs, "the decode graphs are captured all the same"
-    assert _greedy(llm, prompts) == want
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == want
 
 
 def _dense_for_short_prompts(monkeypatch) -> None:
@@ -373,9 +369,9 @@ def test_a_chunk_over_a_cached_prefix_keeps_the_paged_kernel(tiny_models, monkey
     real = ops.varlen_causal_attention
     monkeypatch.setattr(ops, "varlen_causal_attention", lambda *a: calls.append(a[4]) or real(*a))
     prompt = PROMPTS[6]  # 130 tokens: 8 full blocks cached after the first run
-    _greedy(llm, [prompt], 2)
+    atom_greedy(llm, [prompt], 2)
     assert calls == [(130,)] * n_layers
-    _greedy(llm, [prompt + _prompts(31, [20])[0]], 2)
+    atom_greedy(llm, [prompt + random_prompts(31, [20])[0]], 2)
     assert calls == [(130,)] * n_layers
 
 
@@ -419,9 +415,9 @@ def test_fresh_prompts_of_first_seen_lengths_find_plans_built_at_start_up(
     monkeypatch.setattr(
         varlen_attention, "_row_width", lambda *a: copied.append(a) or real_row_width(*a)
     )
-    prompts = _prompts(32, [77, 333, 501])
+    prompts = random_prompts(32, [77, 333, 501])
     for p in prompts:
-        _greedy(llm, [p], 2)
+        atom_greedy(llm, [p], 2)
     served = keys[started:]
     assert len(served) == len(prompts) * len(runner.model.attention_layers())
     assert set(served) <= at_start

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import random
 import signal
 import threading
 import time
@@ -23,10 +22,11 @@ import safetensors
 import torch
 from safetensors import safe_open
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import LLM
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.system import distributed
+from tests.hf_reference import atom_greedy, random_prompts
 
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]
 MAX_TOKENS = 10
@@ -34,25 +34,14 @@ MAX_TOKENS = 10
 pytestmark = pytest.mark.timeout(120)
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = _prompts(0, [1, 5, 16, 17, 40, 97])
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+PROMPTS = random_prompts(0, [1, 5, 16, 17, 40, 97])
 
 
 def _run(folder: Path, tp: int, prompts=PROMPTS, device="cpu", **kwargs) -> list[list[int]]:
     kwargs.setdefault("num_gpu_blocks_override", 256)
     llm = LLM(str(folder), dtype="float32", device=device, tensor_parallel_size=tp, **kwargs)
     try:
-        return _greedy(llm, prompts)
+        return atom_greedy(llm, prompts, MAX_TOKENS)
     finally:
         llm.shutdown()
 
@@ -90,7 +79,7 @@ def test_tp2_preemption_under_a_small_kv_pool_equals_one_rank(tiny_models):
     one = _run(folder, 1, **kwargs)
     llm = LLM(str(folder), dtype="float32", device="cpu", tensor_parallel_size=2, **kwargs)
     try:
-        assert _greedy(llm, PROMPTS) == one
+        assert atom_greedy(llm, PROMPTS, MAX_TOKENS) == one
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
@@ -237,7 +226,7 @@ def test_workers_are_named_frozen_sharded_and_gone_after_shutdown(tiny_models):
     )
     for held in executor.parameter_bytes():
         assert one_bytes / 2 <= held <= one_bytes / 2 + norms
-    assert _greedy(llm, PROMPTS[:2])
+    assert atom_greedy(llm, PROMPTS[:2], MAX_TOKENS)
     llm.shutdown()
     assert not worker.is_alive()
     assert not Path(f"/proc/{worker.pid}").exists()  # reaped, not a zombie
@@ -256,16 +245,16 @@ def test_killed_worker_fails_the_next_step_promptly_naming_the_rank(tiny_models)
         tensor_parallel_size=2,
     )
     try:
-        assert _greedy(llm, PROMPTS[:2])
+        assert atom_greedy(llm, PROMPTS[:2], MAX_TOKENS)
         (worker,) = llm.engine.executor.workers
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
-            _greedy(llm, PROMPTS[:2])
+            atom_greedy(llm, PROMPTS[:2], MAX_TOKENS)
         assert time.monotonic() - start < 5.0
         # The engine stays down with the same reason.
         with pytest.raises(RuntimeError, match="rank 1"):
-            _greedy(llm, PROMPTS[:1])
+            atom_greedy(llm, PROMPTS[:1], MAX_TOKENS)
     finally:
         llm.shutdown()
     assert worker not in multiprocessing.active_children()
@@ -287,11 +276,11 @@ def test_rank0_failing_mid_step_takes_the_engine_down(tiny_models, monkeypatch):
 
         monkeypatch.setattr(runner, "forward", broken_forward)
         with pytest.raises(RuntimeError, match="rank 0 failed mid-step: MemoryError: simulated"):
-            _greedy(llm, PROMPTS[:1])
+            atom_greedy(llm, PROMPTS[:1], MAX_TOKENS)
         monkeypatch.undo()
         # The worker may be waiting in a collective rank 0 never joined: no second step.
         with pytest.raises(RuntimeError, match="rank 0 failed mid-step"):
-            _greedy(llm, PROMPTS[:1])
+            atom_greedy(llm, PROMPTS[:1], MAX_TOKENS)
     finally:
         llm.shutdown()
 
