@@ -20,6 +20,11 @@ Heads a program (HEADS, `decode_heads_per_program`): at large batch one program 
 two KV heads, reading each token's K/V for both as one contiguous run. Its query tile is then
 block-diagonal (each query head's vector sits in its KV head's columns, zeros elsewhere), so
 one dot still gives every row its own head's scores and P @ V its own head's output.
+
+FP8 cache (float8_e4m3fn / e4m3fnuz, per-tensor k_scale and v_scale): K and V tiles are read as
+FP8 (half the bytes) and converted to q's dtype for the dots; k_scale is folded into the softmax
+scale (q.(s k) = s (q.k)) and v_scale multiplies the output once (sum p (s v) = s sum p v). A
+cache of q's dtype compiles none of it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import triton
 import triton.language as tl
 
 from atom_kernels import envs, pdl
+from atom_kernels.fp8_formats import is_fp8
+from atom_kernels.fp8_quant import load_scale, scale_arg
 from atom_kernels.pdl import wait_for_inputs
 
 _LOG2E = 1.4426950408889634
@@ -70,6 +77,8 @@ def _decode_split_kernel(
     bt_stride_b,
     out_stride_b,
     out_stride_h,
+    k_scale,
+    v_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -81,6 +90,9 @@ def _decode_split_kernel(
     HEADS_FASTEST: tl.constexpr = False,
     PDL: tl.constexpr = False,
     HEADS: tl.constexpr = 1,
+    FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if HEADS_FASTEST:  # grid (kv head, sequence, split): a sequence's heads launch together
@@ -118,6 +130,8 @@ def _decode_split_kernel(
             q_ptr + seq.to(tl.int64) * q_stride_b + heads[:, None] * q_stride_h + col_dim[None, :]
         )
         q = tl.load(q_ptrs, mask=mine, other=0.0)
+        if FP8:
+            scale_log2 = scale_log2 * load_scale(k_scale, K_SCALE_PTR)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -135,7 +149,7 @@ def _decode_split_kernel(
                 kv_mask = valid[:, None]
             else:
                 kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE_DOT:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -146,13 +160,15 @@ def _decode_split_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if FP8:  # partial sums too: the merge is linear in them
+            acc = acc * load_scale(v_scale, V_SCALE_PTR)
 
         if NUM_SPLITS == 1:
             # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
@@ -293,6 +309,8 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -351,6 +369,8 @@ def paged_attention_decode(
     block_d = triton.next_power_of_2(head_dim)
     heads_fastest = bool(heads_fastest)
     programs = num_kv_heads // heads
+    k_arg, k_ptr = scale_arg(k_scale)
+    v_arg, v_ptr = scale_arg(v_scale)
     grid = (programs, batch, num_splits) if heads_fastest else (batch, programs, num_splits)
     _decode_split_kernel[grid](
         q,
@@ -371,6 +391,8 @@ def paged_attention_decode(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        k_arg,
+        v_arg,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -381,6 +403,9 @@ def paged_attention_decode(
         IEEE_DOT=q.dtype == torch.float32,
         HEADS_FASTEST=heads_fastest,
         HEADS=heads,
+        FP8=is_fp8(k_cache),
+        K_SCALE_PTR=k_ptr,
+        V_SCALE_PTR=v_ptr,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl.options(q.device),

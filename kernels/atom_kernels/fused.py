@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from atom_kernels import pdl
+from atom_kernels.fp8_formats import is_fp8
+from atom_kernels.fp8_quant import load_scale, scale_arg, store_kv_fp8
 from atom_kernels.pdl import wait_for_inputs
 
 
@@ -93,6 +95,8 @@ def _qk_prep_kernel(
     eps,
     num_heads,
     num_kv_heads,
+    k_scale,
+    v_scale,
     HAS_NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     Q_HEAD_STRIDE: tl.constexpr,
@@ -103,6 +107,9 @@ def _qk_prep_kernel(
     BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0)
@@ -130,16 +137,23 @@ def _qk_prep_kernel(
         h_ok = offs_h < num_kv_heads
         mask = h_ok & (offs_i[None, :] < ROT_HALF)
         kc = k_cache_ptr + slot * cache_stride_slot + offs_h * HEAD_DIM
-        dtype = k_cache_ptr.dtype.element_ty
-        tl.store(kc + offs_i[None, :], k1.to(dtype), mask=mask)
-        tl.store(kc + ROT_HALF + offs_i[None, :], k2.to(dtype), mask=mask)
+        # k as the unfused path caches it: rounded to the activation dtype first (as written
+        # into qkv), then cast, or quantized into an FP8 cache.
+        act = qkv_ptr.dtype.element_ty
+        ks = 1.0
+        vs = 1.0
+        if FP8:
+            ks = load_scale(k_scale, K_SCALE_PTR)
+            vs = load_scale(v_scale, V_SCALE_PTR)
+        store_kv_fp8(kc + offs_i[None, :], k1.to(act), mask, ks, FP8)
+        store_kv_fp8(kc + ROT_HALF + offs_i[None, :], k2.to(act), mask, ks, FP8)
         rest_mask = h_ok & (offs_r < HEAD_DIM - 2 * ROT_HALF)
-        tl.store(kc + 2 * ROT_HALF + offs_r, k3.to(dtype), mask=rest_mask)
+        store_kv_fp8(kc + 2 * ROT_HALF + offs_r, k3.to(act), rest_mask, ks, FP8)
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         within = offs_h * HEAD_DIM + offs_d
         v_mask = h_ok & (offs_d < HEAD_DIM)
         v = tl.load(k_row + num_kv_heads * HEAD_DIM + within, mask=v_mask, other=0.0)
-        tl.store(v_cache_ptr + slot * cache_stride_slot + within, v, mask=v_mask)
+        store_kv_fp8(v_cache_ptr + slot * cache_stride_slot + within, v, v_mask, vs, FP8)
 
 
 def qk_norm_rope_store_(
@@ -156,6 +170,9 @@ def qk_norm_rope_store_(
     num_kv_heads: int,
     head_dim: int,
     q_gate: bool = False,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """See `atom_kernels.ops.qk_norm_rope_store_`."""
     num_tokens = qkv.shape[0]
@@ -166,6 +183,8 @@ def qk_norm_rope_store_(
     has_norm = q_norm_weight is not None
     rot_half = cos_sin_cache.shape[-1] // 2
     block_hq = triton.next_power_of_2(num_heads)
+    k_arg, k_ptr = scale_arg(k_scale)
+    v_arg, v_ptr = scale_arg(v_scale)
     _qk_prep_kernel[(num_tokens,)](
         qkv,
         positions,
@@ -181,6 +200,8 @@ def qk_norm_rope_store_(
         eps,
         num_heads,
         num_kv_heads,
+        k_arg,
+        v_arg,
         HAS_NORM=has_norm,
         HEAD_DIM=head_dim,
         Q_HEAD_STRIDE=(2 if q_gate else 1) * head_dim,
@@ -191,6 +212,9 @@ def qk_norm_rope_store_(
         BLOCK_REST=triton.next_power_of_2(max(1, head_dim - 2 * rot_half)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if block_hq * head_dim >= 2048 else 1,
+        FP8=is_fp8(k_cache),
+        K_SCALE_PTR=k_ptr,
+        V_SCALE_PTR=v_ptr,
         **pdl.options(qkv.device),
     )
 

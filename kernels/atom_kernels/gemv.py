@@ -45,6 +45,8 @@ import triton.language as tl
 
 from atom_kernels import envs, norm, pdl
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
+from atom_kernels.fp8_formats import is_fp8, scale_layout
+from atom_kernels.fp8_quant import load_scale, scale_arg, store_kv_fp8
 from atom_kernels.pdl import wait_for_inputs
 from atom_kernels.tickets import ticket_counters
 
@@ -75,6 +77,54 @@ class RopeStore(NamedTuple):
     q_norm_weight: torch.Tensor | None = None
     k_norm_weight: torch.Tensor | None = None
     qk_norm_eps: float = 1e-6
+    # An FP8 cache's per-tensor scales (a float, or a one-element fp32 tensor); unused otherwise.
+    k_scale: torch.Tensor | float = 1.0
+    v_scale: torch.Tensor | float = 1.0
+
+
+class Fp8Weight(NamedTuple):
+    """How the kernel reads an FP8 weight's scale: W_SCALE 1 (one per output row; per tensor
+    with stride 0) or 2 (blocks of SCALE_BN x SCALE_BK), the scale tensor and its row stride."""
+
+    mode: int
+    scale: torch.Tensor
+    stride: int
+    block_n: int = 128
+    block_k: int = 128
+
+
+def fp8_weight(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    weight_block_size: tuple[int, int] | list[int] | None,
+) -> Fp8Weight | None:
+    """The kernel's view of an FP8 weight's scale (None for a half-precision weight)."""
+    if not is_fp8(weight):
+        return None
+    layout = scale_layout(weight.shape, weight_scale, weight_block_size)
+    if layout == "block":
+        return Fp8Weight(2, weight_scale, weight_scale.stride(0), *weight_block_size)
+    flat = weight_scale.reshape(-1)
+    return Fp8Weight(1, flat, 0 if layout == "tensor" else flat.stride(0))
+
+
+def check_block_scaled_launch(
+    fp8: Fp8Weight, mode: int, block_n: int, block_k: int, n_out: int, half: int
+) -> bool:
+    """Raise unless every run of weight rows a program streams lies in one block of scale rows
+    and a loop step in one block of scale columns (what the kernel's one scale a run and a step
+    assumes); returns SAME_BLOCK, whether a pair's two rows share their block everywhere."""
+    pairs = block_n // 2
+    if fp8.block_k % block_k:
+        raise ValueError(f"block_k={block_k} must divide the scale block's {fp8.block_k} columns")
+    if mode == PLAIN and fp8.block_n % block_n:
+        raise ValueError(f"block_n={block_n} must divide the scale block's {fp8.block_n} rows")
+    if mode != PLAIN and (fp8.block_n % pairs or (n_out if mode == SWIGLU else half) % pairs):
+        raise ValueError(
+            f"block_n={block_n}: its {pairs} pairs must divide the scale block's {fp8.block_n} "
+            f"rows and {'the gate rows' if mode == SWIGLU else 'half a head'}"
+        )
+    return mode in (ROPE, NORM_ROPE) and fp8.block_n % (2 * half) == 0
 
 
 @triton.jit
@@ -128,11 +178,14 @@ def _epilogue(
     cache_stride_slot,
     num_heads,
     num_kv_heads,
+    ks,
+    vs,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ADD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
@@ -140,7 +193,8 @@ def _epilogue(
     the output is y + add (`add`: the residual at `offs`, fp32, loaded by the caller as early
     as it can; the residual add of the norm after it, rounded as `fused_add_rms_norm` rounds
     it), the block's sum of its squares goes to sq_out[block_id], and h times the next
-    RMSNorm's weight (rounded) to scaled_out: the next GEMV's input (`NORM_PARTS`)."""
+    RMSNorm's weight (rounded) to scaled_out: the next GEMV's input (`NORM_PARTS`). KV_FP8: the
+    cache is FP8, k and v quantized with the scales ks, vs (fp32 scalars) as they are stored."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y += tl.load(bias_ptr + first, mask=mask, other=0.0).to(tl.float32)
@@ -190,10 +244,10 @@ def _epilogue(
         is_v = live & (kv >= num_kv_heads)
         kv = tl.where(is_v, kv - num_kv_heads, kv)
         at = slot * cache_stride_slot + kv.to(tl.int64) * HEAD_DIM + dim
-        tl.store(k_cache_ptr + at, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-        tl.store(k_cache_ptr + at + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-        tl.store(v_cache_ptr + at, o1.to(v_cache_ptr.dtype.element_ty), mask=is_v)
-        tl.store(v_cache_ptr + at + HALF, o2.to(v_cache_ptr.dtype.element_ty), mask=is_v)
+        store_kv_fp8(k_cache_ptr + at, o1, is_k, ks, KV_FP8)
+        store_kv_fp8(k_cache_ptr + at + HALF, o2, is_k, ks, KV_FP8)
+        store_kv_fp8(v_cache_ptr + at, o1, is_v, vs, KV_FP8)
+        store_kv_fp8(v_cache_ptr + at + HALF, o2, is_v, vs, KV_FP8)
 
 
 @triton.jit
@@ -219,12 +273,15 @@ def _finish_block(
     cache_stride_slot,
     num_heads,
     num_kv_heads,
+    ks,
+    vs,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ADD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """The epilogue of one program's block from its rows' fp32 sums `y` (a paired MODE's rows
     interleaved first, second, ...)."""
@@ -239,8 +296,21 @@ def _finish_block(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
         k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
         scaled_out_ptr, pid_n, qk_eps, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads,
-        HAS_BIAS, MODE, HALF, HEAD_DIM, ADD,
+        ks, vs, HAS_BIAS, MODE, HALF, HEAD_DIM, ADD, KV_FP8,
     )  # fmt: skip
+
+
+@triton.jit
+def _block_scaled_x(x, s_first, s_second, even, MODE: tl.constexpr, SAME_BLOCK: tl.constexpr):
+    """x times the weight's block scale, as the tile's rows see it: `[1, BLOCK_K]` when every row
+    shares one scale (the plain product; pairs in one block), else `[BLOCK_N, BLOCK_K]` with the
+    first rows' scale on even lanes and the second rows' on odd ones. The scales are scalars (a
+    loop step inside one column block) or per column (the early columns)."""
+    xa = x * s_first
+    if MODE == 0 or SAME_BLOCK:
+        return xa[None, :]
+    else:
+        return tl.where(even[:, None], xa[None, :], (x * s_second)[None, :])
 
 
 @triton.jit
@@ -291,9 +361,11 @@ def _gemv_kernel(
     next_norm_ptr,
     scaled_out_ptr,
     sq_in_ptr,
+    w_scale_ptr,
     N,
     K,
     w_stride,
+    w_scale_stride,
     k_per_split,
     eps,
     qk_eps,
@@ -302,6 +374,8 @@ def _gemv_kernel(
     num_heads,
     num_kv_heads,
     num_parts,
+    k_scale,
+    v_scale,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     NORM: tl.constexpr,
@@ -317,6 +391,13 @@ def _gemv_kernel(
     EARLY: tl.constexpr = 128,
     ADD: tl.constexpr = False,
     NORM_PARTS: tl.constexpr = 0,
+    W_SCALE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 128,
+    SCALE_BK: tl.constexpr = 128,
+    SAME_BLOCK: tl.constexpr = True,
+    KV_FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     # N counts the weight's rows. A program multiplies BLOCK_N rows; a paired MODE has N // 2
     # outputs, each from two rows, and its programs take BLOCK_N // 2 outputs with their rows
@@ -336,6 +417,19 @@ def _gemv_kernel(
         row_n = tl.where(lane % 2 == 0, first_r, second_r)
         row_mask = pair < n_out
     rows = w_ptr + row_n.to(tl.int64)[:, None] * w_stride
+    # FP8 weights in blocks (W_SCALE 2): each run of rows a program streams (all of them; or
+    # the first and the second rows of its pairs) lies inside one block of SCALE_BN rows
+    # (`_fp8_weight` checks the launch), so a step's scale is one number per run, applied to x.
+    even = lane % 2 == 0
+    s_first = w_scale_ptr
+    s_second = w_scale_ptr
+    if W_SCALE == 2:
+        if MODE == 0:
+            s_first = w_scale_ptr + (pid_n * BLOCK_N // SCALE_BN) * w_scale_stride
+        else:
+            f0, s0 = _paired_rows(pid_n * (BLOCK_N // 2), n_out, MODE, HALF, HEAD_DIM)
+            s_first = w_scale_ptr + (f0 // SCALE_BN) * w_scale_stride
+            s_second = w_scale_ptr + (s0 // SCALE_BN) * w_scale_stride
     offs_k = tl.arange(0, BLOCK_K)
     k_start = split * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -379,7 +473,15 @@ def _gemv_kernel(
     early_x = _gemv_input(
         x_ptr, residual_ptr, norm_w_ptr, early_ks, early_mask, inv_rms, dtype, NORM, HAS_RESIDUAL
     )
-    head = tl.sum(early_w.to(tl.float32) * early_x[None, :], axis=1)
+    if W_SCALE == 2:  # the early columns span several blocks: one scale per column
+        early_kb = early_ks // SCALE_BK
+        early_xs = _block_scaled_x(
+            early_x, tl.load(s_first + early_kb, mask=early_mask, other=0.0),
+            tl.load(s_second + early_kb, mask=early_mask, other=0.0), even, MODE, SAME_BLOCK,
+        )  # fmt: skip
+        head = tl.sum(early_w.to(tl.float32) * early_xs, axis=1)
+    else:
+        head = tl.sum(early_w.to(tl.float32) * early_x[None, :], axis=1)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_start + EARLY, k_end, BLOCK_K):
         ks = k0 + offs_k
@@ -388,16 +490,30 @@ def _gemv_kernel(
             x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype, NORM, HAS_RESIDUAL
         )
         w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        if W_SCALE == 2:  # the step lies in one column block (SCALE_BK % BLOCK_K == 0)
+            kb = k0 // SCALE_BK
+            xs = _block_scaled_x(
+                x, tl.load(s_first + kb), tl.load(s_second + kb), even, MODE, SAME_BLOCK
+            )
+            acc += w.to(tl.float32) * xs
+        else:
+            acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1) + head
+    if W_SCALE == 1:  # FP8 per output row (per tensor: stride 0)
+        y = y * tl.load(w_scale_ptr + row_n * w_scale_stride, mask=row_mask, other=0.0)
+    kv_ks = 1.0
+    kv_vs = 1.0
+    if KV_FP8:
+        kv_ks = load_scale(k_scale, K_SCALE_PTR)
+        kv_vs = load_scale(v_scale, V_SCALE_PTR)
     if NORM_PARTS > 0:
         y = y * parts_scale  # a split's partial sums too: the scale distributes over them
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
             slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr, qk_eps,
-            cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, BLOCK_N,
-            HALF, HEAD_DIM, ADD,
+            cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS,
+            MODE, BLOCK_N, HALF, HEAD_DIM, ADD, KV_FP8,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
@@ -418,7 +534,8 @@ def _gemv_kernel(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
                     v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
                     scaled_out_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
-                    num_kv_heads, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM, ADD,
+                    num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM, ADD,
+                    KV_FP8,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -445,6 +562,8 @@ def _gemv_reduce_kernel(
     cache_stride_slot,
     num_heads,
     num_kv_heads,
+    k_scale,
+    v_scale,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -453,6 +572,9 @@ def _gemv_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
     ADD: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if MODE == 0:
@@ -471,12 +593,17 @@ def _gemv_reduce_kernel(
         y += tl.load(part_ptr + s * N + first, mask=mask, other=0.0)
         if MODE != 0:
             y2 += tl.load(part_ptr + s * N + second, mask=mask, other=0.0)
+    kv_ks = 1.0
+    kv_vs = 1.0
+    if KV_FP8:
+        kv_ks = load_scale(k_scale, K_SCALE_PTR)
+        kv_vs = load_scale(v_scale, V_SCALE_PTR)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
         v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr,
         tl.program_id(0), qk_eps,
-        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, HAS_BIAS, MODE, HALF,
-        HEAD_DIM, ADD,
+        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE,
+        HALF, HEAD_DIM, ADD, KV_FP8,
     )  # fmt: skip
 
 
@@ -500,11 +627,14 @@ def early_columns(
     return early
 
 
-def gemv_config(n: int, k: int, multiprocessors: int) -> dict[str, int]:
-    """Launch shape from the matrix shape alone (so CUDA graphs stay valid): the one timed at
-    start-up for this shape (`set_launch_shape`), else `rule_config`'s."""
-    tuned = _launch_shapes.get((n, k))
-    return dict(tuned) if tuned is not None else rule_config(n, k, multiprocessors)
+def gemv_config(n: int, k: int, multiprocessors: int, fp8: bool = False) -> dict[str, int]:
+    """Launch shape from the matrix shape (and whether the weight is FP8) alone, so CUDA graphs
+    stay valid: the one timed at start-up for this shape (`set_launch_shape`), else the rule's
+    (`rule_config`, `fp8_rule_config`)."""
+    tuned = _launch_shapes.get((n, k, fp8))
+    if tuned is not None:
+        return dict(tuned)
+    return fp8_rule_config(n, k, multiprocessors) if fp8 else rule_config(n, k, multiprocessors)
 
 
 def rule_config(
@@ -514,6 +644,7 @@ def rule_config(
     block_n: int = 16,
     block_k: int = 128,
     num_warps: int = 8,
+    min_split_columns: int = 1024,
 ) -> dict[str, int]:
     """By default 16 rows per program, 128 columns a step with 8 warps and 4 pipeline stages
     (the best of a 108-point sweep on an H200 with weights streaming from memory,
@@ -521,7 +652,7 @@ def rule_config(
     multiprocessor, each split keeping at least 1,024 columns."""
     programs = triton.cdiv(n, block_n)
     split = 1
-    while programs * split < 4 * multiprocessors and k // (split * 2) >= 1024:
+    while programs * split < 4 * multiprocessors and k // (split * 2) >= min_split_columns:
         split *= 2
     return {
         "block_n": block_n,
@@ -530,6 +661,30 @@ def rule_config(
         "num_warps": num_warps,
         "num_stages": 4,
     }
+
+
+def fp8_rule_config(
+    n: int, k: int, multiprocessors: int, block_n: int = 32, block_k: int = 128, num_warps: int = 8
+) -> dict[str, int]:
+    """The FP8 weight's rule: the bf16 rule's bytes at half the element size. 32 rows of 128
+    columns a step are the bf16 tile's 4 KB (16 contiguous bytes a thread at 8 warps, one
+    128-bit load), a step stays inside one 128-column scale block, and a split keeps at least
+    2,048 columns (the bf16 rule's 2 KB a row). Not yet measured against the alternatives
+    (`fp8_launch_candidates`; `kernels_bench.py --sweep fp8` times them)."""
+    return rule_config(n, k, multiprocessors, block_n, block_k, num_warps, min_split_columns=2048)
+
+
+def fp8_launch_candidates(
+    n: int, k: int, multiprocessors: int, block_scaled: bool
+) -> list[dict[str, int]]:
+    """The launch shapes worth timing for an FP8 [n, k] weight, the rule's first: 4 warps, 16
+    rows (8-byte loads), 64 rows, and for per-row scales 16 rows of 256 columns (16-byte loads,
+    a step across two scale blocks, which block scales cannot take)."""
+    variants = [{}, {"num_warps": 4}, {"block_n": 16}, {"block_n": 64}]
+    if not block_scaled:
+        variants.append({"block_n": 16, "block_k": 256})
+    shapes = [fp8_rule_config(n, k, multiprocessors, **v) for v in variants]
+    return [c for i, c in enumerate(shapes) if c not in shapes[:i]]
 
 
 def launch_candidates(n: int, k: int, multiprocessors: int) -> list[dict[str, int]]:
@@ -546,18 +701,19 @@ def launch_candidates(n: int, k: int, multiprocessors: int) -> list[dict[str, in
     return [c for i, c in enumerate(shapes) if c not in shapes[:i]]
 
 
-# Launch shapes timed at start-up, by weight shape (the runtime's small_m sets them before any
-# CUDA graph is captured; graphs keep the shape they captured).
-_launch_shapes: dict[tuple[int, int], dict[str, int]] = {}
+# Launch shapes timed at start-up, by weight shape and whether it is FP8 (the runtime's small_m
+# sets them before any CUDA graph is captured; graphs keep the shape they captured).
+_launch_shapes: dict[tuple[int, int, bool], dict[str, int]] = {}
 
 
-def set_launch_shape(n: int, k: int, config: dict[str, int] | None) -> None:
-    """Use `config` (one of `launch_candidates`) for every later launch on an [n, k] weight
-    but the QK-norm epilogue's (one head a program); None goes back to the rule."""
+def set_launch_shape(n: int, k: int, config: dict[str, int] | None, fp8: bool = False) -> None:
+    """Use `config` (one of `launch_candidates`, or `fp8_launch_candidates` with `fp8`) for every
+    later launch on an [n, k] weight but the QK-norm epilogue's (one head a program); None goes
+    back to the rule."""
     if config is None:
-        _launch_shapes.pop((n, k), None)
+        _launch_shapes.pop((n, k, fp8), None)
     else:
-        _launch_shapes[(n, k)] = dict(config)
+        _launch_shapes[(n, k, fp8)] = dict(config)
 
 
 def norm_rope_config(n: int, k: int, head_dim: int, multiprocessors: int) -> dict[str, int]:
@@ -606,6 +762,8 @@ def gemv(
     add: torch.Tensor | None = None,
     next_norm_weight: torch.Tensor | None = None,
     norm_parts: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ):
     """See `atom_kernels.ops.linear_small_m` and `ops.linear_rope_store_small_m`. Keyword-only
     arguments override the launch shape (tests use them to reach the split path on small
@@ -623,7 +781,12 @@ def gemv(
     squares of h's blocks and scaled = h * next_norm_weight, rounded. Another GEMV takes
     `scaled` as its x and sq as `norm_parts` (no `norm_weight`, no `residual`): it multiplies W
     by the row as any GEMV does and scales its sums by the inverse RMS of h, which is the RMSNorm
-    of h without a pass over the row and without a step in its loop."""
+    of h without a pass over the row and without a step in its loop.
+
+    An FP8 weight comes with `weight_scale` (and `weight_block_size` for block scales): the
+    kernel streams its bytes and multiplies in fp32, the per-row scale applied to each row's
+    sum, a block scale to x's slice of each step (weight-only dequantization: x stays in its
+    dtype)."""
     if merge not in ("tickets", "kernel"):
         raise ValueError(f"merge={merge!r}: expected 'tickets' or 'kernel'")
     if act not in (None, "silu_mul"):
@@ -657,13 +820,18 @@ def gemv(
             )
         cfg = norm_rope_config(n, k, head_dim, _multiprocessors(x.device))
     else:
-        cfg = gemv_config(n, k, _multiprocessors(x.device))
+        cfg = gemv_config(n, k, _multiprocessors(x.device), fp8=is_fp8(weight))
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     split = split or cfg["split"]
     k_per_split, split = split_k(k, split, block_k)
     if mode != PLAIN and (block_n < 2 or block_n & (block_n - 1)):
         raise ValueError(f"block_n={block_n}: a paired epilogue needs a power of two >= 2")
+    fp8 = fp8_weight(weight, weight_scale, weight_block_size)
+    same_block = True
+    if fp8 is not None and fp8.mode == 2:
+        half = rope.head_dim // 2 if rope is not None else 1
+        same_block = check_block_scaled_launch(fp8, mode, block_n, block_k, n_out, half)
     programs_n = triton.cdiv(n_out, block_n if mode == PLAIN else block_n // 2)
     parts = tickets = None
     if split > 1:
@@ -688,6 +856,7 @@ def gemv(
         rope_args, rope_ints, half, head_dim = (out,) * 7, (0, 0, 0, 0), 1, 2
         qk_eps = 0.0
     consts = dict(HAS_BIAS=bias is not None, MODE=mode, HALF=half, HEAD_DIM=head_dim)
+    kv_args, kv_consts = _kv_scale_args(rope)
     _gemv_kernel[(programs_n, split)](
         x,
         weight,
@@ -704,14 +873,17 @@ def gemv(
         next_norm_weight if add is not None else out,
         scaled if scaled is not None else out,
         norm_parts if norm_parts is not None else out,
+        fp8.scale if fp8 is not None else out,
         n,
         k,
         weight.stride(0),
+        fp8.stride if fp8 is not None else 0,
         k_per_split,
         eps,
         qk_eps,
         *rope_ints,
         norm_parts.numel() if norm_parts is not None else 0,
+        *kv_args,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
         SPLIT=split,
@@ -726,6 +898,11 @@ def gemv(
         ),
         ADD=add is not None,
         NORM_PARTS=triton.next_power_of_2(norm_parts.numel()) if norm_parts is not None else 0,
+        W_SCALE=fp8.mode if fp8 is not None else 0,
+        SCALE_BN=fp8.block_n if fp8 is not None else 128,
+        SCALE_BK=fp8.block_k if fp8 is not None else 128,
+        SAME_BLOCK=same_block,
+        **kv_consts,
         **consts,
         **pdl.options(x.device),
     )
@@ -743,10 +920,12 @@ def gemv(
             n,
             qk_eps,
             *rope_ints,
+            *kv_args,
             SPLIT=split,
             BLOCK=block,
             num_warps=4,
             ADD=add is not None,
+            **kv_consts,
             **consts,
             **pdl.options(x.device),
         )
@@ -755,15 +934,27 @@ def gemv(
     return out if residual_out is None else (out, residual_out)
 
 
+def _kv_scale_args(rope: RopeStore | None) -> tuple[tuple, dict[str, bool]]:
+    """The cache epilogue's (k_scale, v_scale) arguments and their constexprs."""
+    if rope is None or not is_fp8(rope.k_cache):
+        return (1.0, 1.0), {"KV_FP8": False}
+    (k_arg, k_ptr), (v_arg, v_ptr) = scale_arg(rope.k_scale), scale_arg(rope.v_scale)
+    return (k_arg, v_arg), {"KV_FP8": True, "K_SCALE_PTR": k_ptr, "V_SCALE_PTR": v_ptr}
+
+
 def linear_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.linear_small_m`."""
-    return gemv(x, weight, bias, act=act)
+    return gemv(
+        x, weight, bias, act=act, weight_scale=weight_scale, weight_block_size=weight_block_size
+    )
 
 
 def linear_rope_store_small_m(
@@ -781,13 +972,20 @@ def linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.linear_rope_store_small_m`."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim, q_norm_weight, k_norm_weight, eps,
+        head_dim, q_norm_weight, k_norm_weight, eps, k_scale, v_scale,
     )  # fmt: skip
-    return gemv(x, weight, bias, rope=rope)
+    return gemv(
+        x, weight, bias, rope=rope, weight_scale=weight_scale, weight_block_size=weight_block_size
+    )
 
 
 def rms_norm_linear_rope_store_small_m(
@@ -808,15 +1006,23 @@ def rms_norm_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.rms_norm_linear_rope_store_small_m`: one launch with the norm in
     the GEMV's prologue, or, for a row too long for it to hold, the Triton norm and then the
     GEMV."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        head_dim, q_norm_weight, k_norm_weight, qk_eps, k_scale, v_scale,
     )  # fmt: skip
-    return _normed_gemv(x, residual, norm_weight, eps, weight, bias, rope=rope)
+    return _normed_gemv(
+        x, residual, norm_weight, eps, weight, bias, rope=rope, weight_scale=weight_scale,
+        weight_block_size=weight_block_size,
+    )  # fmt: skip
 
 
 def rms_norm_linear_small_m(
@@ -828,10 +1034,15 @@ def rms_norm_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.rms_norm_linear_small_m`: one launch with the norm inside the GEMV,
     or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
-    return _normed_gemv(x, residual, norm_weight, eps, weight, bias, act=act)
+    return _normed_gemv(
+        x, residual, norm_weight, eps, weight, bias, act=act, weight_scale=weight_scale,
+        weight_block_size=weight_block_size,
+    )  # fmt: skip
 
 
 def linear_add_small_m(
@@ -840,9 +1051,15 @@ def linear_add_small_m(
     residual: torch.Tensor,
     next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See `atom_kernels.ops.linear_add_small_m`."""
-    return gemv(x, weight, bias, add=residual, next_norm_weight=next_norm_weight)
+    return gemv(
+        x, weight, bias, add=residual, next_norm_weight=next_norm_weight,
+        weight_scale=weight_scale, weight_block_size=weight_block_size,
+    )  # fmt: skip
 
 
 def rms_scaled_linear_small_m(
@@ -853,9 +1070,14 @@ def rms_scaled_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.rms_scaled_linear_small_m`."""
-    return gemv(scaled, weight, bias, act=act, norm_parts=sq, eps=eps)
+    return gemv(
+        scaled, weight, bias, act=act, norm_parts=sq, eps=eps, weight_scale=weight_scale,
+        weight_block_size=weight_block_size,
+    )  # fmt: skip
 
 
 def rms_scaled_linear_rope_store_small_m(
@@ -875,13 +1097,21 @@ def rms_scaled_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.rms_scaled_linear_rope_store_small_m`."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        head_dim, q_norm_weight, k_norm_weight, qk_eps, k_scale, v_scale,
     )  # fmt: skip
-    return gemv(scaled, weight, bias, rope=rope, norm_parts=sq, eps=eps)
+    return gemv(
+        scaled, weight, bias, rope=rope, norm_parts=sq, eps=eps, weight_scale=weight_scale,
+        weight_block_size=weight_block_size,
+    )  # fmt: skip
 
 
 def _normed_gemv(x, residual, norm_weight, eps, weight, bias, **epilogue):

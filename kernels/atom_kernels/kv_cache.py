@@ -1,4 +1,7 @@
-"""Triton kernel that scatters new tokens' keys and values into the paged KV cache."""
+"""Triton kernel that scatters new tokens' keys and values into the paged KV cache.
+
+An FP8 cache (float8_e4m3fn / e4m3fnuz) stores `clamp(x / scale)` with the per-tensor k_scale
+and v_scale (`fp8_quant.store_kv_fp8`); any other cache dtype stores a cast, scales unused."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import triton
 import triton.language as tl
 
 from atom_kernels import pdl
+from atom_kernels.fp8_formats import is_fp8
+from atom_kernels.fp8_quant import load_scale, scale_arg, store_kv_fp8
 from atom_kernels.pdl import wait_for_inputs
 
 
@@ -23,9 +28,14 @@ def _store_kvcache_kernel(
     value_stride_h,
     cache_stride_slot,
     cache_stride_h,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # One program per (token, kv head): one contiguous head_dim row in, one row out.
@@ -40,8 +50,13 @@ def _store_kvcache_kernel(
     src = token.to(tl.int64) * value_stride_t + head * value_stride_h + offs_d
     v = tl.load(value_ptr + src, mask=mask)
     dst = slot * cache_stride_slot + head * cache_stride_h + offs_d
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    ks = 1.0
+    vs = 1.0
+    if FP8:
+        ks = load_scale(k_scale, K_SCALE_PTR)
+        vs = load_scale(v_scale, V_SCALE_PTR)
+    store_kv_fp8(k_cache_ptr + dst, k, mask, ks, FP8)
+    store_kv_fp8(v_cache_ptr + dst, v, mask, vs, FP8)
 
 
 def store_kvcache(
@@ -50,6 +65,9 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """See `atom_kernels.ops.store_kvcache`."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -62,6 +80,8 @@ def store_kvcache(
         raise ValueError("the cache's block and offset dims must be contiguous with each other")
     if num_tokens == 0:
         return
+    k_arg, k_ptr = scale_arg(k_scale)
+    v_arg, v_ptr = scale_arg(v_scale)
     _store_kvcache_kernel[(num_tokens, num_kv_heads)](
         key,
         value,
@@ -74,8 +94,13 @@ def store_kvcache(
         value.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_arg,
+        v_arg,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1 if head_dim <= 128 else 2,
+        FP8=is_fp8(k_cache),
+        K_SCALE_PTR=k_ptr,
+        V_SCALE_PTR=v_ptr,
         **pdl.options(key.device),
     )

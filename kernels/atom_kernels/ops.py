@@ -19,7 +19,15 @@ importing Triton.
 
 KV cache layout (per layer): `k_cache`, `v_cache` are
 `[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last dim; a token's
-slot is `block_id * block_size + offset`.
+slot is `block_id * block_size + offset`. The cache's dtype is the model's or an FP8 format
+(float8_e4m3fn, or float8_e4m3fnuz on MI300): every op that writes or reads the cache takes
+`k_scale` and `v_scale`, the per-tensor dequantization scales of an FP8 cache (a float or a
+one-element fp32 tensor, 1.0 by default; a tensor is read on the device, so a captured CUDA
+graph follows its value), ignored for any other cache dtype.
+
+FP8 weights (`fp8_formats`: e4m3 data, fp32 dequantization scales per tensor, per output row
+or in blocks given by `weight_block_size`) go through the batch-1 GEMV ops (weight-only: x stays
+in its dtype) and `fp8_linear` (W8A8 for many rows), with the activation quantizers beside them.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 import torch
 
 from atom_kernels import envs, reference
+from atom_kernels.fp8_formats import is_fp8, scale_layout
 
 BACKEND_ENV = envs.KERNEL_BACKEND.name
 _BACKENDS = ("torch", "triton")
@@ -116,12 +125,34 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_installed  # is_cuda is also true on ROCm builds
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
+) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}: one cache dtype")
+    if is_fp8(k_cache):
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            _check_scalar_scale(name, s, k_cache.device)
+
+
+def _check_scalar_scale(name: str, scale: torch.Tensor | float, device: torch.device) -> None:
+    """A per-tensor scale: a float, or a one-element fp32 tensor on the data's device."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+            raise ValueError(
+                f"{name} must be a float or a one-element fp32 tensor on {device}, got "
+                f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+            )
+    elif not isinstance(scale, (int, float)):
+        raise ValueError(f"{name} must be a float or a one-element fp32 tensor, got {type(scale)}")
 
 
 @op(triton="kv_cache.store_kvcache", on="key")
@@ -131,10 +162,14 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Write `key[i]`/`value[i]` (`[num_tokens, num_kv_heads, head_dim]`) into cache slot
-    `slot_mapping[i]` (int64); slot -1 marks a padding token and is skipped. In place."""
-    _check_cache(k_cache, v_cache)
+    `slot_mapping[i]` (int64); slot -1 marks a padding token and is skipped. In place. An FP8
+    cache stores `clamp(key / k_scale)` rounded to nearest (likewise v)."""
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
             f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match the cache's "
@@ -153,6 +188,9 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache.
 
@@ -160,9 +198,11 @@ def paged_attention_decode(
     already stored. block_tables: int32 `[B, max_blocks_per_seq]` (entries past the used
     blocks are ignored). context_lens: int32 `[B]`; 0 gives a zero output row. Returns
     `[B, num_heads, head_dim]` (written into `out` when given). CUDA-graph capturable on
-    the Triton path: no host syncs, launch sizes depend on shapes only.
+    the Triton path: no host syncs, launch sizes depend on shapes only. An FP8 cache holds K / k_scale
+    and V / v_scale: the attention is over K and V.
     """
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
+    _check_query(q)
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)} must be [B, num_heads, {k_cache.shape[3]}] with num_heads "
@@ -181,6 +221,9 @@ def paged_attention_prefill(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for a batch of variable-length query chunks packed back to back.
 
@@ -189,9 +232,10 @@ def paged_attention_prefill(
     Query i of chunk b sits at position `seq_lens[b] - q_len_b + i` and attends to cache
     positions `0..` that position. A chunk of length 1 is a decode step. max_seqlen_q is
     an upper bound on the chunk lengths (it sizes the launch). Returns `[T, num_heads,
-    head_dim]` (written into `out` when given).
+    head_dim]` (written into `out` when given). An FP8 cache: as `paged_attention_decode`.
     """
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
+    _check_query(q)
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)} must be [T, num_heads, {k_cache.shape[3]}] with num_heads "
@@ -201,6 +245,11 @@ def paged_attention_prefill(
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected len(seq_lens) + 1"
         )
+
+
+def _check_query(q: torch.Tensor) -> None:
+    if is_fp8(q):
+        raise ValueError("q must be in the model's dtype (only the cache may be FP8)")
 
 
 @op(triton="varlen_attention.varlen_causal_attention", on="q")
@@ -321,6 +370,9 @@ def qk_norm_rope_store_(
     num_kv_heads: int,
     head_dim: int,
     q_gate: bool = False,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Prepare attention inputs in one pass over a fused qkv projection output.
 
@@ -333,13 +385,14 @@ def qk_norm_rope_store_(
     `rotary_embedding_`, rotary_dim = `cos_sin_cache.shape[-1]` <= head_dim: partial rotary
     leaves the rest as normed), both written back into `qkv` in place; then k (rotated) and v
     are stored into the paged cache at `slot_mapping` (-1: skip). The result equals `rms_norm`
-    + `rotary_embedding_` + `store_kvcache` applied in turn."""
+    + `rotary_embedding_` + `store_kvcache` (with k_scale, v_scale) applied in turn."""
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
     width = ((2 if q_gate else 1) * num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [T, {width}] with a contiguous last dim")
     _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim, partial=True)
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
 
 
 @op(triton="fused.sigmoid_gate_mul", on="x")
@@ -369,6 +422,8 @@ def linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a single row x (`[1, K]`, contiguous) and a row-major
     weight (`[N, K]`): the batch-1 decode projection, a pure weight read. Triton GEMV on a GPU
@@ -377,11 +432,35 @@ def linear_small_m(
 
     `act="silu_mul"`: the weight is SwiGLU's gate_up, [gate; up] rows (N even), and the
     result is `silu_and_mul(F.linear(x, weight, bias))`, `[1, N / 2]`, the activation applied
-    in the GEMV's epilogue."""
-    _check_small_m(x, weight, bias, act)
+    in the GEMV's epilogue.
+
+    An FP8 weight comes with `weight_scale` (fp32: `[]`/`[1]` per tensor, `[N]`/`[N, 1]` per
+    row, or `[ceil(N/bn), ceil(K/bk)]` with `weight_block_size=(bn, bk)`): the product is with
+    the dequantized weight, in fp32, x not quantized (on a GPU the kernel reads the FP8 bytes).
+    Fused weights with block scales need each part to start on a block (every row's scale row
+    is row // bn)."""
+    _check_small_m(x, weight, bias, act, weight_scale, weight_block_size)
 
 
-def _check_small_m(x, weight, bias, act) -> None:
+def _check_fp8_weight(weight, weight_scale, weight_block_size) -> None:
+    if not is_fp8(weight):
+        if weight_scale is not None or weight_block_size is not None:
+            raise ValueError(f"weight_scale and weight_block_size go with an FP8 weight, not "
+                             f"{weight.dtype}")  # fmt: skip
+        return
+    if weight_scale is None:
+        raise ValueError(f"an FP8 weight ({weight.dtype}) needs its weight_scale")
+    if weight_scale.dtype != torch.float32 or weight_scale.device != weight.device:
+        raise ValueError(
+            f"weight_scale must be fp32 on {weight.device}, got {weight_scale.dtype} on "
+            f"{weight_scale.device}"
+        )
+    layout = scale_layout(weight.shape, weight_scale, weight_block_size)
+    if layout != "tensor" and not weight_scale.is_contiguous():
+        raise ValueError("weight_scale must be contiguous")
+
+
+def _check_small_m(x, weight, bias, act, weight_scale=None, weight_block_size=None) -> None:
     if act not in (None, "silu_mul"):
         raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
     if weight.dim() != 2 or weight.stride(1) != 1:
@@ -395,6 +474,7 @@ def _check_small_m(x, weight, bias, act) -> None:
         raise ValueError(f"act='silu_mul' needs [gate; up] weight rows; got an odd N={n}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    _check_fp8_weight(weight, weight_scale, weight_block_size)
 
 
 @op(triton="gemv.linear_rope_store_small_m", on="x")
@@ -413,6 +493,11 @@ def linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """The qkv projection of one token and its attention preparation in one pass:
     `F.linear(x, weight, bias)` (x `[1, K]`, weight `[(H + 2 KV) * D, K]`), then rotary of the
@@ -421,8 +506,9 @@ def linear_rope_store_small_m(
     `q_norm_weight` and `k_norm_weight` (each `[D]`) are given. Returns the qkv row
     `[1, (H + 2 KV) * D]` with q and k (normed and) rotated. On a GPU one Triton GEMV launch
     whose programs each own dimension pairs (i, i + D/2) of a head (with QK-norm: whole heads,
-    D a power of two), rotated in the epilogue."""
-    _check_small_m(x, weight, bias, None)
+    D a power of two), rotated in the epilogue. FP8 weights as `linear_small_m`; an FP8 cache
+    stores k / k_scale and v / v_scale."""
+    _check_small_m(x, weight, bias, None, weight_scale, weight_block_size)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight: give both (QK-norm) or neither")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
@@ -439,6 +525,7 @@ def linear_rope_store_small_m(
     if positions.shape != (1,) or slot_mapping.shape != (1,):
         raise ValueError("positions and slot_mapping must hold one token each")
     _check_rope_cache(cos_sin_cache, k_cache, v_cache, num_kv_heads, head_dim)
+    _check_cache(k_cache, v_cache, k_scale, v_scale)
 
 
 @op(triton="gemv.rms_norm_linear_small_m", on="x")
@@ -451,15 +538,17 @@ def rms_norm_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm (after adding `residual`, when given) then `linear_small_m` (with `act`), for one
     row x (`[1, K]`): returns `(linear(norm(x + residual)), x + residual)`, or
     `(linear(norm(x)), x)` without a residual, the sum rounded to x's dtype as
     `fused_add_rms_norm` rounds it. Unlike that op the residual is not updated in place. On a
     GPU the norm runs inside the Triton GEMV (one launch); elsewhere the reference norm and
-    `F.linear`."""
+    `F.linear`. FP8 weights as `linear_small_m`."""
     n, k = weight.shape
-    _check_small_m(x, weight, bias, act)
+    _check_small_m(x, weight, bias, act, weight_scale, weight_block_size)
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if norm_weight.shape != (k,):
@@ -473,14 +562,18 @@ def linear_add_small_m(
     residual: torch.Tensor,
     next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear_small_m(x, weight, bias)` plus `residual` ([1, N]), the sum rounded to x's dtype
     as `fused_add_rms_norm` rounds it, with what the RMSNorm after it needs: returns
     (h, sq, scaled), sq an fp32 vector whose sum is the sum of h's squares (on a GPU one entry
     per block of outputs, from the GEMV's epilogue; one entry elsewhere) and scaled = h times
     that norm's weight `next_norm_weight` ([N]), rounded. The GEMV after the norm then takes
-    `scaled` and sq (`rms_scaled_linear_small_m`): the norm needs no launch of its own."""
-    _check_small_m(x, weight, bias, None)
+    `scaled` and sq (`rms_scaled_linear_small_m`): the norm needs no launch of its own. FP8
+    weights as `linear_small_m`."""
+    _check_small_m(x, weight, bias, None, weight_scale, weight_block_size)
     n = weight.shape[0]
     if residual.shape != (1, n) or not residual.is_contiguous():
         raise ValueError(f"residual {tuple(residual.shape)} must be one contiguous row [1, {n}]")
@@ -497,14 +590,17 @@ def rms_scaled_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """`linear_small_m(rms_norm(h), ...)` (with `act`) from what `linear_add_small_m` left of
     the row h: `scaled` (h times the norm's weight) and `sq` (sq.sum() is the sum of h's
     squares). W times `scaled`, scaled by h's inverse RMS, is W times the normed row: on a GPU
     the plain GEMV's loop with one multiply of its sums after it, no pass over the row and no
     norm launch (the normed row is not rounded to the dtype before the product, as the
-    unfused path rounds it: the results differ in the last bits)."""
-    _check_small_m(scaled, weight, bias, act)
+    unfused path rounds it: the results differ in the last bits). FP8 weights as
+    `linear_small_m`."""
+    _check_small_m(scaled, weight, bias, act, weight_scale, weight_block_size)
     if sq.dim() != 1 or sq.dtype != torch.float32 or sq.numel() == 0:
         raise ValueError(f"sq must be a non-empty fp32 vector (got {tuple(sq.shape)} {sq.dtype})")
 
@@ -528,15 +624,22 @@ def rms_norm_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layer's input RMSNorm (after adding `residual`, when given), then
     `linear_rope_store_small_m`: returns `(qkv, x + residual)`, or `(qkv, x)` without a
     residual, as `rms_norm_linear_small_m` does. On a GPU one Triton GEMV launch: the norm in
     its prologue, QK-norm, rotary and the cache store in its epilogue."""
-    rms_norm_linear_small_m.op.check(x, residual, norm_weight, eps, weight, bias)
+    fp8 = dict(weight_scale=weight_scale, weight_block_size=weight_block_size)
+    rms_norm_linear_small_m.op.check(x, residual, norm_weight, eps, weight, bias, **fp8)
     linear_rope_store_small_m.op.check(
         x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-        num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps, **fp8, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
 
 
@@ -558,14 +661,102 @@ def rms_scaled_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """`rms_norm_linear_rope_store_small_m` from what `linear_add_small_m` left of the row (see
     `rms_scaled_linear_small_m`): returns qkv. On a GPU one GEMV launch."""
-    rms_scaled_linear_small_m.op.check(scaled, sq, eps, weight, bias)
+    fp8 = dict(weight_scale=weight_scale, weight_block_size=weight_block_size)
+    rms_scaled_linear_small_m.op.check(scaled, sq, eps, weight, bias, **fp8)
     linear_rope_store_small_m.op.check(
         scaled, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps, **fp8,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: activation quantizers and the W8A8 GEMM for many rows. Scales are dequantization
+# multipliers (real = fp8 * scale); layouts in `atom_kernels.fp8_formats`.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_activation(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [M, K] with a contiguous last dim")
+    if is_fp8(x) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point activation, got {x.dtype}")
+    if not is_fp8(fp8_dtype):
+        raise ValueError(f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz, got {fp8_dtype}")
+
+
+@op(triton="fp8_quant.per_tensor_quant_fp8", on="x")
+def per_tensor_quant_fp8(
+    x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` quantized with one scale: the given static one (`[1]` fp32, a checkpoint's
+    `input_scale`), or `max(amax(|x|), 1e-12) / dynamic_quant_max(fp8_dtype)` computed on the
+    device. Returns (q `[M, K]` in fp8_dtype, scale `[1]` fp32)."""
+    _check_activation(x, fp8_dtype)
+    if scale is not None:
+        _check_scalar_scale("scale", scale, x.device)
+
+
+@op(triton="fp8_quant.per_token_quant_fp8", on="x")
+def per_token_quant_fp8(
+    x: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization: row m of x `[M, K]` scaled by its own
+    `max(amax, 1e-12) / dynamic_quant_max`. Returns (q `[M, K]`, scale `[M, 1]` fp32)."""
+    _check_activation(x, fp8_dtype)
+
+
+@op(triton="fp8_quant.per_token_group_quant_fp8", on="x")
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group quantization (the activation side of block-scaled weights): each
+    run of `group_size` columns of a row (the last one may be shorter) scaled by its own amax.
+    Returns (q `[M, K]`, scale `[M, ceil(K / group_size)]` fp32, row-major)."""
+    _check_activation(x, fp8_dtype)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+
+
+@op(triton="fp8_gemm.fp8_linear", on="x")
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    input_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+) -> torch.Tensor:
+    """`F.linear` of x `[..., K]` (half precision) with an FP8 weight `[N, K]` as W8A8: x is
+    quantized to the weight's FP8 format, per token group of `weight_block_size[1]` columns for
+    block scales, else per token (dynamic) or with the static per-tensor `input_scale`, and the
+    product of the two quantized operands is taken in fp32 with both scales, plus bias, returned
+    in x's dtype `[..., N]`. The reference computes exactly that with dequantized operands; on a
+    GPU block weights take a Triton GEMM, the others `torch._scaled_mm` (`atom_kernels.fp8_gemm`).
+    """
+    if weight.dim() != 2 or not is_fp8(weight) or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight must be an FP8 [N, K] matrix with contiguous rows, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if x.shape[-1] != weight.shape[1] or is_fp8(x):
+        raise ValueError(f"x {tuple(x.shape)} must be [..., {weight.shape[1]}] in half precision")
+    _check_fp8_weight(weight, weight_scale, weight_block_size)
+    if input_scale is not None:
+        if weight_block_size is not None:
+            raise ValueError("a static input_scale goes with per-tensor or per-channel weights")
+        _check_scalar_scale("input_scale", input_scale, x.device)
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ K/V rows are gathered through the block table. How the table is read is a launch
 that is a multiple of BLOCK_N), "page" (BLOCK_N spans whole pages: one lookup per page, the
 tile loaded as [pages, page, head_dim] and viewed as [BLOCK_N, head_dim]), or "row" (one
 lookup per key row: any page size, including ones that do not divide the tile).
+
+FP8 cache (per-tensor k_scale, v_scale): tiles are read as FP8 and converted to q's dtype for
+the dots, k_scale folded into the softmax scale, v_scale applied to the accumulator once, as in
+`decode_attention`; a cache of q's dtype compiles none of it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import triton
 import triton.language as tl
 
 from atom_kernels.decode_attention import _multiprocessor_count
+from atom_kernels.fp8_formats import is_fp8
+from atom_kernels.fp8_quant import load_scale, scale_arg
 
 _LOG2E = 1.4426950408889634
 
@@ -160,7 +166,7 @@ def _attend_tile(
     k = _load_kv_tile(
         k_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
         offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
-    )  # fmt: skip
+    ).to(q.dtype)  # fmt: skip
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -182,7 +188,7 @@ def _attend_tile(
     v = _load_kv_tile(
         v_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
         offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
-    )  # fmt: skip
+    ).to(q.dtype)  # fmt: skip
     acc = acc * alpha[:, None]
     if IEEE_DOT:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -278,6 +284,8 @@ def _prefill_kernel(
     cache_stride_h,
     bt_stride_b,
     group,  # query heads per KV head; a runtime value, so models share compiled kernels
+    k_scale,
+    v_scale,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -289,6 +297,9 @@ def _prefill_kernel(
     LOOP_STAGES: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP8: tl.constexpr = False,
+    K_SCALE_PTR: tl.constexpr = False,
+    V_SCALE_PTR: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // HEADS_PER_PROG
     head_block = tl.program_id(0)
@@ -323,6 +334,8 @@ def _prefill_kernel(
 
         q_ptrs = q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h
         q = tl.load(q_ptrs + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        if FP8:
+            scale_log2 = scale_log2 * load_scale(k_scale, K_SCALE_PTR)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -354,6 +367,8 @@ def _prefill_kernel(
             offs_n, offs_d, d_mask, True, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
             LOOP_STAGES, WARP_SPEC, IEEE_DOT,
         )  # fmt: skip
+        if FP8:  # the split partials too: the merge is linear in them
+            acc = acc * load_scale(v_scale, V_SCALE_PTR)
 
         store_mask = m_mask[:, None] & d_mask[None, :]
         if SPLIT:
@@ -684,6 +699,8 @@ def paged_attention_prefill(
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -734,6 +751,8 @@ def paged_attention_prefill(
     block_d = triton.next_power_of_2(head_dim)
     q_strides, out_strides, cache_strides = q.stride(), out.stride(), k_cache.stride()
     grid = (num_heads // hpp, plan.num_tiles * num_splits, batch)
+    k_arg, k_ptr = scale_arg(k_scale)
+    v_arg, v_ptr = scale_arg(v_scale)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -757,6 +776,8 @@ def paged_attention_prefill(
         cache_strides[2],
         block_tables.stride(0),
         num_heads // num_kv_heads,
+        k_arg,
+        v_arg,
         HEADS_PER_PROG=hpp,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -768,6 +789,9 @@ def paged_attention_prefill(
         LOOP_STAGES=plan.loop_stages,
         WARP_SPEC=plan.warp_specialize,
         IEEE_DOT=q.dtype == torch.float32,
+        FP8=is_fp8(k_cache),
+        K_SCALE_PTR=k_ptr,
+        V_SCALE_PTR=v_ptr,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
@@ -849,15 +873,26 @@ def warm_up(
     q_row_width: int,
     scale: float,
     launches: list[PrefillLaunch],
+    *,
+    q_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> list[tuple[PrefillLaunch, Exception]]:
     """Compile each launch in `launches` (from `reachable_launches`) by running it once on one
     token over one page of these caches (read only), q shaped like the model's (a view of a
     `q_row_width`-wide projection), so no step compiles a kernel while serving: a first
     compile costs about a second, inside some request's time to first token. Returns the
-    launches that failed, with their errors (the others are compiled all the same)."""
+    launches that failed, with their errors (the others are compiled all the same).
+
+    `q_dtype`: the model's activation dtype (default the cache's; an FP8 cache needs it given).
+    `k_scale`, `v_scale`: as the serving steps pass them (a float and a tensor compile apart)."""
     _, page_size, _, head_dim = k_cache.shape
     dev = k_cache.device
-    qkv = torch.zeros(1, q_row_width, dtype=k_cache.dtype, device=dev)
+    if q_dtype is None:
+        if is_fp8(k_cache):
+            raise ValueError("an FP8 cache's warm-up needs q_dtype (the model's dtype)")
+        q_dtype = k_cache.dtype
+    qkv = torch.zeros(1, q_row_width, dtype=q_dtype, device=dev)
     q = qkv[:, : num_heads * head_dim].view(1, num_heads, head_dim)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     lens = torch.ones(1, dtype=torch.int32, device=dev)
@@ -871,6 +906,7 @@ def warm_up(
                 num_stages=launch.num_stages, num_splits=launch.num_splits,
                 heads_per_program=launch.heads_per_program, kv_lookup=launch.kv_lookup,
                 loop_stages=launch.loop_stages, warp_specialize=launch.warp_specialize,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         except Exception as exc:  # a variant this GPU or Triton cannot build
             failed.append((launch, exc))

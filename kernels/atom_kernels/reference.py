@@ -6,12 +6,21 @@ sequence, never per token) and compute in fp32 before casting back to the model 
 
 KV cache layout (per layer): `k_cache`, `v_cache` are
 `[num_blocks, block_size, num_kv_heads, head_dim]`; a token's slot is
-`block_id * block_size + offset`.
+`block_id * block_size + offset`. An FP8 cache holds `clamp(k / k_scale)` (likewise v), read
+back as `fp8 * k_scale`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from atom_kernels.fp8_formats import (
+    dequantize_fp8,
+    dynamic_quant_max,
+    fp8_max,
+    is_fp8,
+    scale_layout,
+)
 
 # Upper bound on fp32 attention scores held at once by the prefill reference
 # (elements, ~256 MiB): long prompts are processed in query chunks below this size.
@@ -24,13 +33,40 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """Write token `i`'s key/value into cache slot `slot_mapping[i]`; slot -1 is skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(key[keep], k_cache.dtype, k_scale)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(value[keep], v_cache.dtype, v_scale)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: quantized with `scale` (fp32 division, clamped to the
+    format's range, rounded to nearest even) for FP8, a cast otherwise."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    return _round_fp8(x.float() / _scale_value(scale, x.device), dtype)
+
+
+def from_cache(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Cache contents as values: `fp8 * scale` in fp32 for an FP8 cache, x itself otherwise."""
+    return x.float() * _scale_value(scale, x.device) if is_fp8(x) else x
+
+
+def _scale_value(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        return scale.float().reshape(()).to(device)
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+
+
+def _round_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = fp8_max(dtype)
+    return x.clamp(-m, m).to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -78,6 +114,9 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence at position `context_lens[b] - 1`; zeros where length is 0."""
     if out is None:
@@ -86,8 +125,8 @@ def paged_attention_decode(
         if ctx <= 0:
             out[b].zero_()
             continue
-        k = gather_kv(k_cache, block_tables[b], ctx)
-        v = gather_kv(v_cache, block_tables[b], ctx)
+        k = from_cache(gather_kv(k_cache, block_tables[b], ctx), k_scale)
+        v = from_cache(gather_kv(v_cache, block_tables[b], ctx), v_scale)
         out[b] = causal_attention(q[b : b + 1], k, v, scale, ctx - 1)[0].to(out.dtype)
     return out
 
@@ -102,6 +141,9 @@ def paged_attention_prefill(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of packed query chunks over their sequences' cached prefix + themselves."""
     if out is None:
@@ -114,8 +156,8 @@ def paged_attention_prefill(
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: {q_len} query tokens but seq_len {seq_len}")
-        k = gather_kv(k_cache, block_tables[b], seq_len)
-        v = gather_kv(v_cache, block_tables[b], seq_len)
+        k = from_cache(gather_kv(k_cache, block_tables[b], seq_len), k_scale)
+        v = from_cache(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
         out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, seq_len - q_len).to(out.dtype)
     return out
 
@@ -197,6 +239,9 @@ def qk_norm_rope_store_(
     num_kv_heads: int,
     head_dim: int,
     q_gate: bool = False,
+    *,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> None:
     """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of
     the first rotary_dim channels of q and k in place inside `qkv`, then the k/v cache write.
@@ -210,7 +255,7 @@ def qk_norm_rope_store_(
         q.copy_(rms_norm(q, q_norm_weight, eps))
         k.copy_(rms_norm(k, k_norm_weight, eps))
     rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True)
-    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -224,15 +269,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def _linear(x, weight, bias, weight_scale, weight_block_size):
+    """`F.linear`; with an FP8 weight, in fp32 with the dequantized weight, rounded to x's dtype
+    (what the GEMV's fp32 sums give)."""
+    if not is_fp8(weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    w = dequantize_fp8(weight, weight_scale, weight_block_size)
+    y = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 def linear_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
-    """`F.linear`, then SwiGLU's activation when `act="silu_mul"`."""
-    y = torch.nn.functional.linear(x, weight, bias)
+    """`F.linear` (an FP8 weight dequantized, in fp32), then SwiGLU's activation when
+    `act="silu_mul"`."""
+    y = _linear(x, weight, bias, weight_scale, weight_block_size)
     return silu_and_mul(y) if act == "silu_mul" else y
 
 
@@ -251,12 +309,17 @@ def linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
-    """`F.linear`, then `qk_norm_rope_store_` on the qkv row."""
-    qkv = torch.nn.functional.linear(x, weight, bias)
+    """`linear_small_m`, then `qk_norm_rope_store_` on the qkv row."""
+    qkv = _linear(x, weight, bias, weight_scale, weight_block_size)
     qk_norm_rope_store_(
         qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
-        slot_mapping, num_heads, num_kv_heads, head_dim,
+        slot_mapping, num_heads, num_kv_heads, head_dim, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     return qkv
 
@@ -270,10 +333,16 @@ def rms_norm_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm (after the residual add, on a copy of the residual), then `linear_small_m`."""
     normed, total = _add_and_norm(x, residual, norm_weight, eps)
-    return linear_small_m(normed, weight, bias, act=act), total
+    y = linear_small_m(
+        normed, weight, bias, act=act, weight_scale=weight_scale,
+        weight_block_size=weight_block_size,
+    )  # fmt: skip
+    return y, total
 
 
 def linear_add_small_m(
@@ -282,10 +351,14 @@ def linear_add_small_m(
     residual: torch.Tensor,
     next_norm_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h = F.linear(x) + residual rounded to x's dtype, [sum of h's squares], h times
     next_norm_weight rounded)."""
-    h = (torch.nn.functional.linear(x, weight, bias).float() + residual.float()).to(x.dtype)
+    y = _linear(x, weight, bias, weight_scale, weight_block_size)
+    h = (y.float() + residual.float()).to(x.dtype)
     scaled = (h.float() * next_norm_weight.float()).to(x.dtype)
     return h, h.float().pow(2).sum().reshape(1), scaled
 
@@ -298,16 +371,22 @@ def rms_scaled_linear_small_m(
     bias: torch.Tensor | None = None,
     *,
     act: str | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """The product of W and a row already times the norm's weight, scaled by the row's inverse
     RMS from `sq.sum()`, then the bias and `act`."""
-    y = _scaled_product(scaled, sq, eps, weight, bias)
+    y = _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size)
     return y if act is None else silu_and_mul(y)
 
 
-def _scaled_product(scaled, sq, eps, weight, bias):
+def _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size):
     inv_rms = torch.rsqrt(sq.sum() / scaled.shape[-1] + eps)
-    y = torch.nn.functional.linear(scaled.float(), weight.float()) * inv_rms
+    if is_fp8(weight):
+        w = dequantize_fp8(weight, weight_scale, weight_block_size)
+    else:
+        w = weight.float()
+    y = torch.nn.functional.linear(scaled.float(), w) * inv_rms
     return (y if bias is None else y + bias.float()).to(scaled.dtype)
 
 
@@ -336,6 +415,11 @@ def rms_norm_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm (after the residual add, on a copy of the residual), then
     `linear_rope_store_small_m`."""
@@ -343,6 +427,8 @@ def rms_norm_linear_rope_store_small_m(
     qkv = linear_rope_store_small_m(
         normed, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps,
+        weight_scale=weight_scale, weight_block_size=weight_block_size, k_scale=k_scale,
+        v_scale=v_scale,
     )  # fmt: skip
     return qkv, total
 
@@ -364,15 +450,92 @@ def rms_scaled_linear_rope_store_small_m(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     qk_eps: float = 1e-6,
+    *,
+    weight_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+    k_scale: torch.Tensor | float = 1.0,
+    v_scale: torch.Tensor | float = 1.0,
 ) -> torch.Tensor:
     """`rms_scaled_linear_small_m`'s product, then QK-norm, rotary and the cache store as
     `linear_rope_store_small_m` finishes it."""
-    qkv = _scaled_product(scaled, sq, eps, weight, bias)
+    qkv = _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size)
     qk_norm_rope_store_(
         qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, k_cache, v_cache,
-        slot_mapping, num_heads, num_kv_heads, head_dim,
+        slot_mapping, num_heads, num_kv_heads, head_dim, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     return qkv
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 activation quantizers and the W8A8 linear: scales are dequantization multipliers.
+# ---------------------------------------------------------------------------------------------
+
+_MIN_AMAX = 1e-12
+
+
+def per_tensor_quant_fp8(
+    x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for all of x: the given one, or amax / `dynamic_quant_max`."""
+    if scale is None:
+        amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        scale = amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(fp8_dtype)
+    scale = scale.float().reshape(1)
+    return _round_fp8(x.float() / scale, fp8_dtype), scale
+
+
+def per_token_quant_fp8(
+    x: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row by its own amax / `dynamic_quant_max`; scale `[M, 1]`."""
+    return per_token_group_quant_fp8(x, max(1, x.shape[1]), fp8_dtype)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each run of `group_size` columns of a row by its own amax / `dynamic_quant_max`;
+    scale `[M, ceil(K / group_size)]`."""
+    m, k = x.shape
+    groups = -(-k // group_size)
+    padded = torch.zeros(m, groups * group_size, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    blocks = padded.view(m, groups, group_size)
+    scale = blocks.abs().amax(dim=2).clamp(min=_MIN_AMAX) / dynamic_quant_max(fp8_dtype)
+    q = _round_fp8(blocks / scale[:, :, None], fp8_dtype).view(m, groups * group_size)
+    return q[:, :k].contiguous(), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    input_scale: torch.Tensor | None = None,
+    weight_block_size: tuple[int, int] | list[int] | None = None,
+) -> torch.Tensor:
+    """W8A8: x quantized as the GPU path quantizes it (per token group for block weights, else
+    per token or with the static input_scale), both operands dequantized, the product in fp32,
+    plus bias, in x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    fp8 = weight.dtype
+    if scale_layout(weight.shape, weight_scale, weight_block_size) == "block":
+        group = weight_block_size[1]
+        aq, a_s = per_token_group_quant_fp8(x2, group, fp8)
+        a = dequantize_fp8(aq, a_s, (1, group))
+    else:
+        if input_scale is not None:
+            aq, a_s = per_tensor_quant_fp8(x2, fp8, input_scale)
+        else:
+            aq, a_s = per_token_quant_fp8(x2, fp8)
+        a = dequantize_fp8(aq, a_s)
+    w = dequantize_fp8(weight, weight_scale, weight_block_size)
+    y = a @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------

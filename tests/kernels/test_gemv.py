@@ -195,7 +195,7 @@ def test_linear_small_m_forced_triton_runs_the_gemv(gemv_mod, device, monkeypatc
     finally:
         monkeypatch.delenv(ops.BACKEND_ENV)
         ops.refresh_backend()
-    assert calls == [{"act": None}, {"act": "silu_mul"}]
+    assert [c["act"] for c in calls] == [None, "silu_mul"]
 
 
 def test_linear_small_m_torch_path_matches_reference(monkeypatch):
@@ -237,9 +237,11 @@ def test_linear_small_m_refuses_bad_shapes():
 def test_gemv_config_depends_on_shapes_only():
     from atom_kernels.gemv import gemv_config, split_k
 
-    # Nothing but the matrix shape and the device's multiprocessor count goes in (no tensor
-    # contents, no lengths), so a launch captured in a CUDA graph stays valid.
-    assert list(inspect.signature(gemv_config).parameters) == ["n", "k", "multiprocessors"]
+    # Nothing but the matrix shape, whether the weight is FP8 and the device's multiprocessor
+    # count goes in (no tensor contents, no lengths), so a launch captured in a CUDA graph stays
+    # valid.
+    params = list(inspect.signature(gemv_config).parameters)
+    assert params == ["n", "k", "multiprocessors", "fp8"]
     sms = 132  # H200
     # Wide outputs already fill the device: never split (qkv, gate_up, lm_head).
     for n, k in [(4096, 1024), (6144, 1024), (151936, 1024), (9728, 4096), (12288, 8192)]:
