@@ -115,7 +115,7 @@ def scale_layout(
     scale: torch.Tensor,
     block_size: tuple[int, int] | list[int] | None,
 ) -> str:
-    """Which layout `scale` has ("tensor", "channel" or "block") `scale` has for an `[N, K]` weight (module
+    """The layout of `scale` for an `[N, K]` weight: "tensor", "channel" or "block" (module
     docstring), checked; raises ValueError naming the mismatch otherwise."""
     n, k = weight_shape
     if block_size is not None:
