@@ -24,7 +24,7 @@ import triton.language as tl
 
 from atom_kernels.fp8_formats import dynamic_quant_max
 
-_MIN_AMAX = 1e-12
+_MIN_AMAX = tl.constexpr(1e-12)
 
 
 def scale_arg(scale: torch.Tensor | float) -> tuple[torch.Tensor | float, bool]:

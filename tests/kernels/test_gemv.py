@@ -7,7 +7,6 @@ small, since the interpreter is slow; the split-K path is forced with a small BL
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
@@ -30,18 +29,8 @@ PATHS = [(1, None), (2, 32), (3, 32), (4, 32)]
 
 @pytest.fixture(scope="module")
 def gemv_mod(kernels):
-    """`atom_kernels.gemv`, interpreted on CPU and compiled on a GPU (conftest's `kernels`
-    sets TRITON_INTERPRET first; this module is not in its list, so it is checked here)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from atom_kernels import gemv
-
-    if isinstance(gemv._gemv_kernel, InterpretedFunction) == HAS_GPU:
-        gemv = importlib.reload(gemv)
-        ops.refresh_backend()
-    if isinstance(gemv._gemv_kernel, InterpretedFunction) == HAS_GPU:
-        raise RuntimeError("could not put the GEMV kernel in the right (interpreted) mode")
-    return gemv
+    """`atom_kernels.gemv`, interpreted on CPU and compiled on a GPU (conftest's `kernels`)."""
+    return kernels["gemv"]
 
 
 def _inputs(n, k, dtype, device, *, bias, act, seed=11):

@@ -7,7 +7,10 @@ Triton compiles for an sm_90 target without a GPU (its wheel carries ptxas), so 
 the launch variants that matter, in a subprocess with the interpreter off: the fused GDN decode
 unsplit and split, the GEMV plain, with SwiGLU, with the RMSNorm in front (split and not) and
 with the QK-norm + rotary epilogue, decode attention's split and merge kernels at head_dim 128
-and 256 (and its grid with the KV heads fastest), the MoE pair GEMV's two kernels.
+and 256 (and its grid with the KV heads fastest), the MoE pair GEMV's two kernels; and the FP8
+paths: the GEMV on e4m3fn weights (per-row and block scales, SwiGLU, rotary into an FP8 cache),
+decode and prefill attention over an FP8 cache, the cache stores, the activation quantizers and
+the W8A8 block GEMM (an FP8 tensor-core dot).
 """
 
 from __future__ import annotations
@@ -22,30 +25,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent(
-    """
+HEAD = """
+    import inspect
     import sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from atom_kernels import decode_attention, gdn_decode, gemv, moe
+    from atom_kernels import (
+        decode_attention, fp8_gemm, fp8_quant, fused, gdn_decode, gemv, kv_cache, moe,
+        prefill_attention,
+    )
+
+    # argv: the target ("cuda:90", "hip:gfx942") and the FP8 element type it computes in.
+    backend, arch = sys.argv[1].split(":")
+    TARGET = GPUTarget("cuda", int(arch), 32) if backend == "cuda" else GPUTarget("hip", arch, 64)
+    fp8 = sys.argv[2]
 
     def build(fn, pointers, floats, consts):
+        # Constexprs left out take their defaults (the FP8 switches default to off).
+        defaults = {p.name: p.default for p in fn.params
+                    if p.is_constexpr and p.default is not inspect.Parameter.empty}
+        consts = defaults | consts
         names = fn.arg_names
         sig = {}
         for name in names:
             if name in consts:
                 sig[name] = "constexpr"
+            elif name in pointers:
+                sig[name] = pointers[name]
             elif name.endswith("_ptr"):
                 sig[name] = pointers.get(name, "*bf16")
             else:
                 sig[name] = "fp32" if name in floats else "i32"
         where = {(names.index(k),): v for k, v in consts.items()}
         src = ASTSource(fn=fn, signature=sig, constexprs=where)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        triton.compile(src, target=TARGET)
 
     failed = []
+"""
+
+BF16_VARIANTS = """
     gdn_ptrs = {
         "ssm_state_ptr": "*fp32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
         "slot_ids_ptr": "*i32", "has_initial_state_ptr": "*u8", "tickets_ptr": "*i32",
@@ -117,21 +137,115 @@ SCRIPT = textwrap.dedent(
             build(fn, moe_ptrs, set(), consts)
         except Exception as exc:
             failed.append(f"{fn.__name__}: {exc}")
+"""
+
+FP8_VARIANTS = """
+    gemv_ptrs = {
+        "part_ptr": "*fp32", "sq_out_ptr": "*fp32", "sq_in_ptr": "*fp32", "tickets_ptr": "*i32",
+        "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32",
+    }
+    attn_ptrs = {
+        "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
+        "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+    }
+    fp8_gemv_ptrs = dict(gemv_ptrs, w_ptr=fp8, w_scale_ptr="*fp32", k_cache_ptr=fp8,
+                         v_cache_ptr=fp8, k_scale="*fp32", v_scale="fp32")
+    fp8_variants = {  # name: (MODE, W_SCALE, SAME_BLOCK, SPLIT, BLOCK_N, EARLY, KV_FP8)
+        "fp8 per-row, split": (gemv.PLAIN, 1, True, 4, 32, 1024, False),
+        "fp8 block": (gemv.PLAIN, 2, True, 1, 32, 1024, False),
+        "fp8 block, swiglu": (gemv.SWIGLU, 2, False, 2, 32, 512, False),
+        "fp8 block, rope into an fp8 cache": (gemv.ROPE, 2, True, 1, 32, 128, True),
+        "fp8 block, qk-norm + rope, head_dim 256": (gemv.NORM_ROPE, 2, False, 4, 256, 128, True),
+    }
+    for name, (mode, w_scale, same, split, block_n, early, kv_fp8) in fp8_variants.items():
+        head_dim = 256 if block_n == 256 else 128
+        consts = dict(HAS_BIAS=False, MODE=mode, NORM=False, HAS_RESIDUAL=False, SPLIT=split,
+                      TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128 if head_dim == 128 else 64,
+                      EARLY=early, ROW_BLOCK=1, HALF=head_dim // 2, HEAD_DIM=head_dim, PDL=False,
+                      ADD=False, NORM_PARTS=0, W_SCALE=w_scale, SCALE_BN=128, SCALE_BK=128,
+                      SAME_BLOCK=same, KV_FP8=kv_fp8, K_SCALE_PTR=True, V_SCALE_PTR=False)
+        try:
+            build(gemv._gemv_kernel, fp8_gemv_ptrs, {"eps", "qk_eps"}, consts)
+        except Exception as exc:
+            failed.append(f"gemv {name}: {exc}")
+    fp8_attn = dict(attn_ptrs, k_cache_ptr=fp8, v_cache_ptr=fp8, k_scale="*fp32",
+                    v_scale="*fp32")
+    for splits, heads in ((1, 2), (8, 1)):
+        consts = dict(GROUP=2, HEAD_DIM=128, PAGE_SIZE=16, NUM_SPLITS=splits, BLOCK_G=16,
+                      BLOCK_N=64, BLOCK_D=128, IEEE_DOT=False, HEADS_FASTEST=False, PDL=False,
+                      HEADS=heads, FP8=True, K_SCALE_PTR=True, V_SCALE_PTR=True)
+        try:
+            build(decode_attention._decode_split_kernel, fp8_attn, {"scale_log2"}, consts)
+        except Exception as exc:
+            failed.append(f"decode over an fp8 cache, {splits} splits: {exc}")
+    prefill_ptrs = dict(fp8_attn, cu_seqlens_ptr="*i32", seq_lens_ptr="*i32")
+    for lookup, split in ((0, True), (2, False)):
+        consts = dict(HEADS_PER_PROG=2, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=128, BLOCK_N=64,
+                      BLOCK_D=128, SPLIT=split, KV_LOOKUP=lookup, LOOP_STAGES=0, WARP_SPEC=False,
+                      IEEE_DOT=False, FP8=True, K_SCALE_PTR=True, V_SCALE_PTR=True)
+        try:
+            build(prefill_attention._prefill_kernel, prefill_ptrs, {"scale_log2"}, consts)
+        except Exception as exc:
+            failed.append(f"prefill over an fp8 cache, lookup {lookup}: {exc}")
+    store_ptrs = dict(k_cache_ptr=fp8, v_cache_ptr=fp8, slot_ptr="*i64", k_scale="*fp32",
+                      v_scale="fp32", positions_ptr="*i64", cos_sin_ptr="*fp32")
+    for fn, consts in (
+        (kv_cache._store_kvcache_kernel, dict(HEAD_DIM=128, BLOCK_D=128, PDL=False, FP8=True,
+                                              K_SCALE_PTR=True, V_SCALE_PTR=False)),
+        (fused._qk_prep_kernel, dict(HAS_NORM=True, HEAD_DIM=128, Q_HEAD_STRIDE=128, ROT_HALF=64,
+                                     BLOCK_HQ=16, BLOCK_HK=8, BLOCK_ROT=64, BLOCK_REST=1,
+                                     BLOCK_D=128, PDL=False, FP8=True, K_SCALE_PTR=True,
+                                     V_SCALE_PTR=False)),
+    ):
+        try:
+            build(fn, store_ptrs, {"eps"}, consts)
+        except Exception as exc:
+            failed.append(f"{fn.__name__} into an fp8 cache: {exc}")
+    quant_ptrs = dict(q_ptr=fp8, s_ptr="*fp32", scale="*fp32", a_ptr=fp8, b_ptr=fp8,
+                      a_s_ptr="*fp32", b_s_ptr="*fp32")
+    for fn, floats, consts in (
+        (fp8_quant._dynamic_quant_kernel, {"qmax"}, dict(BLOCK=128)),
+        (fp8_quant._static_quant_kernel, set(), dict(IS_PTR=True, BLOCK=1024)),
+        (fp8_gemm._w8a8_matmul_kernel, set(),
+         dict(GROUP_N=128, GROUP_K=128, K_GROUPED=True, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128,
+              BLOCK_K=128, SWIZZLE_M=8)),
+        (fp8_gemm._w8a8_matmul_kernel, set(),
+         dict(GROUP_N=1, GROUP_K=128, K_GROUPED=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64,
+              BLOCK_K=128, SWIZZLE_M=8)),
+    ):
+        try:
+            build(fn, quant_ptrs, floats, consts)
+        except Exception as exc:
+            failed.append(f"{fn.__name__} {consts}: {exc}")
+"""
+
+TAIL = """
     print("\\n\\n".join(failed))
     sys.exit(1 if failed else 0)
-    """
-)
+"""
 
 
-def test_shape_sensitive_kernels_compile_for_hopper(tmp_path):
-    pytest.importorskip("triton.backends.nvidia")
+def _compile(tmp_path, script: str, target: str, fp8: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "kernels"), str(ROOT / "runtime"), env.get("PYTHONPATH", "")]
     )
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # build, do not reuse a cached one
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    code = textwrap.dedent(script)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900
-    )
+        [sys.executable, "-c", code, target, fp8],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+
+
+def test_shape_sensitive_kernels_compile_for_hopper(tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    _compile(tmp_path, HEAD + BF16_VARIANTS + FP8_VARIANTS + TAIL, "cuda:90", "*fp8e4nv")
+
+
+def test_fp8_kernels_compile_for_mi300(tmp_path):
+    """The FP8 paths in MI300's format (e4m3fnuz, gfx942), which no CPU test can run."""
+    pytest.importorskip("triton.backends.amd")
+    _compile(tmp_path, HEAD + FP8_VARIANTS + TAIL, "hip:gfx942", "*fp8e4b8")
