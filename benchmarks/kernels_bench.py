@@ -19,6 +19,12 @@ step: 64 new tokens over 8,000 cached (bandwidth-bound: K/V GB/s), split-KV auto
 Qwen3-0.6B and Qwen3.5-4B (head_dim 256) heads against SDPA (`of_sdpa`: SDPA time / ours),
 then split counts and heads per program on W3's step; `--sweep-budget-s` bounds it (about
 two minutes in all on an H200, mostly compiles). `--sweep decode` retunes `decode_config`.
+
+    python benchmarks/kernels_bench.py --sweep fp8 --sweep-only --out fp8_sweep.json
+
+`--sweep fp8` times FP8 against bf16: the batch-1 GEMV (TB/s of weight bytes), `_scaled_mm` and
+the Triton block GEMM against cuBLAS at 256 and 2,048 rows, W1's decode attention over an FP8
+cache (`sweep_fp8`).
 """
 
 from __future__ import annotations
@@ -374,6 +380,181 @@ def sweep_decode_w1_pack() -> list[dict]:
     return rows
 
 
+def sweep_fp8() -> list[dict]:
+    """FP8 against bf16, each on the same problem (`--sweep fp8`).
+
+    gemv-fp8: the batch-1 GEMV on Llama-3.1-8B's and Qwen3-0.6B's projections (qkv, o, gate_up
+    with SwiGLU, down, lm_head): bf16 (cuBLAS and the Triton GEMV) against FP8 weights with
+    per-channel and 128 x 128 block scales (the rule's launch shape and each of
+    `fp8_launch_candidates`). Each CUDA graph runs the product over distinct copies of the
+    weight, at least 512 MB in all, so every weight streams from HBM as in a decode step.
+    Figure: us a product and TB/s of weight bytes read (scales included).
+
+    gemm-fp8: M = 256 and 2,048 rows through the same projections: bf16 cuBLAS, `_scaled_mm`
+    rowwise on per-channel weights (the GEMM alone on quantized rows, then with the per-token
+    quantization: `fp8_linear`), the Triton block-scaled GEMM (alone at a few launch shapes, and
+    `fp8_linear` with the per-group quantization). Figure: TFLOP/s (2 M N K a product) and the
+    largest error against the torch reference of the same quantization.
+
+    decode-fp8: W1's decode attention (batch 256, contexts of 100-1,536 tokens, 16 query / 8 KV
+    heads, head_dim 128, page 16) over a bf16 cache and over an FP8 cache (tensor scales, as a
+    captured graph passes them) at a few launch settings. Figure: ms, GB/s of K/V bytes read,
+    speedup over bf16."""
+    import torch.nn.functional as F
+
+    from atom_kernels import decode_attention, fp8_gemm, fp8_quant, gemv, reference
+    from atom_kernels import fp8_formats as f8
+
+    fp8 = f8.fp8_dtype_for_platform()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    projections = {
+        "llama3-8b": {"qkv": (6144, 4096, None), "o": (4096, 4096, None),
+                      "gate_up": (28672, 4096, "silu_mul"), "down": (4096, 14336, None),
+                      "lm_head": (128256, 4096, None)},
+        "qwen3-0.6b": {"qkv": (4096, 1024, None), "o": (1024, 2048, None),
+                       "gate_up": (6144, 1024, "silu_mul"), "down": (1024, 3072, None),
+                       "lm_head": (151936, 1024, None)},
+    }  # fmt: skip
+
+    def graph_ms(calls) -> float:
+        """ms a replay of one CUDA graph of every call in `calls` (warmed up, so compiled)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for call in calls:
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        return _time_ms(graph.replay, warmup=3, iters=20)
+
+    def gemv_rows() -> list[dict]:
+        rows = []
+        flat = [(model, name, *spec) for model, shapes in projections.items()
+                for name, spec in shapes.items()]  # fmt: skip
+        for model, name, n, k, act in flat:
+            copies = max(2, -(-(512 << 20) // (n * k * 2)))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            cases = [("bf16 cublas", [(w, None, None) for w in ws], None),
+                     ("bf16 gemv", [(w, None, None) for w in ws], {})]  # fmt: skip
+            for layout, quantize in (("fp8 channel", f8.quantize_weight_per_channel),
+                                     ("fp8 block", f8.quantize_weight_block)):  # fmt: skip
+                qs = [(*quantize(w, dtype=fp8), None) for w in ws]
+                if layout == "fp8 block":
+                    qs = [(q, s, (128, 128)) for q, s, _ in qs]
+                cands = gemv.fp8_launch_candidates(n, k, sms, layout == "fp8 block")
+                cases += [(layout, qs, c) for c in cands]
+            del ws
+            base = None
+            for kernel, weights, launch in cases:
+                read = sum(w.numel() * w.element_size() + (s.numel() * 4 if s is not None else 0)
+                           for w, s, _ in weights)  # fmt: skip
+                if launch is None:
+                    calls = [functools.partial(F.linear, x, w) for w, _, _ in weights]
+                else:
+                    calls = [functools.partial(gemv.gemv, x, w, act=act, weight_scale=s,
+                                               weight_block_size=b, **launch)
+                             for w, s, b in weights]  # fmt: skip
+                ms = graph_ms(calls)
+                us = ms * 1e3 / len(weights)
+                base = us if kernel == "bf16 gemv" else base
+                shape = {key: launch[key] for key in ("block_n", "block_k", "split", "num_warps")
+                         if launch}  # fmt: skip
+                rows.append({"op": "gemv-fp8", "model": model, "proj": name, "n": n, "k": k,
+                             "kernel": kernel, "launch": shape or "",
+                             "us": round(us, 2), "TB_per_s": round(read / (ms * 1e-3) / 1e12, 3),
+                             "x_bf16_gemv": round(base / us, 2) if base else ""})  # fmt: skip
+            del cases, weights, calls
+            torch.cuda.empty_cache()
+        return rows
+
+    def gemm_rows() -> list[dict]:
+        rows = []
+        configs = [None, {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4},
+                   {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 4}]  # fmt: skip
+        for (model, shapes), m in itertools.product(projections.items(), (256, 2048)):
+            for name, (n, k, _) in shapes.items():
+                if name == "lm_head":
+                    continue
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                wc, sc = f8.quantize_weight_per_channel(w, fp8)
+                wb, sb = f8.quantize_weight_block(w, (128, 128), fp8)
+                xc, xsc = fp8_quant.per_token_quant_fp8(x, fp8)
+                xb, xsb = fp8_quant.per_token_group_quant_fp8(x, 128, fp8)
+                cases = [("bf16 cublas", functools.partial(F.linear, x, w), None)]
+                if fp8_gemm.scaled_mm_supported(x.device):
+                    cases += [
+                        ("scaled_mm rowwise", functools.partial(
+                            fp8_gemm.scaled_mm, xc, wc, xsc, sc, torch.bfloat16), None),
+                        ("fp8_linear channel", functools.partial(
+                            fp8_gemm.fp8_linear, x, wc, sc), (wc, sc, None)),
+                    ]  # fmt: skip
+                for cfg in configs:
+                    cases.append((f"block gemm {cfg or 'default'}", functools.partial(
+                        fp8_gemm.w8a8_matmul, xb, wb, xsb, sb, torch.bfloat16, None, (128, 128),
+                        config=cfg), None))  # fmt: skip
+                cases.append(("fp8_linear block", functools.partial(
+                    fp8_gemm.fp8_linear, x, wb, sb, weight_block_size=(128, 128)),
+                    (wb, sb, (128, 128))))  # fmt: skip
+                base = None
+                for kernel, fn, checked in cases:
+                    ms = _time_ms(fn)
+                    base = ms if kernel == "bf16 cublas" else base
+                    err = ""
+                    if checked is not None:
+                        want = reference.fp8_linear(x, checked[0], checked[1],
+                                                    weight_block_size=checked[2])  # fmt: skip
+                        err = round(((fn().float() - want.float()).abs().max()).item(), 4)
+                    rows.append({"op": "gemm-fp8", "model": model, "proj": name, "m": m, "n": n,
+                                 "k": k, "kernel": kernel, "ms": round(ms, 4),
+                                 "TFLOP_per_s": round(2 * m * n * k / (ms * 1e-3) / 1e12, 1),
+                                 "x_bf16": round(base / ms, 2), "max_err": err})  # fmt: skip
+                del w, x, wc, wb, xc, xb, cases
+                torch.cuda.empty_cache()
+        return rows
+
+    def decode_rows() -> list[dict]:
+        num_heads, num_kv_heads, head_dim = MODELS["qwen3-0.6b"]
+        rng = random.Random(0)
+        seq_lens = [rng.randint(100, 1536) for _ in range(256)]
+        k_cache, v_cache, tables = _paged_cache(seq_lens, num_kv_heads, head_dim, 16,
+                                                torch.bfloat16)  # fmt: skip
+        q = torch.randn(256, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        k_scale = (k_cache.abs().amax().float() / f8.fp8_max(fp8)).reshape(1)
+        v_scale = (v_cache.abs().amax().float() / f8.fp8_max(fp8)).reshape(1)
+        k8 = reference.to_cache(k_cache, fp8, k_scale)
+        v8 = reference.to_cache(v_cache, fp8, v_scale)
+        tokens = sum(seq_lens) * num_kv_heads * head_dim * 2  # K and V elements
+        decode = decode_attention.paged_attention_decode
+        full = decode(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+        runs = [("bf16", (k_cache, v_cache), {}), ("fp8", (k8, v8), {})]
+        for heads, block_n, warps, stages in ((1, 64, 4, 3), (2, 64, 4, 2), (2, 128, 4, 2),
+                                              (2, 128, 8, 2), (4, 64, 4, 2), (4, 32, 4, 3)):  # fmt: skip
+            runs.append(("fp8", (k8, v8), dict(num_splits=1, heads_per_program=heads,
+                                               block_n=block_n, num_warps=warps,
+                                               num_stages=stages)))  # fmt: skip
+        rows, base = [], None
+        for cache, (kc, vc), launch in runs:
+            scales = dict(k_scale=k_scale, v_scale=v_scale) if cache == "fp8" else {}
+            fn = functools.partial(decode, q, kc, vc, tables, lens, head_dim**-0.5, **scales,
+                                   **launch)  # fmt: skip
+            ms = _time_ms(fn)
+            base = ms if base is None else base
+            err = ((fn().float() - full.float()).norm() / full.float().norm()).item()
+            rows.append({"op": "decode-fp8", "cache": cache, "launch": launch or "default",
+                         "ms": round(ms, 4),
+                         "GB_per_s": round(tokens * kc.element_size() / (ms * 1e-3) / 1e9, 1),
+                         "x_bf16": round(base / ms, 2), "rel_err_vs_bf16": round(err, 4)})  # fmt: skip
+        return rows
+
+    return gemv_rows() + gemm_rows() + decode_rows()
+
+
 # Head shapes of the prefill sweep: (num_heads, num_kv_heads, head_dim).
 SWEEP_HEADS = {
     "llama3-8b": (32, 8, 128),
@@ -568,10 +749,11 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep",
         nargs="?",
         const="all",
-        choices=("all", "decode", "prefill", "w1", "w1bal", "w1launch", "w1pack"),
+        choices=("all", "decode", "prefill", "w1", "w1bal", "w1launch", "w1pack", "fp8"),
         help="also sweep launch settings (decode, prefill, all, w1: W1's decode attention, or "
         "w1bal: W1's decode attention by program order and split count, w1launch: by launch "
-        "settings, w1pack: by KV heads a program)",
+        "settings, w1pack: by KV heads a program); fp8: FP8 GEMV, GEMMs and decode attention "
+        "against bf16 (not in all)",
     )
     parser.add_argument(
         "--sweep-only", action="store_true", help="stop after the sweep (no main benchmark)"
@@ -598,6 +780,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep == name:
             sweep_rows += sweep()
             _print_table([r for r in sweep_rows if r["op"] == f"decode-{name}"])
+    if args.sweep == "fp8":
+        fp8_rows = sweep_fp8()
+        sweep_rows += fp8_rows
+        for op in dict.fromkeys(r["op"] for r in fp8_rows):
+            _print_table([r for r in fp8_rows if r["op"] == op])
     if args.sweep in ("all", "prefill"):
         prefill_sweep = sweep_prefill(args.sweep_budget_s)
         sweep_rows += prefill_sweep

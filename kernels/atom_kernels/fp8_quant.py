@@ -12,8 +12,8 @@ tensor (read on the device, so a CUDA graph keeps reading the current value): `s
 either into the kernel argument and the `IS_PTR` constexpr `load_scale` needs.
 
 The interpreter (TRITON_INTERPRET=1, the CPU tests) converts to FP8 wrongly when rounding
-carries into the exponent (31.1 -> 16 instead of 32): CPU tests of FP8 writers feed values that
-land exactly on the FP8 grid, the GPU tests random ones, bit for bit against the reference.
+carries into the exponent (31.1 -> 16 instead of 32): the CPU tests route its FP8 casts through
+torch's (`exact_fp8_casts` in tests/kernels/conftest.py) and compare bit for bit.
 """
 
 from __future__ import annotations
