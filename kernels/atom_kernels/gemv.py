@@ -301,16 +301,26 @@ def _finish_block(
 
 
 @triton.jit
-def _block_scaled_x(x, s_first, s_second, even, MODE: tl.constexpr, SAME_BLOCK: tl.constexpr):
+def _block_scaled_x(
+    x, s_first, s_second, col_block, mask, even, MODE: tl.constexpr, SAME_BLOCK: tl.constexpr
+):
     """x times the weight's block scale, as the tile's rows see it: `[1, BLOCK_K]` when every row
-    shares one scale (the plain product; pairs in one block), else `[BLOCK_N, BLOCK_K]` with the
-    first rows' scale on even lanes and the second rows' on odd ones. The scales are scalars (a
-    loop step inside one column block) or per column (the early columns)."""
-    xa = x * s_first
+    shares one scale row (the plain product; pairs in one block), else `[BLOCK_N, BLOCK_K]` with
+    the first rows' scale on even lanes and the second rows' on odd ones. s_first / s_second
+    point at those scale rows; `col_block` is a scalar (a loop step inside one column block) or
+    one block index per column (the early columns, `mask` over them; None for a step)."""
+    if mask is None:
+        xa = x * tl.load(s_first + col_block)
+    else:
+        xa = x * tl.load(s_first + col_block, mask=mask, other=0.0)
     if MODE == 0 or SAME_BLOCK:
         return xa[None, :]
     else:
-        return tl.where(even[:, None], xa[None, :], (x * s_second)[None, :])
+        if mask is None:
+            xb = x * tl.load(s_second + col_block)
+        else:
+            xb = x * tl.load(s_second + col_block, mask=mask, other=0.0)
+        return tl.where(even[:, None], xa[None, :], xb[None, :])
 
 
 @triton.jit
@@ -474,11 +484,9 @@ def _gemv_kernel(
         x_ptr, residual_ptr, norm_w_ptr, early_ks, early_mask, inv_rms, dtype, NORM, HAS_RESIDUAL
     )
     if W_SCALE == 2:  # the early columns span several blocks: one scale per column
-        early_kb = early_ks // SCALE_BK
         early_xs = _block_scaled_x(
-            early_x, tl.load(s_first + early_kb, mask=early_mask, other=0.0),
-            tl.load(s_second + early_kb, mask=early_mask, other=0.0), even, MODE, SAME_BLOCK,
-        )  # fmt: skip
+            early_x, s_first, s_second, early_ks // SCALE_BK, early_mask, even, MODE, SAME_BLOCK
+        )
         head = tl.sum(early_w.to(tl.float32) * early_xs, axis=1)
     else:
         head = tl.sum(early_w.to(tl.float32) * early_x[None, :], axis=1)
@@ -491,10 +499,7 @@ def _gemv_kernel(
         )
         w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if W_SCALE == 2:  # the step lies in one column block (SCALE_BK % BLOCK_K == 0)
-            kb = k0 // SCALE_BK
-            xs = _block_scaled_x(
-                x, tl.load(s_first + kb), tl.load(s_second + kb), even, MODE, SAME_BLOCK
-            )
+            xs = _block_scaled_x(x, s_first, s_second, k0 // SCALE_BK, None, even, MODE, SAME_BLOCK)
             acc += w.to(tl.float32) * xs
         else:
             acc += w.to(tl.float32) * x[None, :]
