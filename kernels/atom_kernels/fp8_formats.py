@@ -33,6 +33,8 @@ DEFAULT_BLOCK = (128, 128)
 # e4m3fnuz: 224, not 240 (0x7E, not 0x7F), as ROCm's stacks do: at 240 the largest element's
 # rounding lands on the format's sparse top binade and dynamic quantization lost accuracy there.
 _DYNAMIC_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}
+# Smallest amax a dynamic scale is computed from, so an all-zero row or block gets a finite scale.
+MIN_AMAX = 1e-12
 
 
 def is_fp8(x: torch.dtype | torch.Tensor | None) -> bool:
@@ -165,8 +167,8 @@ def quantize_weight_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale `[1]`) with scale = amax / `dynamic_quant_max(dtype)` over the whole weight."""
     amax = weight.detach().abs().amax().float().reshape(1)
-    scale = amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(dtype)
-    return _round_to(weight.float() / scale, dtype), scale
+    scale = amax.clamp(min=MIN_AMAX) / dynamic_quant_max(dtype)
+    return round_to_fp8(weight.float() / scale, dtype), scale
 
 
 def quantize_weight_per_channel(
@@ -178,8 +180,8 @@ def quantize_weight_per_channel(
     if weight.dim() != 2:
         raise ValueError(f"expected a [N, K] weight, got {list(weight.shape)}")
     amax = weight.detach().abs().amax(dim=1).float()
-    scale = amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(dtype)
-    return _round_to(weight.float() / scale[:, None], dtype), scale
+    scale = amax.clamp(min=MIN_AMAX) / dynamic_quant_max(dtype)
+    return round_to_fp8(weight.float() / scale[:, None], dtype), scale
 
 
 def quantize_weight_block(
@@ -198,17 +200,14 @@ def quantize_weight_block(
     padded[:n, :k] = weight.float()
     blocks = padded.view(rows, bn, cols, bk)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(dtype)
-    q = _round_to(blocks / scale[:, None, :, None], dtype).view(rows * bn, cols * bk)
+    scale = amax.clamp(min=MIN_AMAX) / dynamic_quant_max(dtype)
+    q = round_to_fp8(blocks / scale[:, None, :, None], dtype).view(rows * bn, cols * bk)
     return q[:n, :k].contiguous(), scale
 
 
-# Smallest amax a scale is computed from, so an all-zero row or block gets a finite scale.
-_MIN_AMAX = 1e-12
-
-
-def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x clamped to the format's range, then rounded to nearest even (torch's cast)."""
+def round_to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x clamped to the format's range, then rounded to nearest even (torch's cast): how every
+    FP8 quantization here rounds, kernels included."""
     m = fp8_max(dtype)
     return x.clamp(-m, m).to(dtype)
 

@@ -256,6 +256,8 @@ def fp8_linear(
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
     fp8 = weight.dtype
     layout = scale_layout(weight.shape, weight_scale, weight_block_size)
     if layout == "block":

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.fp8_formats import dynamic_quant_max
+from atom_kernels.fp8_formats import MIN_AMAX, dynamic_quant_max
 
-_MIN_AMAX = tl.constexpr(1e-12)
+# `MIN_AMAX` as the kernels read it (a jit function reads no plain globals).
+_MIN_AMAX_C = tl.constexpr(MIN_AMAX)
 
 
 def scale_arg(scale: torch.Tensor | float) -> tuple[torch.Tensor | float, bool]:
@@ -95,7 +96,7 @@ def _dynamic_quant_kernel(
         cols = c + offs
         x = tl.load(x_ptr + row * x_stride + cols, mask=cols < end, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX), qmax)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), qmax)
     tl.store(s_ptr + row * s_stride + g, scale)
     dtype = q_ptr.dtype.element_ty
     for c in range(start, end, BLOCK):
@@ -152,7 +153,7 @@ def per_tensor_quant_fp8(
     m, k = x.shape
     if scale is None:
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = (amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(fp8_dtype)).reshape(1)
+        scale = (amax.clamp(min=MIN_AMAX) / dynamic_quant_max(fp8_dtype)).reshape(1)
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     if m and k:
         block = min(triton.next_power_of_2(k), 1024)

@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.fp8_formats import (
+    MIN_AMAX,
     dequantize_fp8,
     dynamic_quant_max,
-    fp8_max,
     is_fp8,
+    quantize_weight_block,
+    round_to_fp8,
     scale_layout,
 )
 
@@ -50,7 +52,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | float) -
     format's range, rounded to nearest even) for FP8, a cast otherwise."""
     if not is_fp8(dtype):
         return x.to(dtype)
-    return _round_fp8(x.float() / _scale_value(scale, x.device), dtype)
+    return round_to_fp8(x.float() / _scale_value(scale, x.device), dtype)
 
 
 def from_cache(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -62,11 +64,6 @@ def _scale_value(scale: torch.Tensor | float, device: torch.device) -> torch.Ten
     if isinstance(scale, torch.Tensor):
         return scale.float().reshape(()).to(device)
     return torch.tensor(float(scale), dtype=torch.float32, device=device)
-
-
-def _round_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    m = fp8_max(dtype)
-    return x.clamp(-m, m).to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -470,8 +467,6 @@ def rms_scaled_linear_rope_store_small_m(
 # FP8 activation quantizers and the W8A8 linear: scales are dequantization multipliers.
 # ---------------------------------------------------------------------------------------------
 
-_MIN_AMAX = 1e-12
-
 
 def per_tensor_quant_fp8(
     x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | None = None
@@ -479,9 +474,9 @@ def per_tensor_quant_fp8(
     """One scale for all of x: the given one, or amax / `dynamic_quant_max`."""
     if scale is None:
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = amax.clamp(min=_MIN_AMAX) / dynamic_quant_max(fp8_dtype)
+        scale = amax.clamp(min=MIN_AMAX) / dynamic_quant_max(fp8_dtype)
     scale = scale.float().reshape(1)
-    return _round_fp8(x.float() / scale, fp8_dtype), scale
+    return round_to_fp8(x.float() / scale, fp8_dtype), scale
 
 
 def per_token_quant_fp8(
@@ -495,15 +490,8 @@ def per_token_group_quant_fp8(
     x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each run of `group_size` columns of a row by its own amax / `dynamic_quant_max`;
-    scale `[M, ceil(K / group_size)]`."""
-    m, k = x.shape
-    groups = -(-k // group_size)
-    padded = torch.zeros(m, groups * group_size, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x.float()
-    blocks = padded.view(m, groups, group_size)
-    scale = blocks.abs().amax(dim=2).clamp(min=_MIN_AMAX) / dynamic_quant_max(fp8_dtype)
-    q = _round_fp8(blocks / scale[:, :, None], fp8_dtype).view(m, groups * group_size)
-    return q[:, :k].contiguous(), scale
+    scale `[M, ceil(K / group_size)]`: the block quantizer's math with blocks of 1 x g."""
+    return quantize_weight_block(x, (1, group_size), fp8_dtype)
 
 
 def fp8_linear(

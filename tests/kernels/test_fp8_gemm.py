@@ -178,6 +178,11 @@ def test_fp8_linear_triton_path_matches_reference(fp8k, device, layout, use_scal
     want = reference.fp8_linear(x, w, ws, bias, input_scale=input_scale, weight_block_size=block)
     assert got.shape == (2, 3, n)
     _close(got, want, torch.bfloat16 if use_scaled_mm and layout != "block" else torch.float32)
+    empty = fp8k["fp8_gemm"].fp8_linear(
+        x[:0], w, ws, bias, input_scale=input_scale, weight_block_size=block,
+        use_scaled_mm=use_scaled_mm,
+    )  # fmt: skip
+    assert empty.shape == (0, 3, n)
 
 
 def test_fp8_linear_op_dispatches_to_triton_when_forced(fp8k, device, monkeypatch):
