@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "atom_kernels.gdn_decode",
     "atom_kernels.moe",
     "atom_kernels.state_copy",
+    "atom_kernels.mla_attention",
 )
 
 
