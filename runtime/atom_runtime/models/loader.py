@@ -247,15 +247,24 @@ def build_model(
     device: torch.device,
     seed: int = 0,
 ):
+    from atom_runtime.models.deepseek import DeepseekForCausalLM
     from atom_runtime.models.llama import LlamaForCausalLM
     from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
     with torch.device(device):
-        model = Qwen3NextForCausalLM(cfg) if cfg.is_hybrid else LlamaForCausalLM(cfg)
+        if cfg.mla is not None:
+            model = DeepseekForCausalLM(cfg)
+        elif cfg.is_hybrid:
+            model = Qwen3NextForCausalLM(cfg)
+        else:
+            model = LlamaForCausalLM(cfg)
     model.to(dtype=dtype)
     for buf_name, buf in model.named_buffers():
         if buf_name.endswith("cos_sin_cache"):
             buf.data = buf.data.float()
+    for param in model.parameters():
+        if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
+            param.data = param.data.float()
     if load_format == "dummy":
         _fill_dummy(model, seed)
         return model.eval()
