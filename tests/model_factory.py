@@ -154,9 +154,14 @@ MLA_CONFIGS = {
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": 256, "mscale": 1.0, "mscale_all_dim": 0.8,
-            "beta_fast": 32, "beta_slow": 1,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32,
+            "beta_slow": 1,
         },
     ),  # fmt: skip
     # V2-Lite's shape: no q_lora, softmax scores, two shared experts, no renormalization.
@@ -174,9 +179,14 @@ MLA_CONFIGS = {
         routed_scaling_factor=1.5,
         norm_topk_prob=False,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": 256, "mscale": 0.707, "mscale_all_dim": 0.707,
-            "beta_fast": 32, "beta_slow": 1,
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
         },
     ),  # fmt: skip
 }
