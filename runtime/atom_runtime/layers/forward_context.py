@@ -33,8 +33,9 @@ class AttentionMetadata:
     host_cu_seqlens_q: np.ndarray | None = None
     host_seq_lens: np.ndarray | None = None
     host_block_tables: np.ndarray | None = None
-    # What a layer kind derives from this metadata once a step and every layer of that kind
-    # reuses (MLA's per-token attention rows), keyed by the layer kind's name.
+    # What a layer kind derives from this metadata once a forward and every layer of that kind
+    # reuses (MLA's per-token attention rows), keyed by the layer kind's name; the model clears
+    # it at the start of each forward (a captured graph must record the derivation).
     derived: dict = field(default_factory=dict)
 
 

@@ -28,6 +28,7 @@ import re
 import torch
 from torch import nn
 
+from atom_runtime.layers.forward_context import get_attention_metadata
 from atom_runtime.layers.latent_attention import LatentAttention
 from atom_runtime.layers.linear import (
     ColumnParallelLinear,
@@ -153,6 +154,13 @@ class DeepseekForCausalLM(CausalLM):
             }
         self.stacked_params = stacked
         self._skipped_mtp = 0
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # What the first MLA layer derives from the step's metadata (the absorbed rows, the
+        # chunk plan) the others reuse, within this forward only: a CUDA graph captured after
+        # warm-up forwards must record that work, not reuse the warm-ups' tensors.
+        get_attention_metadata().derived.clear()
+        return super().forward(input_ids, positions)
 
     def attention_layers(self) -> list[LatentAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
