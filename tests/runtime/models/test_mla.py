@@ -282,3 +282,37 @@ def test_config_fields_are_read(tiny_mla_models):
         | {"moe_layer_freq": 2, "first_k_dense_replace": 0}
     )
     assert [every_other.is_moe_layer(i) for i in range(3)] == [True, False, True]
+
+
+def test_each_forward_derives_its_rows_anew_from_reused_metadata(tiny_mla_models):
+    """A captured prefill graph replays one metadata object whose tensors are refilled in place:
+    the per-token attention rows must be derived inside every forward (none carried over from
+    an earlier forward, e.g. the warm-ups before a capture)."""
+    from atom_runtime.layers.forward_context import AttentionMetadata, set_attention_metadata
+
+    llm = LLM(str(tiny_mla_models["deepseek_v3"]), dtype="float32", num_gpu_blocks_override=8)
+    model = llm.engine.executor.model
+    ids = torch.tensor(_prompts(9, [8])[0])
+
+    def meta(lo: int) -> AttentionMetadata:  # 4 tokens at positions lo..lo+3 in block 2
+        return AttentionMetadata(
+            slot_mapping=torch.arange(32 + lo, 36 + lo), block_tables=torch.tensor([[2]]),
+            seq_lens=torch.tensor([lo + 4], dtype=torch.int32), decode_only=False,
+            cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), max_seqlen_q=4,
+        )  # fmt: skip
+
+    def forward(m: AttentionMetadata, lo: int) -> torch.Tensor:
+        set_attention_metadata(m)
+        try:
+            with torch.inference_mode():
+                return model(ids[lo : lo + 4], torch.arange(lo, lo + 4))
+        finally:
+            set_attention_metadata(None)
+
+    reused = meta(0)
+    forward(reused, 0)
+    fresh = forward(meta(4), 4)  # the second chunk with metadata of its own
+    for name, t in vars(meta(4)).items():  # refill the first step's tensors in place
+        if isinstance(t, torch.Tensor):
+            getattr(reused, name).copy_(t)
+    torch.testing.assert_close(forward(reused, 4), fresh)
