@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import save_file
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.layers.latent_attention import LatentAttention, upprojection_pays
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.deepseek_moe import grouped_topk
+from tests.hf_reference import atom_greedy, hf_greedy, load_reference, random_prompts
 
 KINDS = ["deepseek_v3", "deepseek_v2"]
 MAX_TOKENS = 8
@@ -34,36 +33,13 @@ MAX_TOKENS = 8
 pytestmark = pytest.mark.timeout(300)
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = _prompts(0, [1, 5, 17, 40, 97])
+PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _hf_model(folder):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
 def _hf_reference(folder, prompts):
-    """Greedy tokens and the first step's log-softmax, per prompt."""
-    model = _hf_model(folder)
-    tokens, first = [], []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
-                output_logits=True,
-            )  # fmt: skip
-            tokens.append(gen.sequences[0, len(p) :].tolist())
-            first.append(gen.logits[0][0].log_softmax(-1))
-    return tokens, first
+    """transformers' greedy tokens and first-step log-softmax (eager attention), per prompt."""
+    return hf_greedy(folder, prompts, MAX_TOKENS, first_logprobs=True, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +100,7 @@ def test_chunked_prefill_in_mixed_batches_matches(tiny_mla_models, references, k
         str(tiny_mla_models[kind]), dtype="float32", num_gpu_blocks_override=64,
         max_num_batched_tokens=24, max_num_seqs=8,
     )  # fmt: skip
-    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == references[kind][0]
+    assert atom_greedy(llm, PROMPTS, MAX_TOKENS) == references[kind][0]
     assert counter.upprojected_chunks > 0 and counter.absorbed_rows > 0
 
 
@@ -138,7 +114,7 @@ def test_each_prefill_path_alone_matches(tiny_mla_models, references, path, monk
     for layer in _attention_layers(llm):
         layer.prefill_path = path
     counter.absorbed_rows = counter.upprojected_chunks = 0  # start-up's warm-up step aside
-    assert [o.token_ids for o in _greedy(llm, PROMPTS)] == references["deepseek_v3"][0]
+    assert atom_greedy(llm, PROMPTS, MAX_TOKENS) == references["deepseek_v3"][0]
     if path == "absorbed":
         assert counter.upprojected_chunks == 0
     else:
@@ -146,11 +122,11 @@ def test_each_prefill_path_alone_matches(tiny_mla_models, references, path, monk
 
 
 def test_prefix_hits_attend_to_cached_latents(tiny_mla_models):
-    shared = _prompts(1, [48])[0]
-    prompts = [shared + tail for tail in _prompts(2, [3, 9, 30])]
+    shared = random_prompts(1, [48])[0]
+    prompts = [shared + tail for tail in random_prompts(2, [3, 9, 30])]
     expected, _ = _hf_reference(tiny_mla_models["deepseek_v2"], prompts)
     llm = LLM(str(tiny_mla_models["deepseek_v2"]), dtype="float32", num_gpu_blocks_override=64)
-    assert [o.token_ids for o in _greedy(llm, prompts)] == expected
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == expected
     # 48 shared tokens = 3 full blocks of 16 served from the cache on the second run.
@@ -159,12 +135,12 @@ def test_prefix_hits_attend_to_cached_latents(tiny_mla_models):
 
 def test_preemption_under_a_small_kv_pool_matches(tiny_mla_models):
     folder = tiny_mla_models["deepseek_v3"]
-    prompts = _prompts(7, [28, 30, 31, 14])
+    prompts = random_prompts(7, [28, 30, 31, 14])
     expected, _ = _hf_reference(folder, prompts)
     # 7 blocks of 16 tokens hold the four prompts (2 + 2 + 2 + 1) but not their growth: the
     # tail is preempted and recomputes its latents when readmitted.
     llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=7, max_model_len=112)
-    assert [o.token_ids for o in _greedy(llm, prompts)] == expected
+    assert atom_greedy(llm, prompts, MAX_TOKENS) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.pool.num_free_blocks == 7
 
@@ -208,7 +184,8 @@ def test_upprojection_pays_from_about_171_queries_at_deepseek_v3_dims():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_router_equals_transformers(tiny_mla_models, kind):
-    hf = _hf_model(tiny_mla_models[kind]).model.layers[1].mlp.gate
+    hf = load_reference(tiny_mla_models[kind], attn_implementation="eager")
+    hf = hf.model.layers[1].mlp.gate
     cfg = ModelConfig.from_file(tiny_mla_models[kind])
     x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -292,7 +269,7 @@ def test_each_forward_derives_its_rows_anew_from_reused_metadata(tiny_mla_models
 
     llm = LLM(str(tiny_mla_models["deepseek_v3"]), dtype="float32", num_gpu_blocks_override=8)
     model = llm.engine.executor.model
-    ids = torch.tensor(_prompts(9, [8])[0])
+    ids = torch.tensor(random_prompts(9, [8])[0])
 
     def meta(lo: int) -> AttentionMetadata:  # 4 tokens at positions lo..lo+3 in block 2
         return AttentionMetadata(

@@ -10,16 +10,11 @@ import json
 
 import pytest
 
-from atom_runtime import LLM, SamplingParams
-from tests.runtime.models.test_mla import PROMPTS, _hf_reference, _prompts
+from atom_runtime import LLM
+from tests.hf_reference import atom_greedy, random_prompts
+from tests.runtime.models.test_mla import PROMPTS, _hf_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
-
-
-def _greedy(llm: LLM, prompts, max_tokens=8):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v2"])
@@ -32,16 +27,16 @@ def test_fp32_greedy_parity_on_gpu(tiny_mla_models, kind, enforce_eager):
     )  # fmt: skip
     if not enforce_eager:
         assert llm.engine.executor.graphs, "no decode CUDA graph was captured"
-    assert _greedy(llm, PROMPTS) == expected
+    assert atom_greedy(llm, PROMPTS, 8) == expected
 
 
 def test_graph_replay_gives_eager_tokens_on_many_short_steps(tiny_mla_models):
-    prompts = _prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])
+    prompts = random_prompts(5, [3, 9, 14, 33, 2, 7, 61, 18, 5, 40, 11, 27, 8])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=512, max_num_seqs=4)
     folder = str(tiny_mla_models["deepseek_v3"])
-    eager = _greedy(LLM(folder, enforce_eager=True, **kw), prompts, 24)
+    eager = atom_greedy(LLM(folder, enforce_eager=True, **kw), prompts, 24)
     graphs = LLM(folder, enforce_eager=False, **kw)
-    assert _greedy(graphs, prompts, 24) == eager
+    assert atom_greedy(graphs, prompts, 24) == eager
     assert graphs.engine.executor.prefill_graphs.replays > 0
 
 
@@ -53,5 +48,5 @@ def test_bf16_dummy_deepseek_v3_dims_start_and_serve(tmp_path):
     assert runner.bytes_per_block == 4 * 16 * 576 * 2  # layers x block x latent row x bf16
     cache = runner.model.attention_layers()[0].cache_tensors()
     assert len(cache) == 1 and tuple(cache[0].shape[1:]) == (16, 576)
-    outs = _greedy(llm, _prompts(1, [2000, 37, 700, 3]), max_tokens=16)
+    outs = atom_greedy(llm, random_prompts(1, [2000, 37, 700, 3]), max_tokens=16)
     assert [len(o) for o in outs] == [16] * 4

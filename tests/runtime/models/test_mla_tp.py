@@ -10,21 +10,21 @@ rank's), also when chunked prefill mixes absorbed and up-projected chunks with d
 from __future__ import annotations
 
 import multiprocessing
-import random
 
 import pytest
 import torch
 
-from atom_runtime import LLM, SamplingParams
+from atom_runtime import LLM
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.system import distributed
+from tests.hf_reference import atom_greedy, random_prompts
 from tests.model_factory import make_tiny_model
 from tests.runtime.models.test_mla import _hf_reference
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [[random.Random(n).randrange(3, 49152) for _ in range(n)] for n in (1, 5, 17, 40, 97)]
+PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,8 @@ def _run(folder, tp: int) -> tuple[list[list[int]], int]:
         num_gpu_blocks_override=64, max_num_batched_tokens=24, max_num_seqs=4,
     )  # fmt: skip
     try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         runner = getattr(llm.engine.executor, "runner", llm.engine.executor)  # rank 0's
-        return [o.outputs[0].token_ids for o in outs], runner.bytes_per_block
+        return atom_greedy(llm, PROMPTS, 8), runner.bytes_per_block
     finally:
         llm.shutdown()
 
