@@ -45,6 +45,15 @@ def tiny_hybrid_models(tmp_path_factory):
     return {kind: make_tiny_model(root / kind, kind) for kind in HYBRID_CONFIGS}
 
 
+@pytest.fixture(scope="session")
+def tiny_mla_models(tmp_path_factory):
+    """Folders of small random DeepSeek models: deepseek_v3, deepseek_v2 (built once)."""
+    from tests.model_factory import MLA_CONFIGS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("mla_models")
+    return {kind: make_tiny_model(root / kind, kind) for kind in MLA_CONFIGS}
+
+
 # -- no leaked processes -----------------------------------------------------------------------
 
 # Helpers Python and torch start once and keep for the whole session, by design.

@@ -18,15 +18,24 @@ def random_prompts(seed: int, lengths: list[int], vocab: int = 49152) -> list[li
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def load_reference(folder, dtype=torch.float32):
-    """The checkpoint in `folder` as transformers loads it, in eval mode."""
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+def load_reference(folder, dtype=torch.float32, attn_implementation: str | None = None):
+    """The checkpoint in `folder` as transformers loads it (its default attention, or
+    `attn_implementation`, e.g. "eager"), in eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=attn_implementation
+    ).eval()
 
 
-def hf_greedy(folder, prompts: list[list[int]], max_tokens: int, first_logprobs: bool = False):
+def hf_greedy(
+    folder,
+    prompts: list[list[int]],
+    max_tokens: int,
+    first_logprobs: bool = False,
+    attn_implementation: str | None = None,
+):
     """transformers' greedy tokens for each prompt (EOS ignored); with `first_logprobs`, also the
     first step's log-softmax of each: (tokens, first)."""
-    model = load_reference(folder)
+    model = load_reference(folder, attn_implementation=attn_implementation)
     tokens, first = [], []
     with torch.no_grad():
         for p in prompts:

@@ -123,6 +123,75 @@ HYBRID_CONFIGS = {
 }
 
 
+_MLA_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,  # one dense layer, then MoE layers
+    kv_lora_rank=40,
+    qk_nope_head_dim=20,
+    qk_rope_head_dim=12,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# DeepSeek (multi-head latent attention, grouped top-k MoE): awkward widths (latent 40, rope 12,
+# heads 5 and 3), YaRN with an attention factor and a softmax-scale correction.
+MLA_CONFIGS = {
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        **_MLA_COMMON,
+        num_attention_heads=5,
+        num_key_value_heads=5,
+        q_lora_rank=24,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),  # fmt: skip
+    # V2-Lite's shape: no q_lora, softmax scores, two shared experts, no renormalization.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        **(_MLA_COMMON | {"hidden_size": 72}),  # transformers' V2 wants heads | hidden_size
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=2,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ),  # fmt: skip
+}
+
+
 _HYBRID_MODELING = [
     "transformers.models.qwen3_5.modeling_qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
@@ -160,8 +229,9 @@ def hybrid_references_on_torch() -> None:
 _references_on_torch = False
 
 
-def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
-    """Write a random `kind` model (see CONFIGS) to folder; returns the folder."""
+def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """Write a random `kind` model (see CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS; `overrides`
+    replace config fields) to folder; returns the folder."""
     import transformers
 
     from atom_runtime.models.loader import default_model_path
@@ -171,7 +241,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     hybrid = kind in HYBRID_CONFIGS
     if hybrid:
         hybrid_references_on_torch()
-    spec = dict(HYBRID_CONFIGS[kind] if hybrid else CONFIGS[kind])
+    spec = dict(HYBRID_CONFIGS.get(kind) or MLA_CONFIGS.get(kind) or CONFIGS[kind], **overrides)
+    spread_norms = hybrid or kind in MLA_CONFIGS
     spec.update(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
     model_type = spec.pop("model_type")
     spec.pop("architectures")
@@ -183,8 +254,11 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.08)
-            elif hybrid:  # (1 + w) norms start at 0, the gated one at 1: both get a spread
+            elif spread_norms:  # (1 + w) norms start at 0, others at 1: all get a spread
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros by default: make it count
+                b.normal_(0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)
     try:
         tok = Tokenizer.from_gguf(default_model_path())

@@ -295,6 +295,116 @@ def varlen_causal_attention(
         )
 
 
+def _check_latent_cache(kv_cache: torch.Tensor, rope: int) -> None:
+    if kv_cache.dim() != 3 or kv_cache.stride(2) != 1 or kv_cache.shape[2] <= rope:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size, latent + {rope}] with a contiguous last "
+            f"dim, got {tuple(kv_cache.shape)}"
+        )
+
+
+@op(triton="mla_attention.mla_rope_store_", on="q_rope")
+def mla_rope_store_(
+    q_rope: torch.Tensor,
+    kv_a: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> None:
+    """Multi-head latent attention's cache write, in one pass per token.
+
+    q_rope: `[T, num_heads, rope]` (a strided view of the query's rope channels), rotated in
+    place. kv_a: `[T, latent + rope]` (the kv_a projection: latent, then the shared rope key;
+    a strided view is fine). For each token with `slot_mapping[t] >= 0` the cache row at that
+    slot becomes `[rms_norm(latent) * kv_norm_weight | rotated rope key]`; kv_a is not changed.
+    kv_cache: `[num_blocks, block_size, latent + rope]`, one row per token (not per head).
+    cos_sin_cache as for `rotary_embedding_` with rotary_dim == rope; `is_neox=False` rotates
+    interleaved pairs (DeepSeek's layout), True rotates halves."""
+    if q_rope.dim() != 3 or q_rope.shape[2] != cos_sin_cache.shape[-1] or q_rope.shape[2] % 2:
+        raise ValueError(
+            f"q_rope {tuple(q_rope.shape)} must be [T, heads, rope] with an even rope equal to "
+            f"the cos_sin_cache's rotary dim {cos_sin_cache.shape[-1]}"
+        )
+    _check_latent_cache(kv_cache, q_rope.shape[2])
+    if kv_a.dim() != 2 or kv_a.shape != (q_rope.shape[0], kv_cache.shape[2]) or kv_a.stride(1) != 1:
+        raise ValueError(
+            f"kv_a {tuple(kv_a.shape)} must be [{q_rope.shape[0]}, {kv_cache.shape[2]}] with a "
+            "contiguous last dim"
+        )
+    if kv_norm_weight.shape != (kv_cache.shape[2] - q_rope.shape[2],):
+        raise ValueError(f"kv_norm_weight {tuple(kv_norm_weight.shape)} must match the latent")
+    if slot_mapping.shape != (q_rope.shape[0],) or positions.shape != (q_rope.shape[0],):
+        raise ValueError("slot_mapping and positions need one entry per token")
+
+
+@op(triton="mla_attention.mla_decode_attention", on="q_latent")
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed multi-head latent attention: one query row per sequence over its latent cache.
+
+    Row b's head h has the query `[q_latent[b, h] | q_rope[b, h]]` (`[B, H, latent]`,
+    `[B, H, rope]`, contiguous last dims, any other strides) and attends over the first
+    `context_lens[b]` rows of the cache (`[num_blocks, block_size, latent + rope]`) through
+    `block_tables[b]` (int32 `[B, max_blocks]`): scores `q . row * scale`, values the rows'
+    first `latent` channels. context_lens int32 `[B]`; 0 gives a zero row. Returns `[B, H,
+    latent]` (into `out` when given). CUDA-graph capturable on the Triton path."""
+    rope = q_rope.shape[-1]
+    _check_latent_cache(kv_cache, rope)
+    latent = kv_cache.shape[2] - rope
+    b, h = q_latent.shape[:2]
+    if q_latent.shape != (b, h, latent) or q_rope.shape != (b, h, rope):
+        raise ValueError(
+            f"q_latent {tuple(q_latent.shape)} and q_rope {tuple(q_rope.shape)} must be [B, H, "
+            f"{latent}] and [B, H, {rope}] for a cache of width {kv_cache.shape[2]}"
+        )
+    if q_latent.stride(2) != 1 or q_rope.stride(2) != 1:
+        raise ValueError("q_latent and q_rope need a contiguous last dim")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(f"block_tables [{b}, max_blocks] and context_lens [{b}] expected")
+
+
+@op(triton="mla_attention.mla_prefill_attention", on="q")
+def mla_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: tuple[int, ...],
+    kv_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Up-projected multi-head latent attention of long prompt chunks: causal attention with
+    per-head keys and values expanded from the latents.
+
+    q: `[T, H, qk_dim]` (chunks packed back to back), k: `[S, H, qk_dim]`, v: `[S, H, v_dim]`
+    (each chunk's whole context packed back to back: cached prefix, earlier chunks and the
+    chunk itself); host lengths `q_lens`, `kv_lens` per chunk, q_len <= kv_len. Query i of a
+    chunk sits at position kv_len - q_len + i and sees keys 0..that position. Returns `[T, H,
+    v_dim]`. On a GPU: torch SDPA per chunk (no Triton kernel yet)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [*, H, qk_dim] alike, v [S, H, *]"
+        )
+    if v.shape[:2] != k.shape[:2] or len(q_lens) != len(kv_lens):
+        raise ValueError(f"v {tuple(v.shape)} must match k's rows and heads, one kv_len a chunk")
+    if sum(q_lens) != q.shape[0] or sum(kv_lens) != k.shape[0]:
+        raise ValueError(
+            f"chunks of {sum(q_lens)}/{sum(kv_lens)} rows for q/k of {q.shape[0]}/{k.shape[0]}"
+        )
+    if any(ql > kl for ql, kl in zip(q_lens, kv_lens, strict=True)):
+        raise ValueError("a chunk has more query tokens than keys")
+
+
 @op(triton="norm.rms_norm", on="x")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (`[T, H]`), computed in fp32; returns x.dtype."""

@@ -80,18 +80,19 @@ def causal_attention(
     """Attention of one sequence's queries over its keys, in fp32.
 
     q: `[q_len, num_heads, head_dim]`, query `i` at absolute position `first_position + i`;
-    k, v: `[kv_len, num_kv_heads, head_dim]`, key `j` at position `j`. Query `i` sees keys
-    `0..first_position + i`. Returns fp32 `[q_len, num_heads, head_dim]`.
+    k: `[kv_len, num_kv_heads, head_dim]`, v: `[kv_len, num_kv_heads, v_dim]` (v_dim may differ
+    from head_dim: latent attention), key `j` at position `j`. Query `i` sees keys
+    `0..first_position + i`. Returns fp32 `[q_len, num_heads, v_dim]`.
     """
     q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[0], k.shape[1]
+    kv_len, num_kv_heads, v_dim = k.shape[0], k.shape[1], v.shape[2]
     group = num_heads // num_kv_heads
     # Query heads sharing a KV head sit next to each other (head h uses KV head h // group).
     qf = q.float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, kv_len, head_dim]
     vf = v.float().permute(1, 0, 2).unsqueeze(1)
     key_pos = torch.arange(kv_len, device=q.device)
-    out = torch.empty(num_kv_heads, group, q_len, head_dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(num_kv_heads, group, q_len, v_dim, dtype=torch.float32, device=q.device)
     rows_per_chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * kv_len))
     for lo in range(0, q_len, rows_per_chunk):
         hi = min(q_len, lo + rows_per_chunk)
@@ -100,7 +101,7 @@ def causal_attention(
         future = key_pos[None, :] > query_pos[:, None]
         scores.masked_fill_(future, float("-inf"))
         out[:, :, lo:hi] = torch.matmul(torch.softmax(scores, dim=-1), vf)
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, v_dim)
 
 
 def paged_attention_decode(
@@ -829,3 +830,89 @@ def state_copy_(
         src = (soff + i * sstride + span).flatten().to(pools[spool].device)
         dst = (doff + i * dstride + span).flatten().to(pools[dpool].device)
         pools[dpool][dst] = pools[spool][src]
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2/V3): one latent cache row per token, not per head.
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_rope_store_(
+    q_rope: torch.Tensor,
+    kv_a: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    is_neox: bool = False,
+) -> None:
+    """Rotate q_rope in place; store [rms_norm(latent) | rotated rope key] at each slot >= 0."""
+    rope = q_rope.shape[2]
+    latent = kv_cache.shape[2] - rope
+    normed = rms_norm(kv_a[:, :latent], kv_norm_weight, eps)
+    k_rope = kv_a[:, latent:].unsqueeze(1).clone()
+    rotary_embedding_(positions, q_rope, k_rope, cos_sin_cache, is_neox)
+    keep = slot_mapping >= 0
+    rows = torch.cat([normed.float(), k_rope[:, 0].float()], dim=-1)[keep]
+    kv_cache.view(-1, kv_cache.shape[2])[slot_mapping[keep]] = rows.to(kv_cache.dtype)
+
+
+def mla_decode_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row b's heads attend over the first context_lens[b] cache rows of its block table, the
+    row's latent part as the value; zeros where the length is 0. Rows are processed in groups
+    (vectorised, gathered up to the group's longest context) small enough to bound memory."""
+    rows, heads, latent = q_latent.shape
+    if out is None:
+        out = torch.empty(rows, heads, latent, dtype=q_latent.dtype, device=q_latent.device)
+    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(-1, width)
+    lens = context_lens.tolist()
+    q = torch.cat([q_latent.float(), q_rope.float()], dim=-1)  # [B, H, latent + rope]
+    step = max(1, _MAX_SCORE_ELEMENTS // max(1, (heads + width) * max(lens, default=1)))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        n = max(lens[lo:hi])
+        if n <= 0:
+            out[lo:hi].zero_()
+            continue
+        pos = torch.arange(n, device=flat.device)
+        blocks = block_tables[lo:hi, (pos // block_size)].long()
+        slots = (blocks * block_size + pos % block_size).clamp(min=0)
+        valid = pos[None, :] < context_lens[lo:hi, None].to(pos.device)
+        kv = torch.where(valid[..., None], flat[slots].float(), 0.0)  # [g, n, width]
+        scores = torch.einsum("ghd,gnd->ghn", q[lo:hi], kv) * scale
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a 0-length row: all -inf
+        out[lo:hi] = torch.einsum("ghn,gnl->ghl", probs, kv[..., :latent]).to(out.dtype)
+    return out
+
+
+def mla_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lens: tuple[int, ...],
+    kv_lens: tuple[int, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed chunks over their own packed keys, bottom-right aligned."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    q_at = kv_at = 0
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        if q_len:
+            keys = slice(kv_at, kv_at + kv_len)
+            o = causal_attention(q[q_at : q_at + q_len], k[keys], v[keys], scale, kv_len - q_len)
+            out[q_at : q_at + q_len] = o.to(out.dtype)
+        q_at += q_len
+        kv_at += kv_len
+    return out

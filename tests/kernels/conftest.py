@@ -33,6 +33,7 @@ KERNEL_MODULES = (
     "atom_kernels.moe",
     "atom_kernels.state_copy",
     "atom_kernels.gemv",
+    "atom_kernels.mla_attention",
 )
 
 

@@ -109,7 +109,7 @@ def plan_stripes(num_units: int, streams: int) -> list[tuple[int, int]]:
 def unit_runs(block_ids: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
     """Units [start, end) of a payload over `block_ids` as (cache, first block id, count) runs of
     consecutive block ids, in wire order. Unit u is block `block_ids[u % n]` of cache `u // n`
-    (cache 2*layer is the layer's K, 2*layer+1 its V)."""
+    (the caches of every layer in order: a layer's K then V, or its one latent cache)."""
     runs: list[tuple[int, int, int]] = []
     for cache, j0, j1 in cache_segments(len(block_ids), start, end):
         first, count = block_ids[j0], 1
@@ -136,11 +136,14 @@ def cache_segments(num_blocks: int, start: int, end: int) -> list[tuple[int, int
 
 
 class KVCacheAccess:
-    """The paged KV cache of one engine (every attention layer's K and V) as block bytes.
+    """The paged KV cache of one engine (every attention layer's cache tensors, as its
+    `cache_spec` lists them: K and V, or MLA's one latent cache) as block bytes.
 
-    Wire layout of n blocks: [layer][k|v][block][block_size][kv_heads][head_dim], contiguous, in
-    the cache dtype. Both ends must agree on `layout`; a consumer refuses a mismatch. A *unit* is
-    one block of one cache (`unit_bytes`); a payload of n blocks is `2 * layers * n` units.
+    Wire layout of n blocks: [layer][cache tensor][block][block_size][*token_shape], contiguous,
+    in the cache dtype: [layer][k|v][block][block_size][kv_heads][head_dim] for ordinary
+    attention, [layer][block][block_size][kv_lora_rank + rope] for MLA. Both ends must agree on
+    `layout`, which names the cache kind; a consumer refuses a mismatch. A *unit* is one block
+    of one cache (`unit_bytes`); a payload of n blocks is `caches a layer * layers * n` units.
 
     Two ways to move units: `direct` (a contiguous CPU cache) hands out memoryviews of the
     blocks themselves, so sockets read and write the cache with no copy; otherwise (a GPU cache)
@@ -150,9 +153,14 @@ class KVCacheAccess:
         if not layers:
             raise ValueError("KVCacheAccess: the model has no attention layers")
         self.layers = layers
-        self.caches = [c for layer in layers for c in (layer.k_cache, layer.v_cache)]
-        k = layers[0].k_cache
-        self.block_shape = tuple(k.shape[1:])  # (block_size, kv_heads, head_dim)
+        self.kind = layers[0].cache_spec().kind
+        if any(layer.cache_spec().kind != self.kind for layer in layers):
+            raise ValueError("KVCacheAccess: the attention layers keep caches of different kinds")
+        self.caches = [c for layer in layers for c in layer.cache_tensors()]
+        k = self.caches[0]
+        if any(tuple(c.shape[1:]) != tuple(k.shape[1:]) for c in self.caches):
+            raise ValueError("KVCacheAccess: the cache tensors differ in block shape")
+        self.block_shape = tuple(k.shape[1:])  # (block_size, *token_shape)
         self.dtype = k.dtype
         self.device = k.device
         self.unit_bytes = k[0].numel() * k.element_size()
@@ -172,9 +180,13 @@ class KVCacheAccess:
 
     @property
     def layout(self) -> str:
-        """A string both ends compare: layers, block shape and dtype."""
+        """A string both ends compare: layers, cache kind (`kv`, `mla_latent`) and tensors a
+        layer, block shape and dtype, e.g. `28L/kv:2/16x8x128/bfloat16` or
+        `61L/mla_latent:1/16x576/bfloat16`."""
         dims = "x".join(str(d) for d in self.block_shape)
-        return f"{len(self.layers)}L/2/{dims}/{str(self.dtype).removeprefix('torch.')}"
+        per_layer = len(self.caches) // len(self.layers)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{len(self.layers)}L/{self.kind}:{per_layer}/{dims}/{dtype}"
 
     @property
     def pin(self) -> bool:

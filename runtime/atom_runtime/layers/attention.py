@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from atom_kernels import ops, varlen_attention
+from atom_runtime.layers.cache_spec import KVCacheSpec, paged_kv_spec
 from atom_runtime.layers.forward_context import get_attention_metadata
 
 
@@ -37,6 +38,17 @@ class PagedAttention(nn.Module):
         # ATOM_DENSE_PREFILL=1): fresh prompts then may attend densely. False on CPU (the paged
         # path is the only one there).
         self.dense_prefill = False
+
+    def cache_spec(self) -> KVCacheSpec:
+        """K and V of this rank's KV heads, one row per token each."""
+        return paged_kv_spec(self.num_kv_heads, self.head_dim)
+
+    def bind_cache(self, tensors: list[torch.Tensor]) -> None:
+        """Take the cache tensors allocated from `cache_spec` (empty ones release them)."""
+        self.k_cache, self.v_cache = tensors
+
+    def cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.k_cache, self.v_cache)
 
     def prepare(
         self,

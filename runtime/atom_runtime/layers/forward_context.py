@@ -6,7 +6,7 @@ because the runner fills the same tensors in place before each replay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +27,16 @@ class AttentionMetadata:
     # step's lone fresh chunk attends densely (its length bucket,
     # `varlen_attention.bucket_length`): the attention then pads it without a copy. 0: none.
     dense_rows: int = 0
+    # Host copies of cu_seqlens_q, seq_lens and the block tables on eager non-decode steps
+    # (None on decode steps and in captured graphs): layers that plan a step on the host read
+    # them (MLA's prefill path: which chunks up-project, the context rows they gather).
+    host_cu_seqlens_q: np.ndarray | None = None
+    host_seq_lens: np.ndarray | None = None
+    host_block_tables: np.ndarray | None = None
+    # What a layer kind derives from this metadata once a forward and every layer of that kind
+    # reuses (MLA's per-token attention rows), keyed by the layer kind's name; the model clears
+    # it at the start of each forward (a captured graph must record the derivation).
+    derived: dict = field(default_factory=dict)
 
 
 def fresh_chunk_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> tuple[int, ...] | None:

@@ -142,11 +142,30 @@ class LinearBase(nn.Module):
     def _bias(self) -> torch.Tensor | None:
         return self.bias
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain [out, in] matrix in the run dtype, for code that multiplies by
+        parts of it itself (MLA's absorbed W_UK / W_UV are views of kv_b_proj's). A quantized
+        layer returns its dequantized weight here."""
+        return self.weight
+
     def _activate(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.act_after is None else ops.silu_and_mul(y)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_weight(param.data, loaded)
+
+
+class MergedReplicatedLinear(LinearBase):
+    """Several projections every rank holds whole, stored as one (MLA's q_a and kv_a): shard i
+    is output_sizes[i] rows."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id])
+        copy_weight(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -207,11 +226,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; one all-reduce of the output."""
+    """Input features split across ranks; one all-reduce of the output (left to the caller
+    when `reduce_results` is False: it sums this partial with others first)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         self.in_per_rank = _divide(in_features, tp_size(), "input features")
         super().__init__(self.in_per_rank, out_features, bias)
+        self.reduce_results = True
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.data.dim() == 1:  # bias: added once, after the reduce
@@ -222,7 +243,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return all_reduce(y) if tp_size() > 1 else y
+        return all_reduce(y) if tp_size() > 1 and self.reduce_results else y
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if tp_rank() == 0 else None  # added once, before the sum across ranks

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from atom_runtime.models.mla_config import GroupedTopkRouting, LatentAttentionConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Hybrid models: Gated DeltaNet layers (per-request recurrent state) between gated full-attention
 # layers. The multimodal Qwen3.5 configs nest the language model under `text_config`.
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LAYER_TYPES = ("linear_attention", "full_attention")
+# Multi-head latent attention with a latent KV cache and grouped top-k MoE (models/deepseek.py).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass
@@ -52,6 +58,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # -- DeepSeek-V2/V3 (models/mla_config.py); None for every other family --
+    mla: LatentAttentionConfig | None = None  # multi-head latent attention
+    routing: GroupedTopkRouting | None = None  # grouped top-k routing, shared experts
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
 
     @property
     def is_hybrid(self) -> bool:
@@ -62,6 +72,8 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.routing is not None:
+            return self.num_experts > 0 and self.routing.is_moe_layer(i)
         return (
             self.num_experts > 0
             and i not in self.mlp_only_layers
@@ -73,10 +85,14 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type in HYBRID_MODEL_TYPES:
             return _hybrid_from_hf(cls, cfg)
+        if model_type in MLA_MODEL_TYPES:
+            from atom_runtime.models.mla_config import deepseek_from_hf
+
+            return deepseek_from_hf(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}"
+                f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES + MLA_MODEL_TYPES)}"
             )
         heads = cfg["num_attention_heads"]
         # transformers >= 5 keeps rope settings in `rope_parameters`; older configs at top level.

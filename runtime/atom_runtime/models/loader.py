@@ -12,6 +12,7 @@ found through `importlib.util.find_spec` and read as a file, never imported.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -247,15 +248,26 @@ def build_model(
     device: torch.device,
     seed: int = 0,
 ):
+    from atom_runtime.models.deepseek import DeepseekForCausalLM
     from atom_runtime.models.llama import LlamaForCausalLM
     from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
-    with torch.device(device):
-        model = Qwen3NextForCausalLM(cfg) if cfg.is_hybrid else LlamaForCausalLM(cfg)
+    # Parameters are created in the run dtype (a 61B-parameter model built in fp32 first would
+    # need twice its memory); tables that need fp32 ask for it (the rotary cos/sin cache).
+    with torch.device(device), _default_dtype(dtype):
+        if cfg.mla is not None:
+            model = DeepseekForCausalLM(cfg)
+        elif cfg.is_hybrid:
+            model = Qwen3NextForCausalLM(cfg)
+        else:
+            model = LlamaForCausalLM(cfg)
     model.to(dtype=dtype)
     for buf_name, buf in model.named_buffers():
         if buf_name.endswith("cos_sin_cache"):
             buf.data = buf.data.float()
+    for param in model.parameters():
+        if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
+            param.data = param.data.float()
     if load_format == "dummy":
         _fill_dummy(model, seed)
         return model.eval()
@@ -273,6 +285,16 @@ def build_model(
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else saved)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 def _is_tied(model, name: str) -> bool:

@@ -446,12 +446,17 @@ class Qwen3NextForCausalLM(CausalLM):
             moe = self.get_submodule(m.group(1))
             if isinstance(moe, SparseMoE) and moe.stacked_shared:
                 return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
-        if m:
-            moe = self.get_submodule(m.group(1))
-            if not isinstance(moe, SparseMoE):
-                raise ValueError(f"checkpoint tensor {name!r}: layer has no experts here")
-            moe.load_experts(m.group(2), tensor)
-            which = "w2" if "down_proj" in m.group(2) else "w13"
-            return f"{m.group(1)}.{which}"
+        return load_routed_expert(self, name, tensor)
+
+
+def load_routed_expert(model: nn.Module, name: str, tensor) -> str | None:
+    """A routed expert's checkpoint tensor (`model.layers.N.mlp.experts.*`, fused or one per
+    expert) into its layer's `SparseMoE`; returns the parameter loaded, None for any other."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
+    if m is None:
         return None
+    moe = model.get_submodule(m.group(1))
+    if not isinstance(moe, SparseMoE):
+        raise ValueError(f"checkpoint tensor {name!r}: layer has no experts here")
+    moe.load_experts(m.group(2), tensor)
+    return f"{m.group(1)}.{'w2' if 'down_proj' in m.group(2) else 'w13'}"

@@ -36,8 +36,13 @@ class CacheMemory:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """One block of every attention layer's cache, as each layer's `cache_spec` says (K and
+        V per KV head, or one latent row a token for MLA)."""
+        per_token = sum(
+            layer.cache_spec().bytes_per_token(self.dtype)
+            for layer in self.model.attention_layers()
+        )
+        return self.block_size * per_token
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -116,7 +121,7 @@ class CacheMemory:
                 f"state checkpoint image ({spec.image_bytes} bytes) differs from the slot "
                 f"({self.state.bytes_per_slot} bytes)"
             )
-        pool_segments = [uint8_rows(t) for layer in attn for t in (layer.k_cache, layer.v_cache)]
+        pool_segments = [uint8_rows(t) for layer in attn for t in layer.cache_tensors()]
         slot_segments = [
             uint8_rows(t)
             for layer in self.state.layers
@@ -154,6 +159,7 @@ class CacheMemory:
         if self.state is not None:
             self.state.allocate(1)
         blocks_wide = -(-tokens // self.block_size)
+        host_cu = np.array([0, tokens], dtype=np.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
             block_tables=torch.zeros((1, blocks_wide), dtype=torch.int32, device=self.device),
@@ -164,6 +170,9 @@ class CacheMemory:
             # The path a whole-budget prompt takes: on the dense path, padded to its bucket.
             fresh_chunks=(tokens,),
             dense_rows=self._dense_rows((tokens,)),
+            host_cu_seqlens_q=host_cu,
+            host_seq_lens=host_cu[1:],
+            host_block_tables=np.zeros((1, blocks_wide), dtype=np.int32),
         )
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         pos = torch.arange(tokens, dtype=torch.int64, device=self.device)
@@ -189,7 +198,14 @@ class CacheMemory:
         return budget
 
     def _allocate_kv_cache(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """Each attention layer's cache tensors, `[num_blocks, block_size, *token_shape]` as its
+        `cache_spec` lists them, bound to the layer."""
         for layer in self.model.attention_layers():
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            spec = layer.cache_spec()
+            layer.bind_cache(
+                spec.allocate(self.num_blocks, self.block_size, self.dtype, self.device)
+            )
+
+    def _release_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.bind_cache([torch.empty(0) for _ in layer.cache_spec().tensors])

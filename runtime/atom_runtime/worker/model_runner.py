@@ -25,6 +25,7 @@ from atom_runtime import envs
 from atom_runtime.config import MAX_NUM_BATCHED_TOKENS, EngineConfig
 from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import Sequence
+from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.forward_context import (
     AttentionMetadata,
     StateMetadata,
@@ -87,6 +88,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
         self.dense_prefill = self._enable_dense_prefill(attn)
+        for layer in attn:  # MLA: up-project no more context rows a step than profiled
+            if hasattr(layer, "max_upprojected_rows"):
+                layer.max_upprojected_rows = self.max_num_batched_tokens
         # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
         state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
         self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
@@ -140,6 +144,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         measures the dense path's peak (its whole-budget prompt takes the path a served one
         does, padded to its bucket)."""
         first = layers[0]
+        if not isinstance(first, PagedAttention):  # MLA's prefill has paths of its own
+            return False
         asked = envs.DENSE_PREFILL.value()
         wide = first.num_heads * first.head_dim >= varlen_attention.WIDE_QUERY
         on = (
@@ -213,6 +219,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         from atom_kernels import prefill_attention
 
         layer = self.model.attention_layers()[0]
+        if not isinstance(layer, PagedAttention):
+            return
         launches = prefill_attention.reachable_launches(
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
@@ -298,6 +306,10 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             fresh_chunks=fresh,
             dense_rows=self._dense_rows(fresh),
         )
+        if not decode_only:  # host copies for layers that plan a step on the host (MLA)
+            meta.host_cu_seqlens_q = inputs.cu_seqlens_q
+            meta.host_seq_lens = inputs.seq_lens
+            meta.host_block_tables = inputs.block_tables
         input_ids = d["input_ids"]
         if inputs.pending_sources is not None:
             self._fill_pending(input_ids, inputs.pending_sources)
@@ -331,8 +343,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
     def shutdown(self) -> None:
         """Drop the KV cache, the captured graphs and the generators, so their memory is freed
         even while something still holds this runner."""
-        for layer in self.model.attention_layers():
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        self._release_kv_cache()
         if self.state is not None:
             self.state.release()
         self.graphs.clear()

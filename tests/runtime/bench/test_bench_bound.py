@@ -9,7 +9,7 @@ import torch
 from atom_runtime.bench import bound as bench_bound
 from atom_runtime.bench.bound import DecodeBytes
 from atom_runtime.llm import LLM
-from tests.model_factory import _HYBRID_COMMON, _MOE, CONFIGS, VOCAB
+from tests.model_factory import _HYBRID_COMMON, _MOE, CONFIGS, MLA_CONFIGS, VOCAB
 
 F32 = 4
 
@@ -68,6 +68,26 @@ def test_moe_hybrid_counts_routed_experts_apart_and_its_state(tiny_hybrid_models
     v_heads, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], 16
     recurrent = 2 * v_heads * dk * dv * 4  # fp32 delta-rule state per linear layer
     assert db.state_per_seq == slot_bytes and slot_bytes > recurrent
+
+
+def test_deepseek_counts_the_latent_row_once_a_token(tiny_mla_models):
+    """MLA's cache is one latent row (kv_lora_rank + rope) a token a layer, read once for every
+    head; the routed experts of the MoE layers are counted apart from the shared ones."""
+    c = MLA_CONFIGS["deepseek_v3"]
+    llm = LLM(str(tiny_mla_models["deepseek_v3"]), dtype="float32", num_gpu_blocks_override=32)
+    try:
+        runner = _runner(llm)
+        db = bench_bound.decode_bytes(runner.model, runner)
+        total = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    finally:
+        llm.shutdown()
+    row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    assert db.kv_per_token == c["num_hidden_layers"] * row * F32
+    moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
+    assert db.expert == moe_layers * 3 * c["moe_intermediate_size"] * c["hidden_size"] * F32
+    assert (db.num_experts, db.top_k) == (c["n_routed_experts"], c["num_experts_per_tok"])
+    embedding = VOCAB * c["hidden_size"] * F32
+    assert db.weights == total - c["n_routed_experts"] * db.expert - embedding
 
 
 def test_expected_experts_touched_by_batch():

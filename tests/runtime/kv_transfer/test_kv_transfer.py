@@ -38,6 +38,8 @@ from atom_runtime.kv_transfer.base import (
     unit_runs,
 )
 from atom_runtime.kv_transfer.config import KVTransferConfig
+from atom_runtime.layers.attention import PagedAttention
+from atom_runtime.layers.latent_attention import LatentAttention
 from atom_runtime.sampling_params import SamplingParams
 from tests.server.conftest import free_port
 
@@ -45,12 +47,20 @@ BS = 16
 NUM_BLOCKS = 24
 
 
-class _Layer:
-    def __init__(self, fill: bool, device: str = "cpu", dtype=torch.float32) -> None:
-        shape = (NUM_BLOCKS, BS, 2, 8)
-        make = torch.randn if fill else torch.zeros
-        self.k_cache = make(shape, device=device).to(dtype)
-        self.v_cache = make(shape, device=device).to(dtype)
+def _paged_layer(fill: bool, device: str = "cpu", dtype=torch.float32) -> PagedAttention:
+    """An attention layer (2 KV heads of 8) with its cache bound, random or zeros."""
+    layer = PagedAttention(2, 2, 8, 1.0)
+    make = torch.randn if fill else torch.zeros
+    layer.bind_cache([make((NUM_BLOCKS, BS, 2, 8), device=device).to(dtype) for _ in range(2)])
+    return layer
+
+
+def _latent_layer(fill: bool, dtype=torch.float32) -> LatentAttention:
+    """An MLA layer (latent 40 + rope 12, one row a token) with its latent cache bound."""
+    layer = LatentAttention(4, 40, 16, 12, 16, 1.0)
+    make = torch.randn if fill else torch.zeros
+    layer.bind_cache([make((NUM_BLOCKS, BS, 52)).to(dtype)])
+    return layer
 
 
 def _config(role: str, **extra) -> KVTransferConfig:
@@ -77,7 +87,7 @@ def _agent(
     **extra,
 ) -> TransferAgent:
     pool = BlockPool(NUM_BLOCKS, BS, enable_events=True)
-    layers = [_Layer(fill, device, dtype), _Layer(fill, device, dtype)]
+    layers = [_paged_layer(fill, device, dtype), _paged_layer(fill, device, dtype)]
     kv = KVCacheAccess(layers, direct=direct)
     config = _config(role, **extra)
     return TransferAgent(config, BlockManager(pool), kv, tcp.TCPConnector(config, kv, chunk_bytes))
@@ -370,12 +380,21 @@ def _wire_bytes(kv: KVCacheAccess, block_ids: list[int]) -> bytes:
     )
 
 
-def _connectors(direct, streams, chunk_bytes=tcp.CHUNK_BYTES, dtype=torch.bfloat16):
-    def make(role, fill):
-        kv = KVCacheAccess([_Layer(fill, dtype=dtype) for _ in range(3)], direct=direct)
+def _connectors(
+    direct,
+    streams,
+    chunk_bytes=tcp.CHUNK_BYTES,
+    dtype=torch.bfloat16,
+    layers=(_paged_layer, _paged_layer),
+):
+    """A producer and a consumer connector over 3 layers each (`layers`: the producer's and the
+    consumer's layer kind)."""
+
+    def make(role, fill, layer):
+        kv = KVCacheAccess([layer(fill, dtype=dtype) for _ in range(3)], direct=direct)
         return tcp.TCPConnector(_config(role, streams=streams), kv, chunk_bytes)
 
-    return make("kv_producer", True), make("kv_consumer", False)
+    return make("kv_producer", True, layers[0]), make("kv_consumer", False, layers[1])
 
 
 def _pull_direct(producer, consumer, tid, ids, into, timeout=30.0):
@@ -408,6 +427,43 @@ def test_stripes_reassemble_to_the_exact_bytes(direct, streams):
         assert all(not c[untouched].any() for c in consumer.kv.caches)  # nothing else written
         _until(lambda: producer.withdraw("t-exact"))  # the ticket ended with the last stripe
         assert producer.blocks_sent == len(ids) and producer.bytes_sent == result.nbytes
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_layout_names_the_cache_kind():
+    paged = KVCacheAccess([_paged_layer(False) for _ in range(2)])
+    latent = KVCacheAccess([_latent_layer(False) for _ in range(2)])
+    assert paged.layout == "2L/kv:2/16x2x8/float32"
+    assert latent.layout == "2L/mla_latent:1/16x52/float32"
+    assert (latent.unit_bytes, latent.block_bytes) == (16 * 52 * 4, 2 * 16 * 52 * 4)
+    with pytest.raises(ValueError, match="different kinds"):
+        KVCacheAccess([_paged_layer(False), _latent_layer(False)])
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_latent_caches_travel_exactly(direct):
+    """MLA's one latent cache a layer: the payload is its blocks, layer after layer."""
+    producer, consumer = _connectors(direct, 3, layers=(_latent_layer, _latent_layer))
+    try:
+        ids, into = [3, 1, 2, 7, 8], [20, 5, 6, 7, 0]
+        want = _wire_bytes(producer.kv, ids)
+        (result,) = _pull_direct(producer, consumer, "t-latent", ids, into)
+        assert result.error is None and result.nbytes == len(ids) * 3 * 16 * 52 * 2
+        assert _wire_bytes(consumer.kv, into) == want
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.parametrize("kinds", [(_latent_layer, _paged_layer), (_paged_layer, _latent_layer)])
+def test_an_engine_of_another_cache_kind_is_refused_by_name(kinds):
+    producer, consumer = _connectors(True, 1, layers=kinds)
+    try:
+        (result,) = _pull_direct(producer, consumer, "t-kind", [1, 2], [3, 4])
+        assert "mla_latent" in result.error and "kv:2" in result.error
+        assert not any(c.any() for c in consumer.kv.caches)  # nothing written
     finally:
         producer.close()
         consumer.close()
