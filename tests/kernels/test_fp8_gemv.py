@@ -248,21 +248,24 @@ def test_fp8_launch_rule_and_candidates():
     sms = 132
     rule = gemv.gemv_config(1024, 2048, sms, fp8=True)
     assert rule == gemv.fp8_rule_config(1024, 2048, sms)
-    assert (rule["block_n"], rule["block_k"]) == (32, 128)
-    assert rule["split"] == 1  # 2,048 columns: one split keeps them all
-    assert gemv.gemv_config(1024, 8192, sms, fp8=True)["split"] == 4
+    assert (rule["block_n"], rule["block_k"]) == (16, 256)
+    assert rule["split"] == 2  # 64 row blocks: split in two, 1,024 columns each
+    assert gemv.gemv_config(1024, 8192, sms, fp8=True)["split"] == 8
+    # A block-scaled weight steps inside one 128-column scale block.
+    assert gemv.gemv_config(1024, 2048, sms, fp8=True, block_scaled=True)["block_k"] == 128
     for block_scaled in (False, True):
         cands = gemv.fp8_launch_candidates(4096, 4096, sms, block_scaled)
-        assert cands[0] == gemv.fp8_rule_config(4096, 4096, sms)
+        assert cands[0] == gemv.fp8_rule_config(4096, 4096, sms, block_scaled=block_scaled)
         assert len(cands) == len({tuple(sorted(c.items())) for c in cands}) > 1
-        assert any(c["block_k"] == 256 for c in cands) is not block_scaled
+        assert all(c["block_k"] <= 128 for c in cands) is block_scaled
     shape = gemv.fp8_launch_candidates(1024, 2048, sms, True)[-1]
-    gemv.set_launch_shape(1024, 2048, shape, fp8=True)
+    gemv.set_launch_shape(1024, 2048, shape, fp8=True, block_scaled=True)
     try:
-        assert gemv.gemv_config(1024, 2048, sms, fp8=True) == shape
+        assert gemv.gemv_config(1024, 2048, sms, fp8=True, block_scaled=True) == shape
+        assert gemv.gemv_config(1024, 2048, sms, fp8=True) == gemv.fp8_rule_config(1024, 2048, sms)
         assert gemv.gemv_config(1024, 2048, sms) == gemv.rule_config(1024, 2048, sms)
     finally:
-        gemv.set_launch_shape(1024, 2048, None, fp8=True)
+        gemv.set_launch_shape(1024, 2048, None, fp8=True, block_scaled=True)
 
 
 # -- GPU: bf16 at serving shapes ------------------------------------------------------------------
