@@ -352,8 +352,14 @@ def paged_attention_decode(
             batch, num_kv_heads, max_context, block_n, _multiprocessor_count(q.device)
         )
 
-    heads = heads_per_program or decode_heads_per_program(
-        batch, num_kv_heads, group, head_dim, num_splits, _multiprocessor_count(q.device)
+    # An FP8 cache keeps one KV head a program: at W1's shape on an H200 two ran at 0.91x of
+    # bf16's speed against 1.03x for one (`kernels_bench.py --sweep fp8`, 2026-12-03).
+    heads = heads_per_program or (
+        1
+        if is_fp8(k_cache)
+        else decode_heads_per_program(
+            batch, num_kv_heads, group, head_dim, num_splits, _multiprocessor_count(q.device)
+        )
     )
     if num_kv_heads % heads or heads * group > 16:
         raise ValueError(
