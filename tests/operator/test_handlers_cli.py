@@ -9,17 +9,18 @@ import sys
 import kopf
 import pytest
 
-from atom_operator import cli_operator, handlers
+from atom_operator import handlers
+from atom_operator.cli import run as operator_cli
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="atom operator")
-    cli_operator.add_arguments(parser)
+    operator_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_no_namespace_means_cluster_wide():
-    assert cli_operator.operator_options(parse("run")) == {
+    assert operator_cli.operator_options(parse("run")) == {
         "standalone": False,
         "clusterwide": True,
         "namespaces": [],
@@ -29,7 +30,7 @@ def test_no_namespace_means_cluster_wide():
 
 def test_repeated_namespaces_standalone_and_liveness():
     args = parse("run", "-n", "a", "--namespace", "b", "--standalone", "--liveness", "http://x/h")
-    assert cli_operator.operator_options(args) == {
+    assert operator_cli.operator_options(args) == {
         "standalone": True,
         "clusterwide": False,
         "namespaces": ["a", "b"],
@@ -47,7 +48,7 @@ def test_run_starts_kopf_with_the_registered_handlers(monkeypatch):
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
     monkeypatch.setattr("atom_runtime.system.process.set_process_title", lambda role: role)
-    assert cli_operator.run(parse("run", "-n", "ns1", "--log-level", "warning")) == 0
+    assert operator_cli.run(parse("run", "-n", "ns1", "--log-level", "warning")) == 0
     assert len(calls) == 1
     registry = calls[0].pop("registry")
     assert calls[0] == {
