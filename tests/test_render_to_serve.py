@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from atom_operator.render import render_children, render_router_deployment
+from atom_operator.render import render_children
+from atom_operator.render.router import render_router_deployment
 from atom_operator.spec import has_router
 from atom_operator.status import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_runtime.config import EngineConfig

@@ -54,7 +54,8 @@ import aiohttp
 import kopf
 
 from atom_operator import apply, autoscale, status
-from atom_operator.render import endpoint_url, label_value, render_children
+from atom_operator.render import render_children
+from atom_operator.render.names import endpoint_url, label_value
 from atom_operator.schema import ENGINE_HTTP_PORT, GROUP, PLURAL, VERSION
 from atom_operator.spec import (
     ROLES,

@@ -57,7 +57,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from atom_operator.render import role_selector_string
+from atom_operator.render.names import role_selector_string
 from atom_operator.spec import SpecError, apply_defaults, has_router, validate_spec
 
 DEPLOYMENT_LABEL = "serving.atom.dev/deployment"

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from atom_operator.render import CHILD_KINDS, ROUTER_RULES
+from atom_operator.render import CHILD_KINDS
+from atom_operator.render.router import ROUTER_RULES
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders and lints the chart")
 

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from atom_operator.render import endpoint_url, render_children
+from atom_operator.render import render_children
+from atom_operator.render.names import endpoint_url
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

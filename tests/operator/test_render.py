@@ -8,20 +8,23 @@ from typing import Any
 
 import pytest
 
-from atom_operator import render
-from atom_operator.render import (
+from atom_operator.render import render_children
+from atom_operator.render.autoscalers import quantity, render_hpa
+from atom_operator.render.names import (
     child_name,
     endpoint_url,
     label_value,
-    render_children,
-    render_hpa,
+    role_selector_string,
+    short_hash,
+)
+from atom_operator.render.network import render_network_policy
+from atom_operator.render.roles import (
     render_pdb,
     render_role_deployment,
     render_role_service,
-    render_router_deployment,
     render_service,
-    role_selector_string,
 )
+from atom_operator.render.router import render_router_deployment
 from atom_operator.spec import SpecError
 
 UID = "7f0c1e52-3d3c-4b8e-9a55-2f1f2b6a0c11"
@@ -78,14 +81,14 @@ def test_child_name_keeps_a_clean_name():
 )
 def test_child_name_sanitizes_and_adds_a_hash_of_the_original(name, expected):
     got = child_name(atomd(name=name), "decode")
-    assert got == expected.format(h=render._short_hash(name))
+    assert got == expected.format(h=short_hash(name))
 
 
 def test_child_name_truncates_to_63_with_hash_and_keeps_the_suffix():
     long = "a" * 70
     got = child_name(atomd(name=long), "prefill")
     assert len(got) == 63
-    assert got == "a" * 46 + "-" + render._short_hash(long) + "-prefill"
+    assert got == "a" * 46 + "-" + short_hash(long) + "-prefill"
 
 
 def test_names_that_sanitize_alike_do_not_collide():
@@ -95,7 +98,7 @@ def test_names_that_sanitize_alike_do_not_collide():
 def test_label_value_truncates_long_names_with_a_hash():
     assert label_value("qwen3-8b") == "qwen3-8b"
     long = "m" * 100
-    assert label_value(long) == "m" * 54 + "-" + render._short_hash(long)
+    assert label_value(long) == "m" * 54 + "-" + short_hash(long)
     assert len(label_value(long)) == 63
 
 
@@ -598,7 +601,7 @@ def test_no_hpa_without_autoscaling():
 @pytest.mark.parametrize("value,expected", [(4, "4"), (2.0, "2"), (0.8, "800m"), (2.5, "2500m"),
                                             (0.0001, "1m")])  # fmt: skip
 def test_quantity(value, expected):
-    assert render.quantity(value) == expected
+    assert quantity(value) == expected
 
 
 # --- services, PDB, router --------------------------------------------------------------------
@@ -814,7 +817,7 @@ def test_router_image_override():
 
 
 def test_network_policy_opens_http_to_clients_and_the_rest_only_to_the_deployment():
-    policy = render.render_network_policy(atomd())
+    policy = render_network_policy(atomd())
     own = {"podSelector": {"matchLabels": {"serving.atom.dev/deployment": "qwen3-8b"}}}
     assert policy["metadata"]["name"] == "qwen3-8b"
     assert policy["spec"] == {
@@ -826,12 +829,12 @@ def test_network_policy_opens_http_to_clients_and_the_rest_only_to_the_deploymen
         ],
     }
     epp = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-d"}}}
-    extra = render.render_network_policy(atomd({"networkPolicy": {"kvEventsFrom": [epp]}}))
+    extra = render_network_policy(atomd({"networkPolicy": {"kvEventsFrom": [epp]}}))
     assert extra["spec"]["ingress"][2] == {
         "from": [epp],
         "ports": [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}],
     }
-    assert render.render_network_policy(atomd({"networkPolicy": {"enabled": False}})) is None
+    assert render_network_policy(atomd({"networkPolicy": {"enabled": False}})) is None
 
 
 def test_engine_pods_mount_no_service_account_token():

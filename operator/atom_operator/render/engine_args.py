@@ -1,0 +1,81 @@
+"""The `atom serve` command line of an engine pod, flag by flag, from a defaulted spec."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from atom_operator.render.names import is_disaggregated
+from atom_operator.schema import ENGINE_HTTP_PORT
+from atom_operator.spec import parse_model_uri
+
+API_KEY_ENV = "ATOM_API_KEY"
+MODEL_MOUNT = "/mnt/models"
+
+
+def _json_arg(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def kv_events_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """--kv-events-config: bind PUB and replay sockets; the topic names this pod and model."""
+    events = spec["kvEvents"]
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events['port']}",
+        "replay_endpoint": f"tcp://*:{events['replayPort']}",
+        # $(POD_IP) is expanded by the kubelet from the container's POD_IP variable.
+        "topic": f"kv@$(POD_IP):{events['port']}@{spec['model']['name']}",
+    }
+
+
+def kv_transfer_config(spec: dict[str, Any], role: str) -> dict[str, Any]:
+    """--kv-transfer-config: prefill produces KV, decode consumes it."""
+    transfer = spec["kvTransfer"]
+    return {
+        "kv_connector": transfer["connector"],
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_connector_extra_config": transfer["config"],
+    }
+
+
+def model_argument(spec: dict[str, Any]) -> str | None:
+    """What `--model` gets: the hf repo id, the mounted claim path, the image path, or None."""
+    source = parse_model_uri(spec["model"].get("uri"))
+    if source.scheme == "hf":
+        return source.repo_id
+    if source.scheme == "pvc":
+        return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
+    if source.scheme == "file":
+        return source.path
+    return None
+
+
+def serve_args(spec: dict[str, Any], role: str) -> list[str]:
+    """`atom serve` arguments for one role of a defaulted spec; user args come last and win."""
+    role_spec = spec[role]
+    args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_HTTP_PORT)]
+    model = model_argument(spec)
+    if model is not None:
+        args += ["--model", model]
+    args += ["--served-model-name", spec["model"]["name"]]
+    args += ["--block-size", str(spec["engine"]["blockSize"])]
+    if "maxModelLen" in spec["engine"]:
+        args += ["--max-model-len", str(spec["engine"]["maxModelLen"])]
+    args += ["--tensor-parallel-size", str(role_spec["tensorParallelSize"])]
+    if spec["kvEvents"]["enabled"]:
+        args += ["--kv-events-config", _json_arg(kv_events_config(spec))]
+    checkpoint = spec["stateCheckpoint"]
+    args += ["--state-checkpoint-interval-tokens", str(checkpoint["intervalTokens"])]
+    args.append(
+        "--state-checkpoint-demand" if checkpoint["demand"] else "--no-state-checkpoint-demand"
+    )
+    args += ["--state-checkpoint-memory-fraction", f"{checkpoint['memoryFraction']:g}"]
+    if is_disaggregated(spec):
+        args += ["--kv-transfer-config", _json_arg(kv_transfer_config(spec, role))]
+    if spec["engine"].get("apiKeySecretRef"):
+        # The kubelet expands $(ATOM_API_KEY) from the Secret-backed variable: the key never
+        # appears in the pod spec.
+        args += ["--api-key", f"$({API_KEY_ENV})"]
+    return args + list(spec["engine"]["args"]) + list(role_spec["args"])
