@@ -141,7 +141,7 @@ def crd_errors(spec: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
 # --- the file itself --------------------------------------------------------------------------
 
 
-def test_committed_crd_is_generated_from_schema_py():
+def test_committed_crd_is_generated_from_the_schema_package():
     assert CRD_FILE.read_text() == schema.crd_yaml(), (
         "crds/ is stale: python -m atom_operator.schema > " + str(CRD_FILE.relative_to(REPO))
     )

@@ -1,0 +1,28 @@
+"""The AtomDeployment API's names, and the few constants its schema and the renderer share."""
+
+from __future__ import annotations
+
+GROUP = "serving.atom.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "AtomDeployment"
+PLURAL = "atomdeployments"
+SINGULAR = "atomdeployment"
+SHORT_NAMES = ["atomd"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# The engine's HTTP port inside the pod; kvEvents ports must not collide with it.
+ENGINE_HTTP_PORT = 8000
+
+# hf://<org>/<repo>, pvc://<claim>[/<path>], file:///<absolute path in the image>.
+MODEL_URI_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?"
+    r"|file:///.+)$"
+)
+# An image reference, optionally pinned by digest (`repo[:tag]@sha256:<64 hex>`).
+IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
+# An extended resource name such as amd.com/gpu, or empty for the vendor's own.
+RESOURCE_NAME_PATTERN = (
+    r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
