@@ -9,7 +9,7 @@ import sys
 import kopf
 import pytest
 
-from atom_operator import handlers
+from atom_operator import reconcile
 from atom_operator.cli import run as operator_cli
 
 
@@ -85,7 +85,7 @@ def test_python_dash_m_atom_operator_is_atom_operator():
      (20, False, 300.0)],
 )  # fmt: skip
 def test_retry_delay_backs_off_exponentially_with_a_cap(retry, conflict, delay):
-    assert handlers.retry_delay(retry, conflict=conflict) == delay
+    assert reconcile.retry_delay(retry, conflict=conflict) == delay
 
 
 @pytest.mark.parametrize(
@@ -100,4 +100,4 @@ def test_retry_delay_backs_off_exponentially_with_a_cap(retry, conflict, delay):
 )
 def test_only_replicas_changed(paths, only):
     diff = [("change", path, 1, 2) for path in paths]
-    assert handlers.only_replicas_changed(diff) is only
+    assert reconcile.only_replicas_changed(diff) is only
