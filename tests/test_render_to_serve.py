@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from atom_operator.kv_events_wiring import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_operator.render import render_children
 from atom_operator.render.router import render_router_deployment
 from atom_operator.spec import has_router
-from atom_operator.status import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
 from atom_runtime.kv_transfer.config import KVTransferConfig

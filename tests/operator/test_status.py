@@ -6,16 +6,10 @@ import json
 
 import pytest
 
+from atom_operator.kv_events_wiring import kv_events_problem, router_kv_events_problem
 from atom_operator.render import render_children
-from atom_operator.status import (
-    RoleDeployment,
-    fold_status,
-    kv_events_problem,
-    role_state,
-    router_kv_events_problem,
-    status_changes,
-    summarize_deployment,
-)
+from atom_operator.role_deployment import RoleDeployment, role_state, summarize_deployment
+from atom_operator.status import fold_status, status_changes
 
 NOW, EARLIER = "2026-01-02T00:00:00Z", "2026-01-01T00:00:00Z"
 UID = "uid-1"
