@@ -17,7 +17,8 @@ from atom_operator import apply, autoscale, envs, status
 from atom_operator.context import HandlerContext, thaw
 from atom_operator.render.names import label_value
 from atom_operator.scrape import pod_is_ready, scrape_engine, scrape_router_demand
-from atom_operator.spec import ROLES, SpecError, apply_defaults, has_router, validate_spec
+from atom_operator.spec import ROLES, SpecError, apply_defaults, has_router
+from atom_operator.validation import validate_spec
 
 
 def builtin_roles(spec: Mapping[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ What runs when:
   every child first, then create-or-patch each one (`apply.apply_children`), delete the
   children the spec no longer renders (`apply.prune_children`), then write status with
   `observedGeneration`; when a child changed, post a warning event for each choice the spec
-  allows but that is most likely not meant (`spec.spec_warnings`: the router on with KV events
+  allows but that is most likely not meant (`validation.spec_warnings`: the router on with KV events
   off). An invalid spec writes `SpecValid=False` naming the field and `observedGeneration`,
   emits a warning event, touches no child, and fails permanently for that generation (the
   next edit is handled afresh).

@@ -17,7 +17,8 @@ from atom_operator import apply, status
 from atom_operator.context import HandlerContext
 from atom_operator.render import render_children
 from atom_operator.render.names import endpoint_url
-from atom_operator.spec import SpecError, apply_defaults, spec_warnings
+from atom_operator.spec import SpecError, apply_defaults
+from atom_operator.validation import spec_warnings
 
 REPLICA_FIELDS = {("spec", "decode", "replicas"), ("spec", "prefill", "replicas")}
 

@@ -57,7 +57,8 @@ from atom_operator.role_deployment import (
     role_state,
     summarize_deployment,
 )
-from atom_operator.spec import SpecError, apply_defaults, has_router, validate_spec
+from atom_operator.spec import SpecError, apply_defaults, has_router
+from atom_operator.validation import validate_spec
 
 __all__ = [
     "DEPLOYMENT_LABEL",

@@ -19,14 +19,8 @@ import pytest
 import yaml
 
 from atom_operator import schema
-from atom_operator.spec import (
-    DERIVED_DEFAULTS,
-    SpecError,
-    apply_defaults,
-    has_router,
-    spec_warnings,
-    validate_spec,
-)
+from atom_operator.spec import DERIVED_DEFAULTS, SpecError, apply_defaults, has_router
+from atom_operator.validation import spec_warnings, validate_spec
 
 try:
     import celpy  # cel-python: evaluates the CRD's CEL rules for real

@@ -36,7 +36,8 @@ from atom_operator.render.roles import (
     render_service,
 )
 from atom_operator.render.router import render_router_deployment, render_router_rbac
-from atom_operator.spec import ROLES, SpecError, validate_spec
+from atom_operator.spec import ROLES, SpecError
+from atom_operator.validation import validate_spec
 
 # Kinds render_children may produce, as (apiVersion, kind, plural): what the operator lists by
 # the `serving.atom.dev/deployment` label to prune children a new spec no longer renders.
