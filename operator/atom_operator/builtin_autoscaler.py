@@ -127,7 +127,7 @@ async def autoscale_pass(ctx: HandlerContext, now: str) -> None:
     """One pass of the built-in autoscaler over the AtomDeployment of `ctx`."""
     plain = ctx.plain()
     try:
-        validate_spec(plain["spec"])
+        validate_spec(plain["spec"], ctx.config)
     except SpecError:
         return  # SpecValid=False is reported by the change handlers; nothing to scale on
     spec = apply_defaults(plain["spec"])

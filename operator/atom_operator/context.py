@@ -13,6 +13,7 @@ import kopf
 
 from atom_operator import apply, status
 from atom_operator.kube_connection import connection
+from atom_operator.operator_config import OperatorConfig
 from atom_operator.render.names import label_value
 
 
@@ -87,6 +88,11 @@ class HandlerContext:
 
     def api(self) -> apply.KubeAPI:
         return connection(self.memo).api()
+
+    @property
+    def config(self) -> OperatorConfig:
+        """The operator's configuration (put in the memo at startup, or read from the env)."""
+        return self.memo.setdefault("config", OperatorConfig.from_environ())
 
     def owned_deployments(self) -> list[status.RoleDeployment]:
         """The index's summaries of the Deployments labelled with this AtomDeployment's name

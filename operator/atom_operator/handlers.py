@@ -55,6 +55,7 @@ from atom_operator import envs, status
 from atom_operator.builtin_autoscaler import autoscale_pass, is_autoscaled
 from atom_operator.context import HandlerContext
 from atom_operator.kube_connection import connection
+from atom_operator.operator_config import OperatorConfig
 from atom_operator.reconcile import fold_or_reconcile, now, only_replicas_changed, reconcile, scale
 from atom_operator.schema import GROUP, PLURAL, VERSION
 
@@ -77,6 +78,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Only our own events and kopf's warnings become Kubernetes events, not every log line.
     settings.posting.level = logging.WARNING
     connection(memo)
+    # `atom operator run` puts its configuration in the memo; `kopf run` gets the env's.
+    memo.setdefault("config", OperatorConfig.from_environ())
+    # --no-cluster-scan: a namespaced install holds no permission on CRDs or namespaces.
+    if memo.get("cluster_scan") is False:
+        settings.scanning.disabled = True
 
 
 @kopf.on.login()

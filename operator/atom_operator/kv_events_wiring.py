@@ -8,10 +8,13 @@ import re
 import shlex
 from collections.abc import Iterable
 
+from atom_operator.render.kubelet_expansion import expand, references
+
 KV_EVENTS_FLAG = "--kv-events-config"
 # `atom router`'s KV-event flags and their defaults (RouterConfig in
 # runtime/atom_runtime/router/app.py; tests/test_render_to_serve.py checks they agree).
 ROUTER_KV_PORT_FLAGS = {"--kv-events-port": 5557, "--kv-events-replay-port": 5558}
+POD_ADDRESS = "10.0.0.1"
 
 
 def kv_events_problem(args: Iterable[str], env: Iterable[str], *, port: int, model: str) -> str:
@@ -39,11 +42,15 @@ def kv_events_problem(args: Iterable[str], env: Iterable[str], *, port: int, mod
     endpoint, topic = str(config.get("endpoint") or ""), str(config.get("topic") or "")
     if not endpoint.endswith(f":{port}"):
         return f"publisher endpoint {endpoint!r} is not on spec.kvEvents.port {port}"
-    if not re.fullmatch(rf"kv@[^@:]+:{port}@{re.escape(model)}", topic):
+    env = set(env)
+    for text in (endpoint, topic):
+        for variable in references(text):
+            if variable not in env:
+                return f"{text!r} refers to $({variable}), which the container does not set"
+    # The topic as the kubelet expands it, with a stand-in for the pod's address.
+    expanded = expand(topic, {name: POD_ADDRESS for name in env})
+    if not re.fullmatch(rf"kv@[^@:$]+:{port}@{re.escape(model)}", expanded):
         return f"topic {topic!r} is not kv@<pod-ip>:{port}@{model}"
-    for variable in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", topic):
-        if variable not in env:
-            return f"topic {topic!r} refers to $({variable}), which the container does not set"
     return ""
 
 

@@ -16,6 +16,7 @@ import kopf
 from atom_operator import apply, status
 from atom_operator.context import HandlerContext
 from atom_operator.render import render_children
+from atom_operator.render.keys import DeploymentKeys
 from atom_operator.render.names import endpoint_url
 from atom_operator.spec import SpecError, apply_defaults
 from atom_operator.validation import spec_warnings
@@ -55,6 +56,7 @@ def write_status(
         applied_generation=applied_generation,
         endpoint=endpoint,
         now=now(),
+        config=ctx.config,
     )
     current = dict(ctx.body.get("status") or {})
     changes = status.status_changes(current, folded)
@@ -97,7 +99,8 @@ async def converge(ctx: HandlerContext, step: Step) -> list[apply.Applied] | Non
     nothing to do for this change (then nothing is reported and status is left alone).
     """
     try:
-        children = render_children(ctx.plain())
+        # Fresh keys each time: they reach the cluster only if the Secret does not exist yet.
+        children = render_children(ctx.plain(), ctx.config, DeploymentKeys.generate())
     except SpecError as error:
         raise _refuse_invalid(ctx, error) from error
     try:
@@ -117,7 +120,7 @@ def apply_everything(namespace: str) -> Step:
     async def step(
         api: apply.KubeAPI, children: list[dict[str, Any]], uid: str
     ) -> list[apply.Applied]:
-        instance = children[0]["metadata"]["labels"][status.DEPLOYMENT_LABEL]
+        instance = children[-1]["metadata"]["labels"][status.DEPLOYMENT_LABEL]
         results = await apply.apply_children(api, children, uid)
         return results + await apply.prune_children(
             api,

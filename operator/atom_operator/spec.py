@@ -30,8 +30,9 @@ DEFAULT_CONNECTOR = "AtomPortableConnector"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Variables the operator sets itself, and why a user may not.
 RESERVED_ENV = {
-    "POD_IP": "the KV-event topic uses the pod IP",
+    "POD_IP": "the KV-event endpoints and topic use the pod IP",
     "ATOM_API_KEY": "set from spec.engine.apiKeySecretRef",
+    "ATOM_TRANSFER_KEY_FILE": "the per-deployment KV-transfer key the operator mounts",
 }
 
 # Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.

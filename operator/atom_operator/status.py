@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from atom_operator.kv_events_wiring import kv_events_problem, router_kv_events_problem
+from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
 from atom_operator.render.names import DEPLOYMENT_LABEL, ROLE_LABEL, role_selector_string
 from atom_operator.role_deployment import (
     RoleDeployment,
@@ -159,13 +160,14 @@ def observe(
     body: Mapping[str, Any],
     deployments: Iterable[RoleDeployment],
     applied_generation: int | None,
+    config: OperatorConfig = DEFAULT_CONFIG,
 ) -> Observed:
     """Validate the spec, pick the Deployments this AtomDeployment owns and judge each role."""
     meta = body.get("metadata") or {}
     raw_spec = body.get("spec") or {}
     spec_error: SpecError | None = None
     try:
-        validate_spec(dict(raw_spec))
+        validate_spec(dict(raw_spec), config)
         spec = apply_defaults(dict(raw_spec))
     except SpecError as exc:
         spec_error, spec = exc, dict(raw_spec)
@@ -305,14 +307,16 @@ def fold_status(
     applied_generation: int | None,
     endpoint: str | None,
     now: str,
+    config: OperatorConfig = DEFAULT_CONFIG,
 ) -> dict[str, Any]:
     """The whole status for `body`, except observedGeneration (which only the appliers write).
 
     `applied_generation` is the generation the operator last applied (status.observedGeneration,
     or the current one when the caller has just applied it); `endpoint` the Service URL, None
-    to keep the current one (the spec may be too broken to compute it).
+    to keep the current one (the spec may be too broken to compute it); `config` the operator's
+    configuration the spec is validated against.
     """
-    seen = observe(body, deployments, applied_generation)
+    seen = observe(body, deployments, applied_generation, config)
     kv_problems = kv_events_wiring_problems(seen) if kv_events_enabled(seen) else []
     verdicts = [spec_valid(seen), *(role_ready(seen, role) for role in seen.roles)]
     verdicts.append(kv_events_wired(seen, kv_problems))

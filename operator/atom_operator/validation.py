@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
 from atom_operator.schema import ENGINE_HTTP_PORT, SPEC_SCHEMA
+from atom_operator.schema.api import MODEL_NAME_MAX, MODEL_NAME_PATTERN
 from atom_operator.spec import (
     RESERVED_ENV,
     ROLES,
@@ -65,6 +67,8 @@ def _check_schema(value: Any, schema: dict[str, Any], field: str) -> None:
             raise SpecError(field, f"must be a string, got {_type_name(value)}")
         if len(value) < schema.get("minLength", 0):
             raise SpecError(field, "must not be empty")
+        if len(value) > schema.get("maxLength", len(value)):
+            raise SpecError(field, f"must be at most {schema['maxLength']} characters")
         if "pattern" in schema and not re.search(schema["pattern"], value):
             raise SpecError(field, f"{value!r} does not match {schema['pattern']}")
     elif kind == "boolean":
@@ -189,8 +193,9 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 
 
-def _check_python_only(spec: dict[str, Any]) -> None:
-    """Rules CEL cannot state well: quantities compared with counts, reserved env names."""
+def _check_python_only(spec: dict[str, Any], config: OperatorConfig) -> None:
+    """Rules CEL cannot state well: quantities compared with counts, reserved env names, and
+    what the operator's configuration allows (env references)."""
     resource = vendor_resource(spec["accelerator"])
     for role in ROLES:
         if role not in spec:
@@ -201,6 +206,13 @@ def _check_python_only(spec: dict[str, Any]) -> None:
                     f"spec.{role}.resources.{section}[{resource}]",
                     "is set from tensorParallelSize; remove it",
                 )
+    name = spec["model"].get("name", "")
+    if not re.match(MODEL_NAME_PATTERN, name) or len(name) > MODEL_NAME_MAX:
+        raise SpecError(
+            "spec.model.name",
+            f"{name!r} (derived from the model's location) is not a valid served model name: "
+            f"set spec.model.name (pattern {MODEL_NAME_PATTERN})",
+        )
     env_lists = [("spec.engine.env", spec["engine"]["env"])]
     env_lists += [(f"spec.{role}.env", spec[role]["env"]) for role in ROLES if role in spec]
     for field, env in env_lists:
@@ -210,6 +222,43 @@ def _check_python_only(spec: dict[str, Any]) -> None:
                     f"{field}[{index}].name",
                     f"{var['name']} is reserved ({RESERVED_ENV[var['name']]})",
                 )
+            _check_env_source(var.get("valueFrom"), f"{field}[{index}].valueFrom", config)
+
+
+# valueFrom sources an AtomDeployment's env may use, and for the two that read an object, the
+# OperatorConfig field that lists the names allowed.
+_ENV_SOURCES = {
+    "fieldRef": None,
+    "resourceFieldRef": None,
+    "secretKeyRef": ("Secret", "env_secrets", "--allow-env-secret"),
+    "configMapKeyRef": ("ConfigMap", "env_config_maps", "--allow-env-configmap"),
+}
+
+
+def _check_env_source(value_from: Any, field: str, config: OperatorConfig) -> None:
+    """An env variable's valueFrom reads only what the operator's configuration allows: the
+    AtomDeployment's author controls the pod's arguments, so a reference to any Secret of the
+    namespace would hand them its value."""
+    if value_from is None:
+        return
+    for source, ref in value_from.items():
+        if source not in _ENV_SOURCES:
+            known = ", ".join(_ENV_SOURCES)
+            raise SpecError(f"{field}.{source}", f"unsupported source (use one of {known})")
+        allowed_by = _ENV_SOURCES[source]
+        if allowed_by is None:
+            continue
+        kind, attribute, flag = allowed_by
+        name = ref.get("name") if isinstance(ref, dict) else None
+        allowed = getattr(config, attribute)
+        if name not in allowed:
+            listed = ", ".join(sorted(allowed)) or "none"
+            raise SpecError(
+                f"{field}.{source}.name",
+                f"{kind} {name!r} is not one the operator lets an AtomDeployment read "
+                f"(allowed: {listed}); the operator's administrator allows one with "
+                f"`atom operator run {flag} NAME` (chart value envReferences)",
+            )
 
 
 def spec_warnings(spec: dict[str, Any]) -> list[tuple[str, str]]:
@@ -225,11 +274,23 @@ def spec_warnings(spec: dict[str, Any]) -> list[tuple[str, str]]:
                 "caches its prefix; enable kvEvents for cache-aware routing",
             )
         )
+    policy = spec["networkPolicy"]
+    if (has_router(spec) and spec["inferencePool"]["enabled"] and policy["enabled"]
+            and not policy["httpFrom"]):  # fmt: skip
+        warnings.append(
+            (
+                "GatewayBlockedByNetworkPolicy",
+                "spec.inferencePool is enabled behind a router, and the NetworkPolicy admits "
+                "only this deployment's pods to the engines' HTTP port: list the inference "
+                "gateway in spec.networkPolicy.httpFrom",
+            )
+        )
     return warnings
 
 
-def validate_spec(spec: dict[str, Any]) -> None:
-    """Raise SpecError naming the first invalid field of an AtomDeployment spec."""
+def validate_spec(spec: dict[str, Any], config: OperatorConfig = DEFAULT_CONFIG) -> None:
+    """Raise SpecError naming the first invalid field of an AtomDeployment spec; `config` is
+    what the operator's installation allows (env references)."""
     if not isinstance(spec, dict):
         raise SpecError("spec", f"must be an object, got {_type_name(spec)}")
     model = spec.get("model")
@@ -238,4 +299,4 @@ def validate_spec(spec: dict[str, Any]) -> None:
     _check_schema(spec, SPEC_SCHEMA, "spec")
     defaulted = apply_defaults(spec)
     _check_cross_fields(defaulted)
-    _check_python_only(defaulted)
+    _check_python_only(defaulted, config)

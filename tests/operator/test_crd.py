@@ -241,7 +241,8 @@ def test_defaults_match_apply_defaults_except_the_derived_ones():
     assert by_python == by_crd
     assert by_crd["engine"]["blockSize"] == 16
     assert by_crd["accelerator"]["vendor"] == "amd"
-    assert by_crd["kvEvents"] == {"enabled": True, "port": 5557, "replayPort": 5558}
+    assert by_crd["kvEvents"] == {"enabled": True, "port": 5557, "replayPort": 5558,
+                                  "encryption": "none", "includeTokenIds": True}  # fmt: skip
     assert by_crd["model"]["authSecretRef"] == {"name": "hf", "key": "HF_TOKEN"}
 
 
@@ -403,6 +404,15 @@ BROKEN_SPECS = [
                                  "targetRequestsRunning": 4}}},
      "spec.decode.autoscaling.minReplicas"),
     ({"router": {"enabled": "yes"}}, "spec.router.enabled"),
+    # Strings passed as flag values or into the KV-event topic (issue 33).
+    ({"model": {"name": "--api-key"}}, "spec.model.name"),
+    ({"model": {"name": "$(HF_TOKEN)"}}, "spec.model.name"),
+    ({"model": {"name": "a@b"}}, "spec.model.name"),
+    ({"model": {"name": "m" * 254}}, "spec.model.name"),
+    ({"model": {"authSecretRef": {"name": "Not_A_Secret"}}}, "spec.model.authSecretRef.name"),
+    ({"router": {"apiKeySecret": {"key": "k"}}}, "spec.router.apiKeySecret.name"),
+    ({"kvEvents": {"encryption": "tls"}}, "spec.kvEvents.encryption"),
+    ({"kvEvents": {"includeTokenIds": "no"}}, "spec.kvEvents.includeTokenIds"),
 ]  # fmt: skip
 
 
@@ -457,6 +467,10 @@ GOOD_SPECS = [
                                 "targetRequestsRunning": 16}}},
     {"prefill": {}, "router": {"enabled": True}},
     {"router": {"enabled": False}, "kvEvents": {"enabled": False}},
+    {"model": {"name": "deepseek-ai/DeepSeek-R1"}}, {"model": {"name": "llama3:8b_v1.2+x"}},
+    {"router": {"enabled": True, "apiKeySecret": {"name": "router-key"}},
+     "kvEvents": {"encryption": "curve", "includeTokenIds": False},
+     "networkPolicy": {"httpFrom": [{"namespaceSelector": {}}]}},
 ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from atom_operator.render import render_children
+from atom_operator.render.keys import DeploymentKeys
 from atom_operator.render.names import endpoint_url
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -26,7 +27,8 @@ def _body(path: pathlib.Path) -> dict:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_children_are_valid_kubernetes(path):
-    children = render_children(_body(path))
+    children = render_children(_body(path), keys=DeploymentKeys.generate())
+    assert children[0]["kind"] == "Secret"
     for child in children:
         for version in VERSIONS:
             try:
@@ -51,13 +53,13 @@ def test_example_shapes():
     assert _kinds("amd-mi300x-aggregated-router.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "ServiceAccount", "Role", "RoleBinding",
-        "Deployment", "NetworkPolicy", "Service",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("amd-mi300x-disaggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "Deployment", "Service", "PodDisruptionBudget",
         "ServiceAccount", "Role", "RoleBinding",
-        "Deployment", "NetworkPolicy", "Service",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("nvidia-h100-aggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",

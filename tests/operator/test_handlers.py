@@ -96,6 +96,7 @@ async def test_create_posts_an_applied_event(cluster, operator_running):
         (
             "Normal",
             "Applied",
+            "Secret/chat-atom-keys created, "
             "Deployment/chat-decode created, Service/chat-decode created, "
             "PodDisruptionBudget/chat-decode created, NetworkPolicy/chat created, "
             "Service/chat created",

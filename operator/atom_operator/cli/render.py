@@ -1,7 +1,8 @@
 """`atom render -f FILE`: print the objects an AtomDeployment becomes, like `helm template`.
 
 Reads one or more YAML documents (`-f -` reads stdin), renders every AtomDeployment among them
-with the same pure functions the operator uses, and writes the children as multi-document YAML.
+with the same pure functions the operator uses, and writes the children as multi-document YAML,
+each deployment's keys Secret first (fresh random keys; `--no-keys-secret` leaves it out).
 No cluster is contacted. An invalid spec prints `error: <field>: <message>` and exits 1.
 """
 
@@ -13,7 +14,14 @@ from typing import Any
 
 import yaml
 
+from atom_operator.operator_config import (
+    DEFAULT_CONFIG,
+    OperatorConfig,
+    add_config_arguments,
+    config_from_args,
+)
 from atom_operator.render import render_children
+from atom_operator.render.keys import DeploymentKeys
 from atom_operator.schema import API_VERSION, KIND
 from atom_operator.spec import SpecError
 
@@ -31,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="default",
         help="namespace for documents that name none (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-keys-secret",
+        action="store_true",
+        help="leave out the <name>-atom-keys Secret (its keys are generated afresh on every "
+        "render: create it once, then re-render without it so running pods keep their keys)",
+    )
+    add_config_arguments(parser)
 
 
 def _read(path: str) -> str:
@@ -40,8 +55,15 @@ def _read(path: str) -> str:
         return handle.read()
 
 
-def render_documents(text: str, namespace: str) -> list[dict[str, Any]]:
-    """Every child of every AtomDeployment in a YAML stream (raises SpecError, ValueError)."""
+def render_documents(
+    text: str,
+    namespace: str,
+    config: OperatorConfig = DEFAULT_CONFIG,
+    *,
+    with_keys: bool = True,
+) -> list[dict[str, Any]]:
+    """Every child of every AtomDeployment in a YAML stream (raises SpecError, ValueError);
+    `with_keys`: each one's keys Secret too, with freshly generated keys."""
     children: list[dict[str, Any]] = []
     documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
     if not documents:
@@ -56,13 +78,19 @@ def render_documents(text: str, namespace: str) -> list[dict[str, Any]]:
         metadata = dict(body.get("metadata") or {})
         metadata.setdefault("namespace", namespace)
         body["metadata"] = metadata
-        children += render_children(body)
+        keys = DeploymentKeys.generate() if with_keys else None
+        children += render_children(body, config, keys)
     return children
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        children = render_documents(_read(args.filename), args.namespace)
+        children = render_documents(
+            _read(args.filename),
+            args.namespace,
+            config_from_args(args),
+            with_keys=not args.no_keys_secret,
+        )
     except SpecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -14,6 +14,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import sys
+
+import kopf
+
+from atom_operator.operator_config import add_config_arguments, config_from_args
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PROCESS_ROLE = "Operator"  # the process title: ATOM::Operator
@@ -55,23 +60,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="log level (default INFO)",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG (kopf's too)")
+    run.add_argument(
+        "--no-cluster-scan",
+        action="store_true",
+        help="need no cluster-scoped permission: do not watch CustomResourceDefinitions or "
+        "namespaces (give --namespace with plain names; the Helm chart's `namespaced: true`)",
+    )
+    add_config_arguments(run)
 
 
 def operator_options(args: argparse.Namespace) -> dict[str, object]:
-    """The keyword arguments `kopf.run` gets for these command-line arguments."""
+    """The keyword arguments `kopf.run` gets for these command-line arguments; the memo carries
+    the operator's configuration to the handlers (`handlers.configure`)."""
     namespaces = list(args.namespace or [])
+    if args.no_cluster_scan and (not namespaces or any("*" in ns for ns in namespaces)):
+        raise ValueError("--no-cluster-scan needs --namespace with plain namespace names")
     return {
         "standalone": bool(args.standalone),
         "clusterwide": not namespaces,
         "namespaces": namespaces,
         "liveness_endpoint": args.liveness,
+        "memo": kopf.Memo(config=config_from_args(args), cluster_scan=not args.no_cluster_scan),
     }
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action != "run":  # argparse allows only `run`; keep the dispatch explicit
         raise ValueError(f"atom operator: unknown action {args.action!r}")
-    import kopf
+    try:
+        options = operator_options(args)
+    except ValueError as error:
+        print(f"atom operator run: {error}", file=sys.stderr)
+        return 2
 
     from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
@@ -87,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     # once and freeze it before serving; unfreeze on the way out.
     apply_gc_policy()
     try:
-        kopf.run(registry=kopf.get_default_registry(), **operator_options(args))
+        kopf.run(registry=kopf.get_default_registry(), **options)
     finally:
         release_gc_policy()
     return 0

@@ -13,8 +13,9 @@ AtomDeployment when `metadata.uid` is known:
   RoleBinding (list/watch on the namespace's EndpointSlices, for its discovery);
 - a Gateway API Inference Extension InferencePool over the serving pods, when
   spec.inferencePool.enabled;
-- a NetworkPolicy over every pod of the AtomDeployment (unless spec.networkPolicy.enabled is
-  false);
+- NetworkPolicies over the engine pods and the router's (unless spec.networkPolicy.enabled is
+  false): with a router, clients reach only the router;
+- the per-deployment keys Secret (`render.keys`) when the caller passes the keys;
 - the user-facing Service, in front of the router when there is one, else of the decode pods.
 
 Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
 from atom_operator.render.autoscalers import render_hpa, render_scaled_object
+from atom_operator.render.keys import DeploymentKeys, render_keys_secret
 from atom_operator.render.names import defaulted_spec
-from atom_operator.render.network import render_inference_pool, render_network_policy
+from atom_operator.render.network import render_inference_pool, render_network_policies
 from atom_operator.render.roles import (
     render_pdb,
     render_role_deployment,
@@ -55,13 +58,24 @@ CHILD_KINDS = [
 ]
 
 
-def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Validate the AtomDeployment `body` and return every child object (raises SpecError)."""
+def render_children(
+    body: dict[str, Any],
+    config: OperatorConfig = DEFAULT_CONFIG,
+    keys: DeploymentKeys | None = None,
+) -> list[dict[str, Any]]:
+    """Validate the AtomDeployment `body` and return every child object (raises SpecError).
+
+    `config` is the operator's installation (allowed env references, its own pods for the
+    NetworkPolicy); `keys`, when given, renders the per-deployment keys Secret first (the
+    operator creates it only when absent, see `render.keys`).
+    """
     if not isinstance(body.get("metadata"), dict) or not body["metadata"].get("name"):
         raise SpecError("metadata.name", "is required")
-    validate_spec(body.get("spec") or {})
+    validate_spec(body.get("spec") or {}, config)
     spec = defaulted_spec(body)
     children: list[dict[str, Any]] = []
+    if keys is not None:
+        children.append(render_keys_secret(body, keys))
     for role in ROLES:
         if role not in spec:
             continue
@@ -74,10 +88,9 @@ def render_children(body: dict[str, Any]) -> list[dict[str, Any]]:
             if scaler is not None:
                 children.append(scaler)
     children += render_router_rbac(body)
-    extras = (render_router_deployment(body), render_inference_pool(body),
-              render_network_policy(body))  # fmt: skip
-    for extra in extras:
+    for extra in (render_router_deployment(body), render_inference_pool(body)):
         if extra is not None:
             children.append(extra)
+    children += render_network_policies(body, config)
     children.append(render_service(body))
     return children

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from atom_operator.render.keys import KEYS_MOUNT
+from atom_operator.render.kubelet_expansion import literal, reference
 from atom_operator.render.names import is_disaggregated
 from atom_operator.schema import ENGINE_HTTP_PORT
 from atom_operator.spec import parse_model_uri
 
 API_KEY_ENV = "ATOM_API_KEY"
+POD_IP_ENV = "POD_IP"
 MODEL_MOUNT = "/mnt/models"
 
 
@@ -18,16 +21,23 @@ def _json_arg(value: dict[str, Any]) -> str:
 
 
 def kv_events_config(spec: dict[str, Any]) -> dict[str, Any]:
-    """--kv-events-config: bind PUB and replay sockets; the topic names this pod and model."""
+    """--kv-events-config: PUB and replay sockets bound to the pod's own address (never `*`);
+    the topic names this pod and model. $(POD_IP) is expanded by the kubelet from the
+    container's POD_IP variable."""
     events = spec["kvEvents"]
-    return {
+    pod_ip = reference(POD_IP_ENV)
+    config: dict[str, Any] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{events['port']}",
-        "replay_endpoint": f"tcp://*:{events['replayPort']}",
-        # $(POD_IP) is expanded by the kubelet from the container's POD_IP variable.
-        "topic": f"kv@$(POD_IP):{events['port']}@{spec['model']['name']}",
+        "endpoint": f"tcp://{pod_ip}:{events['port']}",
+        "replay_endpoint": f"tcp://{pod_ip}:{events['replayPort']}",
+        "topic": f"kv@{pod_ip}:{events['port']}@{literal(spec['model']['name'])}",
     }
+    if not events["includeTokenIds"]:
+        config["include_token_ids"] = False
+    if events["encryption"] == "curve":
+        config["curve_keys_dir"] = KEYS_MOUNT
+    return config
 
 
 def kv_transfer_config(spec: dict[str, Any], role: str) -> dict[str, Any]:
@@ -38,6 +48,11 @@ def kv_transfer_config(spec: dict[str, Any], role: str) -> dict[str, Any]:
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_connector_extra_config": transfer["config"],
     }
+
+
+def _user_json(value: dict[str, Any]) -> str:
+    """A JSON flag value made only of user data: escaped whole for the kubelet."""
+    return literal(_json_arg(value))
 
 
 def model_argument(spec: dict[str, Any]) -> str | None:
@@ -53,13 +68,15 @@ def model_argument(spec: dict[str, Any]) -> str | None:
 
 
 def serve_args(spec: dict[str, Any], role: str) -> list[str]:
-    """`atom serve` arguments for one role of a defaulted spec; user args come last and win."""
+    """`atom serve` arguments for one role of a defaulted spec; user args come last and win.
+    Every user string is escaped for the kubelet (`literal`); only the operator's own
+    references ($(POD_IP), $(ATOM_API_KEY)) are expanded."""
     role_spec = spec[role]
     args = ["serve", "--host", "0.0.0.0", "--port", str(ENGINE_HTTP_PORT)]
     model = model_argument(spec)
     if model is not None:
-        args += ["--model", model]
-    args += ["--served-model-name", spec["model"]["name"]]
+        args += ["--model", literal(model)]
+    args += ["--served-model-name", literal(spec["model"]["name"])]
     args += ["--block-size", str(spec["engine"]["blockSize"])]
     if "maxModelLen" in spec["engine"]:
         args += ["--max-model-len", str(spec["engine"]["maxModelLen"])]
@@ -73,9 +90,10 @@ def serve_args(spec: dict[str, Any], role: str) -> list[str]:
     )
     args += ["--state-checkpoint-memory-fraction", f"{checkpoint['memoryFraction']:g}"]
     if is_disaggregated(spec):
-        args += ["--kv-transfer-config", _json_arg(kv_transfer_config(spec, role))]
+        args += ["--kv-transfer-config", _user_json(kv_transfer_config(spec, role))]
     if spec["engine"].get("apiKeySecretRef"):
         # The kubelet expands $(ATOM_API_KEY) from the Secret-backed variable: the key never
         # appears in the pod spec.
-        args += ["--api-key", f"$({API_KEY_ENV})"]
-    return args + list(spec["engine"]["args"]) + list(role_spec["args"])
+        args += ["--api-key", reference(API_KEY_ENV)]
+    user_args = list(spec["engine"]["args"]) + list(role_spec["args"])
+    return args + [literal(arg) for arg in user_args]

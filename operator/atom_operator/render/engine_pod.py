@@ -14,8 +14,10 @@ from atom_operator.render.container import (
     pod_security,
     tmp_volume_and_mount,
 )
-from atom_operator.render.engine_args import API_KEY_ENV, MODEL_MOUNT, serve_args
-from atom_operator.render.names import ENGINE_CONTAINER
+from atom_operator.render.engine_args import API_KEY_ENV, MODEL_MOUNT, POD_IP_ENV, serve_args
+from atom_operator.render.keys import keys_volume, transfer_key_env
+from atom_operator.render.kubelet_expansion import literal
+from atom_operator.render.names import ENGINE_CONTAINER, defaulted_spec
 from atom_operator.schema import ENGINE_HTTP_PORT
 from atom_operator.spec import RESERVED_ENV, parse_model_uri, vendor_resource
 
@@ -28,24 +30,34 @@ DEFAULT_ENGINE_RESOURCES = {
 STARTUP_PROBE_PERIOD = 10
 
 
+def _user_variable(var: dict[str, Any]) -> dict[str, Any]:
+    """A user's env entry as rendered: its `value` escaped for the kubelet (kept literally)."""
+    out = copy.deepcopy(var)
+    if isinstance(out.get("value"), str):
+        out["value"] = literal(out["value"])
+    return out
+
+
 def _merge_env(base: list[dict[str, Any]], extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`base` with each variable of `extra` replacing the one of the same name, or appended."""
+    """`base` with each user variable of `extra` replacing the one of the same name, or
+    appended."""
     merged = [copy.deepcopy(var) for var in base]
     for var in extra:
         if var["name"] in RESERVED_ENV:
             continue  # validate_spec refuses these; never let one break the KV-event topic
         for index, existing in enumerate(merged):
             if existing["name"] == var["name"]:
-                merged[index] = copy.deepcopy(var)
+                merged[index] = _user_variable(var)
                 break
         else:
-            merged.append(copy.deepcopy(var))
+            merged.append(_user_variable(var))
     return merged
 
 
 def engine_env(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        transfer_key_env(),
     ]
     secret = spec["model"].get("authSecretRef")
     if secret:
@@ -110,17 +122,22 @@ def _node_affinity(spec: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _engine_volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _engine_volumes(
+    body: dict[str, Any], spec: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     tmp_volume, tmp_mount = tmp_volume_and_mount()
+    keys_volume_, keys_mount = keys_volume(body)
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["engine"]["shmSize"]}},
         {"name": "cache", "emptyDir": {"sizeLimit": spec["engine"]["cacheSize"]}},
         tmp_volume,
+        keys_volume_,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
         tmp_mount,
+        keys_mount,
     ]
     source = parse_model_uri(spec["model"].get("uri"))
     if source.scheme == "pvc":
@@ -134,10 +151,12 @@ def _engine_volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[di
     return volumes, mounts
 
 
-def engine_pod_spec(spec: dict[str, Any], role: str) -> dict[str, Any]:
+def engine_pod_spec(body: dict[str, Any], role: str) -> dict[str, Any]:
+    """The pod template's spec for one engine role of the AtomDeployment `body`."""
+    spec = defaulted_spec(body)
     engine = spec["engine"]
     accelerator = spec["accelerator"]
-    volumes, mounts = _engine_volumes(spec)
+    volumes, mounts = _engine_volumes(body, spec)
     startup_failures = math.ceil(engine["startupTimeoutSeconds"] / STARTUP_PROBE_PERIOD)
     container = {
         "name": ENGINE_CONTAINER,

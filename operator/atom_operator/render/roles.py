@@ -43,7 +43,7 @@ def render_role_deployment(body: dict[str, Any], role: str) -> dict[str, Any]:
                     "labels": labels,
                     "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER},
                 },
-                "spec": engine_pod_spec(spec, role),
+                "spec": engine_pod_spec(body, role),
             },
         }
     )

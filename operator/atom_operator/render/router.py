@@ -13,6 +13,8 @@ from atom_operator.render.container import (
     pod_security,
     tmp_volume_and_mount,
 )
+from atom_operator.render.keys import KEYS_MOUNT, keys_volume, transfer_key_env
+from atom_operator.render.kubelet_expansion import reference
 from atom_operator.render.names import (
     ROUTER,
     child_metadata,
@@ -39,13 +41,16 @@ ROUTER_RULES = [
 ]
 
 DEFAULT_ROUTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+ROUTER_API_KEY_ENV = "ATOM_ROUTER_API_KEY"
 
 
 def router_args(body: dict[str, Any]) -> list[str]:
     """`atom router` arguments: where the decode pods are, and the prefill pods in
     disaggregated mode (their headless Services; an aggregated router gets --decode-service
     alone), and the ports of the decode pods' KV-event PUB and replay sockets (spec.kvEvents),
-    0 for both when KV events are disabled so the router subscribes to none."""
+    0 for both when KV events are disabled so the router subscribes to none; with CurveZMQ
+    KV events the directory of the deployment's keys, and with router.apiKeySecret its own
+    --api-key (expanded by the kubelet from a Secret-backed variable)."""
     spec = defaulted_spec(body)
 
     def url(role: str) -> str:
@@ -56,7 +61,7 @@ def router_args(body: dict[str, Any]) -> list[str]:
     services = ["--decode-service", url("decode")]
     if is_disaggregated(spec):
         services += ["--prefill-service", url("prefill")]
-    return [
+    args = [
         "router",
         "--host", "0.0.0.0",
         "--port", str(ENGINE_HTTP_PORT),
@@ -64,6 +69,20 @@ def router_args(body: dict[str, Any]) -> list[str]:
         "--kv-events-port", str(events["port"] if enabled else 0),
         "--kv-events-replay-port", str(events["replayPort"] if enabled else 0),
     ]  # fmt: skip
+    if enabled and events["encryption"] == "curve":
+        args += ["--kv-events-curve-dir", KEYS_MOUNT]
+    if spec["router"].get("apiKeySecret"):
+        args += ["--api-key", reference(ROUTER_API_KEY_ENV)]
+    return args
+
+
+def router_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [transfer_key_env()]
+    secret = spec["router"].get("apiKeySecret")
+    if secret:
+        ref = {"name": secret["name"], "key": secret["key"]}
+        env.append({"name": ROUTER_API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    return env
 
 
 def router_service_account_name(body: dict[str, Any]) -> str:
@@ -113,15 +132,17 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
     router = spec["router"]
     labels = role_labels(body, ROUTER)
     tmp_volume, tmp_mount = tmp_volume_and_mount()
+    keys, keys_mount = keys_volume(body)
     container = {
         "name": ROUTER,
         "image": router["image"],
         "imagePullPolicy": spec["engine"]["imagePullPolicy"],
         "command": ["atom"],
         "args": router_args(body),
+        "env": router_env(spec),
         "ports": [{"name": "http", "containerPort": ENGINE_HTTP_PORT, "protocol": "TCP"}],
         "resources": bounded_resources(router["resources"], DEFAULT_ROUTER_RESOURCES),
-        "volumeMounts": [tmp_mount],
+        "volumeMounts": [tmp_mount, keys_mount],
         "readinessProbe": http_probe(5, 5, 3),
         "livenessProbe": http_probe(15, 10, 4),
         "securityContext": container_security(),
@@ -133,7 +154,7 @@ def render_router_deployment(body: dict[str, Any]) -> dict[str, Any] | None:
         "serviceAccountName": router_service_account_name(body),
         "automountServiceAccountToken": True,
         "containers": [container],
-        "volumes": [tmp_volume],
+        "volumes": [tmp_volume, keys],
     }
     if spec["engine"]["imagePullSecrets"]:
         pod["imagePullSecrets"] = copy.deepcopy(spec["engine"]["imagePullSecrets"])

@@ -26,3 +26,10 @@ IMAGE_PATTERN = r"^[^\s@]+(@sha256:[a-f0-9]{64})?$"
 RESOURCE_NAME_PATTERN = (
     r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
+# A served model name: it becomes `--served-model-name`, the OpenAI `model` and the last part of
+# the KV-event topic, so no leading `-` (a flag), no `$` (kubelet expansion), no `@` (the topic's
+# separator), no spaces.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_./:+-]*$"
+MODEL_NAME_MAX = 253
+# The name of a Secret, ConfigMap or PersistentVolumeClaim (a DNS subdomain).
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"

@@ -13,6 +13,7 @@ from atom_operator.schema.fields import (
     TOLERATION,
     int_field,
     object_field,
+    secret_key_ref,
     str_field,
     string_map,
 )
@@ -55,14 +56,10 @@ ENGINE = object_field(
             "description": "Size limit of the writable cache emptyDir (Hugging Face "
             "downloads, Triton kernels); the root filesystem is read-only.",
         },
-        "apiKeySecretRef": object_field(
+        "apiKeySecretRef": secret_key_ref(
             "Secret key holding the API key clients must send (atom serve --api-key, "
             "read from the ATOM_API_KEY variable, never written into the pod spec).",
-            {
-                "name": str_field("Secret name.", minLength=1),
-                "key": str_field("Key in the Secret.", default="api-key", minLength=1),
-            },
-            required=["name"],
+            "api-key",
         ),
         "startupTimeoutSeconds": int_field(
             "How long a pod may take to load the model before it is restarted.",

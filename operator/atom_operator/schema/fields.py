@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from atom_operator.schema.api import OBJECT_NAME_PATTERN
+
 
 def int_field(description: str, default: int | None = None, minimum: int | None = None,
          maximum: int | None = None) -> dict[str, Any]:  # fmt: skip
@@ -47,6 +49,18 @@ def free_object(description: str, default: Any = None) -> dict[str, Any]:
     return field
 
 
+def secret_key_ref(description: str, default_key: str) -> dict[str, Any]:
+    """`{name, key}` naming one key of a Secret in the AtomDeployment's namespace."""
+    return object_field(
+        description,
+        {
+            "name": str_field("Secret name.", minLength=1, pattern=OBJECT_NAME_PATTERN),
+            "key": str_field("Key in the Secret.", default=default_key, minLength=1),
+        },
+        required=["name"],
+    )
+
+
 def string_map(description: str) -> dict[str, Any]:
     return {
         "type": "object",
@@ -64,7 +78,10 @@ QUANTITY = {
 ENV_LIST = {
     "type": "array",
     "description": "Extra environment variables (core/v1 EnvVar); a name that the operator "
-    "also sets replaces the operator's value, except POD_IP, which is reserved.",
+    "also sets replaces the operator's value, except the reserved ones (POD_IP, ATOM_API_KEY, "
+    "ATOM_TRANSFER_KEY_FILE). A `value` is passed literally (`$` is escaped: no $(VAR) "
+    "expansion). valueFrom: fieldRef and resourceFieldRef; secretKeyRef and configMapKeyRef "
+    "only for the names the operator's configuration allows.",
     "default": [],
     "items": {
         "type": "object",

@@ -24,6 +24,21 @@ KV_EVENTS = object_field(
         "replayPort": int_field(
             "ZMQ ROUTER replay port.", default=5558, minimum=1024, maximum=65535
         ),  # fmt: skip
+        "encryption": str_field(
+            "none: plain ZMQ (the NetworkPolicy admits only the router to these ports). curve: "
+            "CurveZMQ encryption and authentication with the per-deployment keys "
+            "(<name>-atom-keys): the engines get curve_keys_dir in --kv-events-config, the "
+            "router --kv-events-curve-dir; other subscribers need the client key pair.",
+            default="none",
+            enum=["none", "curve"],
+        ),
+        "includeTokenIds": {
+            "type": "boolean",
+            "default": True,
+            "description": "Whether BlockStored events carry the blocks' token ids (vLLM's "
+            "format) or block hashes only (include_token_ids: false). The router scores on "
+            "hashes; llm-d's precise prefix scorer needs the token ids.",
+        },
     },
     default={},
     **{

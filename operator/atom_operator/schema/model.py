@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from atom_operator.schema.api import MODEL_URI_PATTERN
-from atom_operator.schema.fields import object_field, str_field
+from atom_operator.schema.api import MODEL_NAME_MAX, MODEL_NAME_PATTERN, MODEL_URI_PATTERN
+from atom_operator.schema.fields import object_field, secret_key_ref, str_field
 
 MODEL = object_field(
     "The model to serve. Omit `uri` to serve the runtime's bundled default model "
@@ -15,16 +15,15 @@ MODEL = object_field(
         ),
         "name": str_field(
             "Served model name (OpenAI `model`, KV-event topic). Default: the repo id "
-            "for hf://, the last path segment otherwise.",
+            "for hf://, the last path segment otherwise. Letters, digits and _./:+- only, "
+            "not starting with - (it is passed as a flag value).",
             minLength=1,
+            maxLength=MODEL_NAME_MAX,
+            pattern=MODEL_NAME_PATTERN,
         ),
-        "authSecretRef": object_field(
+        "authSecretRef": secret_key_ref(
             "Secret key holding a Hugging Face token, exposed to the engine as HF_TOKEN.",
-            {
-                "name": str_field("Secret name.", minLength=1),
-                "key": str_field("Key in the Secret.", default="HF_TOKEN", minLength=1),
-            },
-            required=["name"],
+            "HF_TOKEN",
         ),
     },
     default={},

@@ -6,7 +6,14 @@ from __future__ import annotations
 import copy
 
 from atom_operator.schema.api import IMAGE_PATTERN
-from atom_operator.schema.fields import RESOURCES, int_field, object_field, str_field, string_map
+from atom_operator.schema.fields import (
+    RESOURCES,
+    int_field,
+    object_field,
+    secret_key_ref,
+    str_field,
+    string_map,
+)
 
 SERVICE = object_field(
     "The user-facing Service (the router when there is one, else the decode pods).",
@@ -41,17 +48,31 @@ ROUTER = object_field(
         ),
         "replicas": int_field("Router pods.", default=1, minimum=1),
         "resources": copy.deepcopy(RESOURCES),
+        "apiKeySecret": secret_key_ref(
+            "Secret key holding the router's own API key (`atom router --api-key`, read from "
+            "the ATOM_ROUTER_API_KEY variable, never written into the pod spec); /health stays "
+            "open.",
+            "api-key",
+        ),
     },
     default={},
 )
 
 NETWORK_POLICY = object_field(
-    "A NetworkPolicy over this deployment's pods: the HTTP port (8000) open to clients "
-    "(through the Service) and the operator's autoscaler; every other port (KV events, "
-    "KV transfer) only from pods of the same AtomDeployment (the router, the other role) "
-    "and from the peers in kvEventsFrom.",
+    "NetworkPolicies over this deployment's pods. Without a router: the engines' HTTP port "
+    "(8000) open to clients. With a router: the router's HTTP port open to clients; the "
+    "engines' HTTP port only from this deployment's pods, the operator (its /metrics scrape) "
+    "and httpFrom; the KV-event ports only from the router and kvEventsFrom; the KV-transfer "
+    "ports only from this deployment's engine pods.",
     {
         "enabled": {"type": "boolean", "default": True},
+        "httpFrom": {
+            "type": "array",
+            "default": [],
+            "description": "With a router: extra networking/v1 NetworkPolicyPeers allowed to "
+            "the engines' HTTP port (an inference gateway with inferencePool, Prometheus).",
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        },
         "kvEventsFrom": {
             "type": "array",
             "default": [],
