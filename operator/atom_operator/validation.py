@@ -179,16 +179,6 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
             "spec.inferencePool.endpointPicker",
             "an enabled inferencePool needs endpointPicker.name",
         )
-    if "prefill" in spec:
-        for role in ROLES:
-            size = spec[role]["tensorParallelSize"]
-            if size != 1:
-                raise SpecError(
-                    f"spec.{role}.tensorParallelSize",
-                    f"must be 1 in disaggregated mode (a prefill role), got {size}: the "
-                    "KV-transfer connector moves one engine's whole KV cache and refuses "
-                    "tensor parallelism (each rank holds a shard); run aggregated for TP > 1",
-                )
     if "kvTransfer" in spec and "prefill" not in spec:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 

@@ -340,6 +340,20 @@ def test_kv_transfer_defaults_to_the_portable_connector_and_is_absent_when_aggre
     )
 
 
+def test_prefill_and_decode_run_at_their_own_tensor_parallel_sizes():
+    """Prefill TP 2 -> decode TP 8: each role's pods get their own --tensor-parallel-size and
+    GPU count (the runtime's KV connector pulls each decode rank's heads from the producer
+    ranks that hold them)."""
+    spec = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 8}}
+    for role, size in (("prefill", 2), ("decode", 8)):
+        engine = container(render_role_deployment(atomd(spec), role))
+        assert flag(engine["args"], "--tensor-parallel-size") == str(size)
+        assert engine["resources"]["limits"]["amd.com/gpu"] == size
+        assert json.loads(flag(engine["args"], "--kv-transfer-config"))["kv_role"] == (
+            "kv_producer" if role == "prefill" else "kv_consumer"
+        )
+
+
 def test_user_args_come_after_the_operator_flags():
     spec = {"engine": {"args": ["--block-size", "64"]}, "prefill": {"args": ["--x"]}}
     args = container(render_role_deployment(atomd(spec), "prefill"))["args"]

@@ -60,25 +60,6 @@ CROSS_FIELD_RULES: list[dict[str, Any]] = [
         "meanwhile: set router.enabled (or add a prefill role) or set minReplicas >= 1",
         "fieldPath": ".decode.autoscaling.minReplicas",
     },
-    # The portable KV connector moves one engine's whole KV cache; a tensor-parallel
-    # engine holds a shard per rank, so the engine refuses --kv-transfer-config with
-    # TP > 1 (runtime/atom_runtime/kv_transfer). Both roles carry that flag.
-    {
-        "rule": "!has(self.prefill) || !has(self.prefill.tensorParallelSize) "
-        "|| self.prefill.tensorParallelSize == 1",
-        "message": "prefill.tensorParallelSize must be 1: the KV-transfer connector of "
-        "disaggregated mode moves one engine's whole KV cache and refuses tensor "
-        "parallelism",
-        "fieldPath": ".prefill.tensorParallelSize",
-    },
-    {
-        "rule": "!has(self.prefill) || !has(self.decode) "
-        "|| !has(self.decode.tensorParallelSize) || self.decode.tensorParallelSize == 1",
-        "message": "decode.tensorParallelSize must be 1 with a prefill role: the "
-        "KV-transfer connector of disaggregated mode moves one engine's whole KV cache "
-        "and refuses tensor parallelism",
-        "fieldPath": ".decode.tensorParallelSize",
-    },
     {
         "rule": "!has(self.kvTransfer) || has(self.prefill)",
         "message": "kvTransfer needs a prefill role (disaggregated mode)",
