@@ -127,6 +127,35 @@ def _check_autoscaling(autoscaling: dict[str, Any], field: str) -> None:
         )
 
 
+def _check_speculative(spec: dict[str, Any]) -> None:
+    """spec.engine.speculative's CEL rules (schema/engine_features.py and the draft TP rule)."""
+    speculative = spec["engine"].get("speculative")
+    if speculative is None:
+        return
+    field, method = "spec.engine.speculative", speculative["method"]
+    if method == "draft_model" and "model" not in speculative:
+        raise SpecError(f"{field}.model", "method draft_model needs model (the draft model)")
+    if method != "draft_model" and "model" in speculative:
+        raise SpecError(
+            f"{field}.model", f"is for method draft_model ({method} uses the served model)"
+        )
+    lookup = [name for name in ("promptLookupMin", "promptLookupMax") if name in speculative]
+    if method != "ngram" and lookup:
+        raise SpecError(f"{field}.promptLookupMin", "promptLookupMin/Max are for method ngram")
+    low, high = speculative.get("promptLookupMin"), speculative.get("promptLookupMax")
+    if low is not None and high is not None and low > high:
+        raise SpecError(f"{field}.promptLookupMax", f"must be >= promptLookupMin ({low})")
+    draft_tp = speculative.get("draftTensorParallelSize")
+    if draft_tp is not None and method != "draft_model":
+        raise SpecError(f"{field}.draftTensorParallelSize", "is for method draft_model")
+    decode_tp = spec["decode"]["tensorParallelSize"]
+    if draft_tp is not None and draft_tp not in (1, decode_tp):
+        raise SpecError(
+            f"{field}.draftTensorParallelSize",
+            f"must be 1 or decode.tensorParallelSize ({decode_tp}), got {draft_tp}",
+        )
+
+
 def _check_cross_fields(spec: dict[str, Any]) -> None:
     """Mirror of the CRD's CEL rules, on a defaulted spec, with the values in the message."""
     block = spec["engine"]["blockSize"]
@@ -179,6 +208,7 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
             "spec.inferencePool.endpointPicker",
             "an enabled inferencePool needs endpointPicker.name",
         )
+    _check_speculative(spec)
     if "kvTransfer" in spec and "prefill" not in spec:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 

@@ -263,6 +263,7 @@ def test_serve_args_for_an_aggregated_hf_model_in_order():
         "--block-size", "32",
         "--max-model-len", "32768",
         "--tensor-parallel-size", "8",
+        "--compile-cache-dir", "/var/cache/atom/compile",
         "--kv-events-config",
         '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://$(POD_IP):5557",'
         '"replay_endpoint":"tcp://$(POD_IP):5558","topic":"kv@$(POD_IP):5557@qwen3"}',
@@ -411,7 +412,9 @@ def test_pvc_root_and_file_models():
     deployment = render_role_deployment(atomd({"model": {"uri": "file:///models/smol"}}), "decode")
     args = container(deployment)["args"]
     assert (flag(args, "--model"), flag(args, "--served-model-name")) == ("/models/smol", "smol")
-    assert [v["name"] for v in pod(deployment)["volumes"]] == ["dshm", "cache", "tmp", "atom-keys"]
+    assert [v["name"] for v in pod(deployment)["volumes"]] == [
+        "dshm", "cache", "compile-cache", "tmp", "atom-keys"
+    ]  # fmt: skip
 
 
 def test_default_model_has_no_model_flag():
@@ -534,12 +537,14 @@ def test_shm_cache_volumes_and_probes():
     assert pod(deployment)["volumes"] == [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
         {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}},
+        {"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         KEYS_VOLUME,
     ]
     assert container(deployment)["volumeMounts"] == [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": "/var/cache/atom"},
+        {"name": "compile-cache", "mountPath": "/var/cache/atom/compile"},
         {"name": "tmp", "mountPath": "/tmp"},
         KEYS_MOUNT,
     ]

@@ -13,6 +13,8 @@ from atom_operator.spec import parse_model_uri
 
 API_KEY_ENV = "ATOM_API_KEY"
 POD_IP_ENV = "POD_IP"
+# Compiled kernels and autotune results (the compile-cache volume, render/engine_pod.py).
+COMPILE_CACHE_DIR = "/var/cache/atom/compile"
 MODEL_MOUNT = "/mnt/models"
 
 
@@ -55,6 +57,37 @@ def _user_json(value: dict[str, Any]) -> str:
     return literal(_json_arg(value))
 
 
+def speculative_config(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """--speculative-config with vLLM's field names, or None without spec.engine.speculative."""
+    speculative = spec["engine"].get("speculative")
+    if speculative is None:
+        return None
+    names = {
+        "method": "method",
+        "numSpeculativeTokens": "num_speculative_tokens",
+        "model": "model",
+        "promptLookupMin": "prompt_lookup_min",
+        "promptLookupMax": "prompt_lookup_max",
+        "draftTensorParallelSize": "draft_tensor_parallel_size",
+    }
+    return {vllm: speculative[ours] for ours, vllm in names.items() if ours in speculative}
+
+
+def compute_args(spec: dict[str, Any], role: str) -> list[str]:
+    """The flags of spec.engine's compute choices (schema/engine_features.py); speculation on
+    the decode role only (prefill produces one token per request)."""
+    engine = spec["engine"]
+    args = ["--compile-cache-dir", COMPILE_CACHE_DIR]
+    for field, flag in (("quantization", "--quantization"), ("kvCacheDtype", "--kv-cache-dtype"),
+                        ("reasoningParser", "--reasoning-parser")):  # fmt: skip
+        if field in engine:
+            args += [flag, engine[field]]
+    speculative = speculative_config(spec)
+    if speculative is not None and role == "decode":
+        args += ["--speculative-config", _user_json(speculative)]
+    return args
+
+
 def model_argument(spec: dict[str, Any]) -> str | None:
     """What `--model` gets: the hf repo id, the mounted claim path, the image path, or None."""
     source = parse_model_uri(spec["model"].get("uri"))
@@ -81,6 +114,7 @@ def serve_args(spec: dict[str, Any], role: str) -> list[str]:
     if "maxModelLen" in spec["engine"]:
         args += ["--max-model-len", str(spec["engine"]["maxModelLen"])]
     args += ["--tensor-parallel-size", str(role_spec["tensorParallelSize"])]
+    args += compute_args(spec, role)
     if spec["kvEvents"]["enabled"]:
         args += ["--kv-events-config", _json_arg(kv_events_config(spec))]
     checkpoint = spec["stateCheckpoint"]

@@ -14,7 +14,13 @@ from atom_operator.render.container import (
     pod_security,
     tmp_volume_and_mount,
 )
-from atom_operator.render.engine_args import API_KEY_ENV, MODEL_MOUNT, POD_IP_ENV, serve_args
+from atom_operator.render.engine_args import (
+    API_KEY_ENV,
+    COMPILE_CACHE_DIR,
+    MODEL_MOUNT,
+    POD_IP_ENV,
+    serve_args,
+)
 from atom_operator.render.keys import keys_volume, transfer_key_env
 from atom_operator.render.kubelet_expansion import literal
 from atom_operator.render.names import ENGINE_CONTAINER, defaulted_spec
@@ -28,6 +34,7 @@ DEFAULT_ENGINE_RESOURCES = {
     "gpu": {"cpu": "8", "memory": "64Gi"},
 }
 STARTUP_PROBE_PERIOD = 10
+COMPILE_CACHE_VOLUME = "compile-cache"
 
 
 def _user_variable(var: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +84,9 @@ def engine_env(spec: dict[str, Any], role: str) -> list[dict[str, Any]]:
         )
     env += [
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        # Triton's cache on the compile-cache volume, which outlives the container (and, with a
+        # claim, the pod); the runtime's --compile-cache-dir keeps its own results beside it.
+        {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
         # Anything else that caches under ~/.cache (torch hub, ...) on the writable volume.
         {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
     ]
@@ -122,6 +131,15 @@ def _node_affinity(spec: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def compile_cache_volume(spec: dict[str, Any]) -> dict[str, Any]:
+    """spec.engine.compileCache: a claim shared by the replicas, else a size-limited emptyDir."""
+    cache = spec["engine"]["compileCache"]
+    if "pvc" in cache:
+        claim = {"claimName": cache["pvc"]["claimName"]}
+        return {"name": COMPILE_CACHE_VOLUME, "persistentVolumeClaim": claim}
+    return {"name": COMPILE_CACHE_VOLUME, "emptyDir": {"sizeLimit": cache["sizeLimit"]}}
+
+
 def _engine_volumes(
     body: dict[str, Any], spec: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -130,12 +148,15 @@ def _engine_volumes(
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["engine"]["shmSize"]}},
         {"name": "cache", "emptyDir": {"sizeLimit": spec["engine"]["cacheSize"]}},
+        compile_cache_volume(spec),
         tmp_volume,
         keys_volume_,
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
+        # Inside /var/cache/atom, mounted after it.
+        {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_DIR},
         tmp_mount,
         keys_mount,
     ]

@@ -33,3 +33,6 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_./:+-]*$"
 MODEL_NAME_MAX = 253
 # The name of a Secret, ConfigMap or PersistentVolumeClaim (a DNS subdomain).
 OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# A draft model for speculative decoding: a Hugging Face repo id or an absolute path in the pod;
+# it is passed in --speculative-config, so no leading `-` and no `$`.
+DRAFT_MODEL_PATTERN = r"^(/|[A-Za-z0-9_])[A-Za-z0-9_./:+-]*$"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 from atom_operator.schema.api import IMAGE_PATTERN, RESOURCE_NAME_PATTERN
+from atom_operator.schema.engine_features import ENGINE_FEATURES
 from atom_operator.schema.fields import (
     ARGS_LIST,
     ENV_LIST,
@@ -72,6 +73,7 @@ ENGINE = object_field(
             "the operator's flags (so they win).",
         ),  # fmt: skip
         "env": copy.deepcopy(ENV_LIST),
+        **ENGINE_FEATURES,
     },
     default={},
 )
