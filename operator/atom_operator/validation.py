@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from atom_operator.model_source import SOURCE_KINDS, parse_model_uri
 from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
 from atom_operator.schema import ENGINE_HTTP_PORT, SPEC_SCHEMA
 from atom_operator.schema.api import MODEL_NAME_MAX, MODEL_NAME_PATTERN
@@ -19,7 +20,6 @@ from atom_operator.spec import (
     SpecError,
     apply_defaults,
     has_router,
-    parse_model_uri,
     vendor_resource,
 )
 
@@ -127,6 +127,35 @@ def _check_autoscaling(autoscaling: dict[str, Any], field: str) -> None:
         )
 
 
+def _check_model_source(model: dict[str, Any]) -> None:
+    """spec.model's CEL rules (schema/model.py): uri or source; one kind of source; the
+    Hugging Face cache either an existing claim or a size."""
+    if "uri" in model and "source" in model:
+        raise SpecError("spec.model.source", "give model.uri or model.source, not both")
+    source = model.get("source")
+    if source is None:
+        return
+    kinds = [kind for kind in SOURCE_KINDS if kind in source]
+    if len(kinds) != 1:
+        raise SpecError(
+            "spec.model.source.pvc",
+            f"give exactly one of pvc, huggingface, image (got {', '.join(kinds) or 'none'})",
+        )
+    hub = source.get("huggingface")
+    if hub is not None:
+        field = "spec.model.source.huggingface"
+        if ("cachePVC" in hub) == ("size" in hub):
+            raise SpecError(
+                f"{field}.size",
+                "give exactly one of cachePVC (an existing claim) and size (the operator "
+                "creates one)",
+            )
+        if "storageClassName" in hub and "size" not in hub:
+            raise SpecError(
+                f"{field}.storageClassName", "is for the claim the operator creates (size)"
+            )
+
+
 def _check_speculative(spec: dict[str, Any]) -> None:
     """spec.engine.speculative's CEL rules (schema/engine_features.py and the draft TP rule)."""
     speculative = spec["engine"].get("speculative")
@@ -209,6 +238,7 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
             "an enabled inferencePool needs endpointPicker.name",
         )
     _check_speculative(spec)
+    _check_model_source(spec["model"])
     if "kvTransfer" in spec and "prefill" not in spec:
         raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
 

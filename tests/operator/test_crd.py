@@ -289,6 +289,9 @@ def test_there_are_examples():
         "amd-mi300x-disaggregated.yaml",
         "nvidia-h100-aggregated.yaml",
         "cpu-smollm2.yaml",
+        "amd-mi300x-fp8.yaml",
+        "amd-mi300x-deepseek-r1.yaml",
+        "nvidia-h200-gpt-oss-120b.yaml",
     }
     assert len(INVALID_EXAMPLES) >= 8
 

@@ -64,6 +64,13 @@ def test_example_shapes():
     assert _kinds("nvidia-h100-aggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",
     ]  # fmt: skip
+    # A Hugging Face source given a size: the model-cache claim first (created once).
+    assert _kinds("amd-mi300x-deepseek-r1.yaml") == [
+        "PersistentVolumeClaim",
+        "Deployment", "Service", "PodDisruptionBudget",
+        "ServiceAccount", "Role", "RoleBinding",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
+    ]  # fmt: skip
     assert _kinds("cpu-smollm2.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",
     ]  # fmt: skip

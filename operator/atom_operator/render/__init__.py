@@ -15,7 +15,9 @@ AtomDeployment when `metadata.uid` is known:
   spec.inferencePool.enabled;
 - NetworkPolicies over the engine pods and the router's (unless spec.networkPolicy.enabled is
   false): with a router, clients reach only the router;
-- the per-deployment keys Secret (`render.keys`) when the caller passes the keys;
+- the per-deployment keys Secret (`render.keys`) when the caller passes the keys, and the
+  model-cache claim of a Hugging Face source given a size (`render.model_volume`): both
+  created once, never patched (`apply.CREATE_ONLY`);
 - the user-facing Service, in front of the router when there is one, else of the decode pods.
 
 Every container runs with a read-only root filesystem (writable, size-limited emptyDirs for the
@@ -30,6 +32,7 @@ from typing import Any
 from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
 from atom_operator.render.autoscalers import render_hpa, render_scaled_object
 from atom_operator.render.keys import DeploymentKeys, render_keys_secret
+from atom_operator.render.model_volume import render_model_cache_claim
 from atom_operator.render.names import defaulted_spec
 from atom_operator.render.network import render_inference_pool, render_network_policies
 from atom_operator.render.roles import (
@@ -76,6 +79,9 @@ def render_children(
     children: list[dict[str, Any]] = []
     if keys is not None:
         children.append(render_keys_secret(body, keys))
+    claim = render_model_cache_claim(body, spec)
+    if claim is not None:
+        children.append(claim)
     for role in ROLES:
         if role not in spec:
             continue

@@ -7,15 +7,14 @@ from typing import Any
 
 from atom_operator.render.keys import KEYS_MOUNT
 from atom_operator.render.kubelet_expansion import literal, reference
+from atom_operator.render.model_volume import model_argument
 from atom_operator.render.names import is_disaggregated
 from atom_operator.schema import ENGINE_HTTP_PORT
-from atom_operator.spec import parse_model_uri
 
 API_KEY_ENV = "ATOM_API_KEY"
 POD_IP_ENV = "POD_IP"
 # Compiled kernels and autotune results (the compile-cache volume, render/engine_pod.py).
 COMPILE_CACHE_DIR = "/var/cache/atom/compile"
-MODEL_MOUNT = "/mnt/models"
 
 
 def _json_arg(value: dict[str, Any]) -> str:
@@ -86,18 +85,6 @@ def compute_args(spec: dict[str, Any], role: str) -> list[str]:
     if speculative is not None and role == "decode":
         args += ["--speculative-config", _user_json(speculative)]
     return args
-
-
-def model_argument(spec: dict[str, Any]) -> str | None:
-    """What `--model` gets: the hf repo id, the mounted claim path, the image path, or None."""
-    source = parse_model_uri(spec["model"].get("uri"))
-    if source.scheme == "hf":
-        return source.repo_id
-    if source.scheme == "pvc":
-        return f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
-    if source.scheme == "file":
-        return source.path
-    return None
 
 
 def serve_args(spec: dict[str, Any], role: str) -> list[str]:

@@ -17,15 +17,15 @@ from atom_operator.render.container import (
 from atom_operator.render.engine_args import (
     API_KEY_ENV,
     COMPILE_CACHE_DIR,
-    MODEL_MOUNT,
     POD_IP_ENV,
     serve_args,
 )
 from atom_operator.render.keys import keys_volume, transfer_key_env
 from atom_operator.render.kubelet_expansion import literal
+from atom_operator.render.model_volume import download_container, model_mount, model_volume
 from atom_operator.render.names import ENGINE_CONTAINER, defaulted_spec
 from atom_operator.schema import ENGINE_HTTP_PORT
-from atom_operator.spec import RESERVED_ENV, parse_model_uri, vendor_resource
+from atom_operator.spec import RESERVED_ENV, vendor_resource
 
 CACHE_DIR = "/var/cache/atom"
 # CPU and memory every container gets when the spec leaves them out (request = limit).
@@ -160,15 +160,10 @@ def _engine_volumes(
         tmp_mount,
         keys_mount,
     ]
-    source = parse_model_uri(spec["model"].get("uri"))
-    if source.scheme == "pvc":
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
-            }
-        )
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    volume = model_volume(body, spec)
+    if volume is not None:
+        volumes.append(volume)
+        mounts.append(model_mount())
     return volumes, mounts
 
 
@@ -178,6 +173,8 @@ def engine_pod_spec(body: dict[str, Any], role: str) -> dict[str, Any]:
     engine = spec["engine"]
     accelerator = spec["accelerator"]
     volumes, mounts = _engine_volumes(body, spec)
+    _, tmp_mount = tmp_volume_and_mount()
+    download = download_container(body, spec, tmp_mount)
     startup_failures = math.ceil(engine["startupTimeoutSeconds"] / STARTUP_PROBE_PERIOD)
     container = {
         "name": ENGINE_CONTAINER,
@@ -203,6 +200,8 @@ def engine_pod_spec(body: dict[str, Any], role: str) -> dict[str, Any]:
         "containers": [container],
         "volumes": volumes,
     }
+    if download is not None:
+        pod["initContainers"] = [download]
     if engine["imagePullSecrets"]:
         pod["imagePullSecrets"] = copy.deepcopy(engine["imagePullSecrets"])
     affinity = _node_affinity(spec)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from atom_operator.model_source import model_source
 from atom_operator.render.engine_pod import engine_pod_spec, engine_ports
+from atom_operator.render.model_volume import SOURCE_ANNOTATION, source_digest
 from atom_operator.render.names import (
     ENGINE_CONTAINER,
     ROUTER,
@@ -41,7 +43,10 @@ def render_role_deployment(body: dict[str, Any], role: str) -> dict[str, Any]:
             "template": {
                 "metadata": {
                     "labels": labels,
-                    "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER},
+                    "annotations": {
+                        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
+                        SOURCE_ANNOTATION: source_digest(model_source(spec["model"])),
+                    },
                 },
                 "spec": engine_pod_spec(body, role),
             },

@@ -36,3 +36,10 @@ OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 # A draft model for speculative decoding: a Hugging Face repo id or an absolute path in the pod;
 # it is passed in --speculative-config, so no leading `-` and no `$`.
 DRAFT_MODEL_PATTERN = r"^(/|[A-Za-z0-9_])[A-Za-z0-9_./:+-]*$"
+# A Hugging Face repo id (`org/name`, or a bare legacy `name`) and a revision (branch, tag, commit
+# or refs/pr/N): each path segment starts with a letter, digit or `_`, so neither can start with
+# `-` nor climb out of the model directory with `..`.
+HF_REPO_PATTERN = r"^([A-Za-z0-9_][A-Za-z0-9._-]*/)?[A-Za-z0-9_][A-Za-z0-9._-]*$"
+HF_REVISION_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
+# A relative path inside a claim or an image, under the same rule.
+RELATIVE_PATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*/?$"
