@@ -15,7 +15,6 @@ import kopf
 
 from atom_operator import apply, autoscale, envs, status
 from atom_operator.context import HandlerContext, thaw
-from atom_operator.render.names import label_value
 from atom_operator.scrape import pod_is_ready, scrape_engine, scrape_router_demand
 from atom_operator.spec import ROLES, SpecError, apply_defaults, has_router
 from atom_operator.validation import validate_spec
@@ -92,13 +91,8 @@ def _of_role(pods: list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
 
 
 async def _ready_pods(ctx: HandlerContext) -> list[dict[str, Any]] | None:
-    selector = f"{status.DEPLOYMENT_LABEL}={label_value(ctx.name)}"
-    try:
-        pods = await ctx.api().list(f"/api/v1/namespaces/{ctx.namespace}/pods", selector)
-    except apply.ApiError as error:
-        ctx.logger.warning("autoscaler: cannot list pods: %s", error)
-        return None
-    return [p for p in pods if pod_is_ready(p)]
+    pods = await ctx.pods()
+    return None if pods is None else [p for p in pods if pod_is_ready(p)]
 
 
 async def _decide_role(

@@ -95,16 +95,20 @@ class HandlerContext:
         """The operator's configuration (put in the memo at startup, or read from the env)."""
         return self.memo.setdefault("config", OperatorConfig.from_environ())
 
-    async def model_pods(self) -> list[ModelPod] | None:
-        """The engine pods' model state (a label-selected list, no cluster-wide pod watch);
-        None when the API did not answer (ModelReady then keeps its last verdict)."""
+    async def pods(self) -> list[dict[str, Any]] | None:
+        """This AtomDeployment's pods, listed by label (no cluster-wide pod watch); None when
+        the API did not answer (logged; the caller skips this pass)."""
         selector = f"{DEPLOYMENT_LABEL}={label_value(self.name)}"
         try:
-            pods = await self.api().list(f"/api/v1/namespaces/{self.namespace}/pods", selector)
+            return await self.api().list(f"/api/v1/namespaces/{self.namespace}/pods", selector)
         except apply.ApiError as error:
-            self.logger.warning("cannot list the engine pods: %s", error)
+            self.logger.warning("cannot list the pods of %s: %s", self.name, error)
             return None
-        return [p for p in map(summarize_pod, pods) if p is not None]
+
+    async def model_pods(self) -> list[ModelPod] | None:
+        """The engine pods' model state; None when unknown (ModelReady keeps its verdict)."""
+        pods = await self.pods()
+        return None if pods is None else [p for p in map(summarize_pod, pods) if p is not None]
 
     def owned_deployments(self) -> list[status.RoleDeployment]:
         """The index's summaries of the Deployments labelled with this AtomDeployment's name

@@ -20,17 +20,12 @@ POD_ADDRESS = "10.0.0.1"
 def kv_events_problem(args: Iterable[str], env: Iterable[str], *, port: int, model: str) -> str:
     """Why an engine container with these args and env variables does not publish KV events on
     `port` under a `kv@<pod-ip>:<port>@<model>` topic ("" when it does)."""
-    args = list(args)
-    value = None
-    for index, arg in enumerate(args):
-        if arg == KV_EVENTS_FLAG and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(KV_EVENTS_FLAG + "="):
-            value = arg.split("=", 1)[1]
-        elif KV_EVENTS_FLAG in arg and " " in arg:  # a shell script line: `sh -c "... --flag x"`
-            words = shlex.split(arg)
-            if KV_EVENTS_FLAG in words[:-1]:
-                value = words[words.index(KV_EVENTS_FLAG) + 1]
+    words: list[str] = []
+    for arg in args:
+        # A shell script line (`sh -c "... --flag x"`) is read as the words the shell sees.
+        is_script = KV_EVENTS_FLAG in arg and " " in arg and not arg.startswith(KV_EVENTS_FLAG)
+        words += shlex.split(arg) if is_script else [arg]
+    value = _flag_value(words, KV_EVENTS_FLAG)
     if value is None:
         return f"no {KV_EVENTS_FLAG} argument"
     try:
