@@ -16,11 +16,11 @@ COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
 
-# The operator's dependencies are the project's `[operator]` extra (kopf, the Kubernetes client,
-# aiohttp, PyYAML, msgspec, prometheus-client, pyzmq for the per-deployment CurveZMQ keys); the
-# engine's stack (torch and the rest) is not part of the base install. The `atom` dispatcher
-# imports a subcommand's module only when it runs. The last commands fail the build if torch
-# sneaks in or the CLI cannot start.
+# The operator's dependencies are the project's base set and its `[operator]` extra (kopf, the
+# Kubernetes client, aiohttp, PyYAML, msgspec, prometheus-client, setproctitle, and pyzmq for
+# the per-deployment CurveZMQ key pairs); the engine's stack (torch and the rest) is the
+# `[engine]` extra, not installed here. The `atom` dispatcher imports a subcommand's module only
+# when it runs. The last commands fail the build if torch sneaks in or the CLI cannot start.
 RUN python3 -m pip install ".[operator]" \
  && python3 -c "import sys, atom_operator.handlers; assert 'torch' not in sys.modules" \
  && python3 -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch installed'" \

@@ -131,7 +131,7 @@ async def autoscale_pass(ctx: HandlerContext, now: str) -> None:
         return
     before = dict((ctx.body.get("status") or {}).get("autoscaling") or {})
     records: dict[str, Any] = {}
-    timeout = aiohttp.ClientTimeout(total=envs.SCRAPE_TIMEOUT)
+    timeout = aiohttp.ClientTimeout(total=envs.SCRAPE_TIMEOUT.number())
     async with aiohttp.ClientSession(timeout=timeout) as session:
         routed = has_router(spec)
         demand = await scrape_router_demand(session, _of_role(pods, "router")) if routed else None

@@ -140,14 +140,14 @@ async def on_replicas(param: str, reason: str, **kwargs: Any) -> None:
 # --- timers -----------------------------------------------------------------------------------
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=envs.STATUS_INTERVAL)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=envs.STATUS_INTERVAL.number())
 async def fold_children_status(**kwargs: Any) -> None:
     """Fold the children's status into the AtomDeployment's (or reconcile a lagging
     generation: `reconcile.fold_or_reconcile`)."""
     await fold_or_reconcile(HandlerContext.from_kwargs(kwargs))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=envs.AUTOSCALE_INTERVAL, when=is_autoscaled)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=envs.AUTOSCALE_INTERVAL.number(), when=is_autoscaled)
 async def autoscale_roles(**kwargs: Any) -> None:
     """provider builtin: one pass of the built-in autoscaler (`builtin_autoscaler`)."""
     await autoscale_pass(HandlerContext.from_kwargs(kwargs), now())

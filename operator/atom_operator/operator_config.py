@@ -25,7 +25,7 @@ def _labels(text: str) -> tuple[tuple[str, str], ...]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"{envs.POD_LABELS}: {item!r} is not key=value")
+            raise ValueError(f"{envs.POD_LABELS.name}: {item!r} is not key=value")
         pairs.append((key.strip(), value.strip()))
     return tuple(sorted(pairs))
 
@@ -45,11 +45,14 @@ class OperatorConfig:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> OperatorConfig:
+        def read(var: envs.EnvVar) -> str:
+            return (environ.get(var.name, "") or var.default).strip()
+
         return cls(
-            env_secrets=_names(environ.get(envs.ENV_SECRETS, "")),
-            env_config_maps=_names(environ.get(envs.ENV_CONFIG_MAPS, "")),
-            namespace=environ.get(envs.NAMESPACE, "").strip(),
-            pod_labels=_labels(environ.get(envs.POD_LABELS, "")),
+            env_secrets=_names(read(envs.ENV_SECRETS)),
+            env_config_maps=_names(read(envs.ENV_CONFIG_MAPS)),
+            namespace=read(envs.NAMESPACE),
+            pod_labels=_labels(read(envs.POD_LABELS)),
         )
 
     def allowing(
@@ -83,7 +86,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="a Secret that engine.env / <role>.env may read with valueFrom.secretKeyRef "
-        f"(repeatable; added to ${envs.ENV_SECRETS}); none by default",
+        f"(repeatable; added to ${envs.ENV_SECRETS.name}); none by default",
     )
     parser.add_argument(
         "--allow-env-configmap",
@@ -91,7 +94,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="a ConfigMap that engine.env / <role>.env may read with valueFrom.configMapKeyRef "
-        f"(repeatable; added to ${envs.ENV_CONFIG_MAPS}); none by default",
+        f"(repeatable; added to ${envs.ENV_CONFIG_MAPS.name}); none by default",
     )
 
 
