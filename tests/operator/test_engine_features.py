@@ -1,6 +1,6 @@
 """spec.engine's compute choices (FP8 weights and KV cache, speculative decoding, the reasoning
-parser, the compile cache): each lands as vLLM's flag, exactly, on the right roles, and the
-CRD and validate_spec refuse the same broken combinations."""
+parser, the compile cache): each lands as vLLM's flag, exactly, on the right roles. The CRD and
+validate_spec refusing the same broken combinations is in test_crd.py's tables."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import pytest
-from test_crd import assert_accepted_alike, assert_refused_alike, needs_cel
 
 from atom_operator.render.roles import render_role_deployment
 
@@ -86,60 +85,3 @@ def test_compile_cache_is_a_volume_in_every_engine_pod():
             assert value(container["args"], "--compile-cache-dir") == "/var/cache/atom/compile"
             env = {var["name"]: var.get("value") for var in container["env"]}
             assert env["TRITON_CACHE_DIR"] == "/var/cache/atom/compile/triton"
-
-
-BROKEN = [
-    ({"engine": {"quantization": "int4"}}, "spec.engine.quantization"),
-    ({"engine": {"kvCacheDtype": "fp16"}}, "spec.engine.kvCacheDtype"),
-    ({"engine": {"reasoningParser": "r1"}}, "spec.engine.reasoningParser"),
-    ({"engine": {"speculative": {"method": "eagle", "numSpeculativeTokens": 2}}},
-     "spec.engine.speculative.method"),
-    ({"engine": {"speculative": {"method": "ngram"}}},
-     "spec.engine.speculative.numSpeculativeTokens"),
-    ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}},
-     "spec.engine.speculative.numSpeculativeTokens"),
-    ({"engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 2}}},
-     "spec.engine.speculative.model"),
-    ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2, "model": "x/y"}}},
-     "spec.engine.speculative.model"),
-    ({"engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 2,
-                                 "model": "-x"}}},
-     "spec.engine.speculative.model"),
-    ({"engine": {"speculative": {"method": "mtp", "numSpeculativeTokens": 2,
-                                 "promptLookupMin": 2}}},
-     "spec.engine.speculative.promptLookupMin"),
-    ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2,
-                                 "promptLookupMin": 5, "promptLookupMax": 3}}},
-     "spec.engine.speculative.promptLookupMax"),
-    ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2,
-                                 "draftTensorParallelSize": 1}}},
-     "spec.engine.speculative.draftTensorParallelSize"),
-    ({"decode": {"tensorParallelSize": 8},
-      "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 2,
-                                 "model": "x/y", "draftTensorParallelSize": 4}}},
-     "spec.engine.speculative.draftTensorParallelSize"),
-    ({"engine": {"compileCache": {"pvc": {}}}}, "spec.engine.compileCache.pvc.claimName"),
-]  # fmt: skip
-
-GOOD = [
-    {"engine": {"quantization": "fp8", "kvCacheDtype": "fp8"}},
-    {"engine": {"kvCacheDtype": "auto", "reasoningParser": "gpt_oss"}},
-    {"decode": {"tensorParallelSize": 8},
-     "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 4,
-                                "model": "/mnt/models/draft", "draftTensorParallelSize": 8}}},
-    {"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 4,
-                                "promptLookupMin": 3, "promptLookupMax": 3}}},
-    {"engine": {"compileCache": {"pvc": {"claimName": "kernels"}}}},
-]  # fmt: skip
-
-
-@needs_cel
-@pytest.mark.parametrize("spec,field", BROKEN, ids=[f for _, f in BROKEN])
-def test_crd_and_validate_spec_refuse_the_same_field(spec, field):
-    assert_refused_alike(spec, field)
-
-
-@needs_cel
-@pytest.mark.parametrize("spec", GOOD, ids=range(len(GOOD)))
-def test_crd_and_validate_spec_accept_the_same_good_specs(spec):
-    assert_accepted_alike(spec)

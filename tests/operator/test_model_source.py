@@ -1,7 +1,7 @@
 """spec.model.source (pvc, huggingface, image): the volume, the read-only mount, --model, the
-download step and the model-cache claim, each exact and valid Kubernetes; the CRD and
-validate_spec refuse the same broken sources; the download step's shell passes its arguments
-to the real `hf download` untouched."""
+download step and the model-cache claim, each exact and valid Kubernetes; the download step's
+shell passes its arguments to the real `hf download` untouched. (The CRD and validate_spec
+refusing the same broken sources is in test_crd.py's tables.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from test_crd import assert_accepted_alike, assert_refused_alike, needs_cel
 
 from atom_operator.render import render_children
 from atom_operator.render.keys import DeploymentKeys
@@ -143,56 +142,6 @@ def test_the_pod_template_names_its_model_source():
     assert len(set(annotations)) == 3
     assert "initContainers" not in one
     assert "model.name" in DERIVED_DEFAULTS
-
-
-BROKEN = [
-    ({"model": {"uri": "hf://a/b", "source": {"pvc": {"claimName": "m"}}}}, "spec.model.source"),
-    ({"model": {"source": {}}}, "spec.model.source.pvc"),
-    ({"model": {"source": {"pvc": {"claimName": "m"}, "image": {"reference": "r/i:1"}}}},
-     "spec.model.source.pvc"),
-    ({"model": {"source": {"pvc": {}}}}, "spec.model.source.pvc.claimName"),
-    ({"model": {"source": {"pvc": {"claimName": "m", "path": "../etc"}}}},
-     "spec.model.source.pvc.path"),
-    ({"model": {"source": {"huggingface": {"repo": "-rf/x", "size": "1Gi"}}}},
-     "spec.model.source.huggingface.repo"),
-    ({"model": {"source": {"huggingface": {"repo": "a/b", "revision": "$(X)", "size": "1Gi"}}}},
-     "spec.model.source.huggingface.revision"),
-    ({"model": {"source": {"huggingface": {"repo": "a/b"}}}},
-     "spec.model.source.huggingface.size"),
-    ({"model": {"source": {"huggingface": {"repo": "a/b", "size": "1Gi",
-                                           "cachePVC": {"claimName": "c"}}}}},
-     "spec.model.source.huggingface.size"),
-    ({"model": {"source": {"huggingface": {"repo": "a/b", "cachePVC": {"claimName": "c"},
-                                           "storageClassName": "fast"}}}},
-     "spec.model.source.huggingface.storageClassName"),
-    ({"model": {"source": {"huggingface": {"repo": "a/b", "size": "1Gi",
-                                           "accessMode": "ReadMany"}}}},
-     "spec.model.source.huggingface.accessMode"),
-    ({"model": {"source": {"image": {"reference": "r/i:1", "pullPolicy": "Sometimes"}}}},
-     "spec.model.source.image.pullPolicy"),
-    ({"model": {"source": {"image": {}}}}, "spec.model.source.image.reference"),
-]  # fmt: skip
-
-GOOD = [
-    {"model": {"source": {"pvc": {"claimName": "m", "path": "org/model-1.5/"}}}},
-    {"model": {"source": {"huggingface": {"repo": "gpt2", "size": 10737418240}}}},
-    {"model": {"source": {"huggingface": {"repo": "a/b", "revision": "refs/pr/1",
-                                          "size": "1Gi", "storageClassName": "nfs",
-                                          "accessMode": "ReadWriteOnce"}}}},
-    {"model": {"source": {"image": {"reference": "r.io/m@sha256:" + "a" * 64, "pullPolicy": "Always"}}}},
-]  # fmt: skip
-
-
-@needs_cel
-@pytest.mark.parametrize("spec,field", BROKEN, ids=[f for _, f in BROKEN])
-def test_crd_and_validate_spec_refuse_the_same_field(spec, field):
-    assert_refused_alike(spec, field)
-
-
-@needs_cel
-@pytest.mark.parametrize("spec", GOOD, ids=range(len(GOOD)))
-def test_crd_and_validate_spec_accept_the_same_good_sources(spec):
-    assert_accepted_alike(spec)
 
 
 def _run_download_step(
