@@ -105,7 +105,11 @@ def download_container(
         args += ["--revision", literal(source.revision)]
     args += ["--local-dir", literal(hf_directory(source))]
     env: list[dict[str, Any]] = [
-        {"name": "HF_HOME", "value": "/tmp/huggingface"},  # hf's own token/lock bookkeeping
+        {"name": "HF_HOME", "value": "/tmp/huggingface"},  # hf's own small bookkeeping
+        # The Xet transfer's caches (10 GB of chunks, more of shards by default) would overflow
+        # the 1Gi /tmp: no chunk cache, the shards on the claim beside the model.
+        {"name": "HF_XET_CHUNK_CACHE_SIZE_BYTES", "value": "0"},
+        {"name": "HF_XET_CACHE", "value": f"{MODEL_MOUNT}/.cache/xet"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
     token = hub.get("tokenSecret")
