@@ -16,19 +16,16 @@ COPY runtime runtime
 COPY kernels kernels
 COPY operator operator
 
-# pyproject.toml lists one dependency set for the whole distribution, torch and the engine's
-# stack included (gigabytes). The operator imports none of it: the `atom` dispatcher imports a
-# subcommand's module only when that subcommand runs, and atom_operator needs kopf, the
-# Kubernetes client and PyYAML. So install the project with --no-deps and then exactly those
-# (the same lower bounds as pyproject.toml); the `atom` console script still comes with it.
-# msgspec too: the console script imports the atom_runtime package, whose __init__ exports
-# SamplingParams (a msgspec Struct). The last two commands fail the build if torch sneaks in or
-# the CLI cannot start.
-RUN python3 -m pip install --no-deps . \
- && python3 -m pip install "kopf>=1.37" "kubernetes>=29" "pyyaml>=6" "msgspec>=0.18" \
-    "prometheus-client>=0.20" \
+# The operator's dependencies are the project's base set and its `[operator]` extra (kopf, the
+# Kubernetes client, aiohttp, PyYAML, msgspec, prometheus-client, setproctitle, and pyzmq for
+# the per-deployment CurveZMQ key pairs); the engine's stack (torch and the rest) is the
+# `[engine]` extra, not installed here. The `atom` dispatcher imports a subcommand's module only
+# when it runs. The last commands fail the build if torch sneaks in or the CLI cannot start.
+RUN python3 -m pip install ".[operator]" \
  && python3 -c "import sys, atom_operator.handlers; assert 'torch' not in sys.modules" \
+ && python3 -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch installed'" \
  && atom render --help >/dev/null \
+ && atom operator run --help >/dev/null \
  && rm -rf /opt/atom/src
 
 RUN groupadd --gid 1000 atom \

@@ -14,6 +14,11 @@ differ, as a merge patch replaces lists. Keys dropped from a later render are no
 the live object (a merge patch only removes what it names as null); the children's shapes are
 fixed by the renderer, so this only matters for user-set labels and annotations.
 
+Secrets and PersistentVolumeClaims are created once and never patched (`CREATE_ONLY`): a
+Secret's keys must not change under the pods that hold them, a claim's storage is not
+re-specified. They are created with a plain POST, an existing one (409) left as it is, so the
+operator needs `create` on Secrets and never `get`: it cannot read any Secret.
+
 The pure part (`merge_patch`, `resource_path`) is separate from the HTTP part (`KubeAPI`,
 `apply_children`, `scale_deployment`) so it can be tested without a server.
 """
@@ -43,7 +48,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("v1", "Secret"): "secrets",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
 }
+# Created when absent, never patched, never pruned (the owner reference garbage-collects them).
+CREATE_ONLY = {("v1", "Secret"), ("v1", "PersistentVolumeClaim")}
 # Kinds a cluster may not serve (KEDA, the Inference Extension not installed): nothing of
 # theirs to prune there.
 OPTIONAL_KINDS = {
@@ -232,9 +241,23 @@ def _status_message(text: str) -> str:
     return text[:500]
 
 
+async def create_once(api: KubeAPI, rendered: Mapping[str, Any]) -> Applied:
+    """Create a CREATE_ONLY child unless an object of that name exists (then: unchanged)."""
+    kind, name = rendered["kind"], rendered["metadata"]["name"]
+    try:
+        await api.create(rendered)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        return Applied(kind, name, "unchanged")
+    return Applied(kind, name, "created")
+
+
 async def apply_child(api: KubeAPI, rendered: Mapping[str, Any], uid: str) -> Applied:
     """Create the child or patch the fields that differ; refuse objects owned by someone else."""
     kind, name = rendered["kind"], rendered["metadata"]["name"]
+    if (rendered.get("apiVersion"), kind) in CREATE_ONLY:
+        return await create_once(api, rendered)
     path = resource_path(rendered)
     live = await api.get(path)
     if live is None:
@@ -273,6 +296,8 @@ async def prune_children(
     keep = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in rendered}
     deleted: list[Applied] = []
     for (api_version, kind), plural in PLURALS.items():
+        if (api_version, kind) in CREATE_ONLY:
+            continue
         prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         collection = f"{prefix}/namespaces/{namespace}/{plural}"
         try:

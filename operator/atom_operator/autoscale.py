@@ -290,6 +290,30 @@ def _window(history: History, now: float, keep: float) -> tuple[tuple[float, int
     return tuple((t, r) for t, r in history.recommendations if now - t <= keep)
 
 
+def _stabilized(
+    policy: Policy, history: History, now: float, current: int, recommended: int
+) -> tuple[int, str]:
+    """The replicas to move to from `current` toward `recommended`, and how ("surge",
+    "scale-up", "scale-down", "steady"): a rise holds until its whole stabilization window
+    agrees (a surge acts at once), a fall until every recommendation of its window agrees, and
+    one decision moves at most maxStep (a surge may double)."""
+    surge = recommended >= SURGE_RATIO * current
+    if recommended > current:
+        if surge:
+            stable, mode = recommended, "surge"
+        else:
+            ups = [r for t, r in _window(history, now, policy.scale_up_stabilization_s)]
+            stable, mode = min([*ups, recommended]), "scale-up"
+        step = max(policy.max_step, current) if surge else policy.max_step
+        # A window whose smallest recommendation is below `current` holds, never shrinks.
+        return min(max(stable, current), current + step), mode
+    if recommended < current:
+        downs = [r for t, r in _window(history, now, policy.scale_down_stabilization_s)]
+        stable = max([*downs, recommended])
+        return max(min(stable, current), current - policy.max_step), "scale-down"
+    return current, "steady"
+
+
 def decide(
     policy: Policy,
     *,
@@ -325,10 +349,7 @@ def decide(
             History(recommendations=window, idle_since=idle, ttft_buckets=ttft_seen),
         )
 
-    if router_queued is not None:
-        base_metrics: dict[str, float] = {"routerQueued": queued}
-    else:
-        base_metrics = {}
+    base_metrics = {"routerQueued": queued} if router_queued is not None else {}
 
     if current == 0:
         if queued > 0:
@@ -364,22 +385,7 @@ def decide(
     if low == 0 and idle and idle_since is not None:
         why += f"; idle {now - idle_since:g}s of {policy.scale_to_zero_after_s:g}s before zero"
     floor = max(1, low)  # zero only through the idle timer above
-    surge = recommended >= SURGE_RATIO * current
-    if recommended > current:
-        if surge:
-            stable, mode = recommended, "surge"
-        else:
-            ups = [r for t, r in _window(history, now, policy.scale_up_stabilization_s)]
-            stable, mode = min([*ups, recommended]), "scale-up"
-        step = max(policy.max_step, current) if surge else policy.max_step
-        # A window whose smallest recommendation is below `current` holds, never shrinks.
-        target = min(max(stable, current), current + step)
-    elif recommended < current:
-        downs = [r for t, r in _window(history, now, policy.scale_down_stabilization_s)]
-        stable, mode = max([*downs, recommended]), "scale-down"
-        target = max(min(stable, current), current - policy.max_step)
-    else:
-        target, mode = current, "steady"
+    target, mode = _stabilized(policy, history, now, current, recommended)
     desired = min(high, max(floor, target))
     if desired == current and mode != "steady":
         why += f" ({mode} held by stabilization)" if target == current else ""

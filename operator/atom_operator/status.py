@@ -9,6 +9,8 @@ Conditions (each with status, reason, message, lastTransitionTime, observedGener
 lastTransitionTime changes only when status changes):
 
 - `SpecValid`      the spec passes `validate_spec`; False names the field.
+- `ModelReady`     (valid specs) the engine pods of the current model source have their model:
+                   mounted, downloaded or loaded (`model_readiness`); not part of Ready.
 - `DecodeReady`    the decode Deployment has rolled out and all its desired pods are ready.
 - `PrefillReady`   the same for prefill (only in disaggregated mode, i.e. spec.prefill set).
 - `RouterReady`    the same for the router (only when there is one: spec.router.enabled, always
@@ -24,15 +26,10 @@ lastTransitionTime changes only when status changes):
                    (read from status.autoscaling, which the autoscaler writes).
 - `Ready`          True only when the spec is valid, the operator has applied the current
                    generation (status.observedGeneration == metadata.generation) and every
-                   condition above that applies is True. Never earlier.
+                   role condition and KVEventsWired (when enabled) is True. Never earlier.
 
-A role is ready when its Deployment exists, is owned by this AtomDeployment, its controller
-has observed the Deployment's generation, no pods of an older template remain, and
-updatedReplicas, readyReplicas >= the desired replicas (spec.replicas of the Deployment, which
-an HPA may own) >= 1. Its condition's reason says where it stands: DeploymentMissing,
-RolloutFailed, ScaledToZero, RollingOut (old pods or an unobserved generation), PodsStarting
-(updated pods still becoming ready), PodsNotReady (the controller finished the rollout, yet
-pods are not ready: crashed or failing probes), AllPodsReady.
+A role's verdict is `role_deployment.role_state`; KV-event wiring is read back from the
+containers' args by `kv_events_wiring`. Each condition has its own function below.
 
 Phase, first match wins:
 
@@ -41,7 +38,8 @@ Phase, first match wins:
 - `Degraded`     a role's Deployment reports a failure (ProgressDeadlineExceeded,
                  ReplicaFailure), or a role finished rolling out yet has fewer ready pods than
                  desired (PodsNotReady), or KV events are enabled but every role exists and
-                 some engine Deployment's args do not wire them.
+                 some engine Deployment's args do not wire them, or the model's download step
+                 failed (ModelReady DownloadFailed).
 - `Pending`      a role's Deployment does not exist (yet), or a role wants zero pods.
 - `Progressing`  everything exists and is rolling out, or the operator has not yet applied
                  the current generation.
@@ -51,27 +49,38 @@ Phase, first match wins:
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from atom_operator.render import role_selector_string
-from atom_operator.spec import SpecError, apply_defaults, has_router, validate_spec
+from atom_operator.kv_events_wiring import kv_events_problem, router_kv_events_problem
+from atom_operator.model_readiness import ModelPod, model_ready
+from atom_operator.model_source import model_source
+from atom_operator.operator_config import DEFAULT_CONFIG, OperatorConfig
+from atom_operator.render.model_volume import source_digest
+from atom_operator.render.names import DEPLOYMENT_LABEL, ROLE_LABEL, role_selector_string
+from atom_operator.role_deployment import (
+    RoleDeployment,
+    RoleState,
+    role_state,
+    summarize_deployment,
+)
+from atom_operator.spec import SpecError, apply_defaults, has_router
+from atom_operator.validation import validate_spec
 
-DEPLOYMENT_LABEL = "serving.atom.dev/deployment"
-ROLE_LABEL = "serving.atom.dev/role"
+__all__ = [
+    "DEPLOYMENT_LABEL",
+    "ROLE_LABEL",
+    "RoleDeployment",
+    "fold_status",
+    "status_changes",
+    "summarize_deployment",
+]
+
 ROLE_CONDITIONS = {"decode": "DecodeReady", "prefill": "PrefillReady", "router": "RouterReady"}
 ENGINE_ROLES = ("decode", "prefill")
-ENGINE_CONTAINER = "engine"
-ROUTER_CONTAINER = "router"
-KV_EVENTS_FLAG = "--kv-events-config"
-# `atom router`'s KV-event flags and their defaults (RouterConfig in
-# runtime/atom_runtime/router/app.py; tests/test_render_to_serve.py checks they agree).
-ROUTER_KV_PORT_FLAGS = {"--kv-events-port": 5557, "--kv-events-replay-port": 5558}
 CONDITION_ORDER = (
     "SpecValid",
+    "ModelReady",
     "DecodeReady",
     "PrefillReady",
     "RouterReady",
@@ -82,175 +91,31 @@ CONDITION_ORDER = (
 
 
 @dataclasses.dataclass(frozen=True)
-class RoleDeployment:
-    """What the status needs to know about one child Deployment (kept in the kopf index)."""
+class Verdict:
+    """One condition before it is dated: True/False, reason, message, the generation it is
+    about."""
 
-    name: str
-    role: str
-    owner_uid: str | None
-    generation: int
-    desired: int
-    replicas: int = 0
-    ready: int = 0
-    updated: int = 0
-    observed_generation: int = 0
-    selector: str = ""
-    failure: str = ""  # a controller-reported failure, "" when there is none
-    rollout_complete: bool = False  # the controller says the newest ReplicaSet is available
-    args: tuple[str, ...] = ()  # the engine container's command and args
-    env: tuple[str, ...] = ()  # names of the engine container's environment variables
-
-
-def label_selector(match_labels: Mapping[str, str]) -> str:
-    """`k1=v1,k2=v2` (sorted), the string form HPAs and the scale subresource read."""
-    return ",".join(f"{key}={value}" for key, value in sorted(match_labels.items()))
-
-
-def summarize_deployment(obj: Mapping[str, Any]) -> RoleDeployment | None:
-    """The `RoleDeployment` of a live Deployment, or None when it carries no role label."""
-    meta = obj.get("metadata") or {}
-    role = (meta.get("labels") or {}).get(ROLE_LABEL)
-    if not role:
-        return None
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    owner = next(
-        (ref.get("uid") for ref in meta.get("ownerReferences") or [] if ref.get("controller")),
-        None,
-    )
-    failure, complete = "", False
-    for condition in status.get("conditions") or []:
-        kind, state, reason = (
-            condition.get("type"),
-            condition.get("status"),
-            condition.get("reason"),
-        )
-        if kind == "Progressing" and state == "True" and reason == "NewReplicaSetAvailable":
-            complete = True
-        if (kind == "Progressing" and state == "False") or (
-            kind == "ReplicaFailure" and state == "True"
-        ):
-            failure = f"{reason or kind}: {condition.get('message', '')}".rstrip(": ")
-    containers = (spec.get("template") or {}).get("spec", {}).get("containers") or [{}]
-    engine = next(
-        (c for c in containers if c.get("name") in (ENGINE_CONTAINER, ROUTER_CONTAINER)),
-        containers[0],
-    )
-    args = [str(a) for a in (engine.get("command") or []) + (engine.get("args") or [])]
-    return RoleDeployment(
-        name=meta.get("name", ""),
-        role=role,
-        owner_uid=owner,
-        generation=int(meta.get("generation") or 0),
-        desired=int(spec.get("replicas", 1)),  # the API server defaults a missing value to 1
-        replicas=int(status.get("replicas") or 0),
-        ready=int(status.get("readyReplicas") or 0),
-        updated=int(status.get("updatedReplicas") or 0),
-        observed_generation=int(status.get("observedGeneration") or 0),
-        selector=label_selector((spec.get("selector") or {}).get("matchLabels") or {}),
-        failure=failure,
-        rollout_complete=complete,
-        args=tuple(args),
-        env=tuple(str(var.get("name")) for var in engine.get("env") or []),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleState:
-    """One role's verdict: a condition (status/reason/message) plus how it weighs on phase."""
-
+    kind: str
     ready: bool
     reason: str
     message: str
-    degraded: bool = False
-    pending: bool = False
+    generation: int | None
 
 
-def role_state(
-    role: str, deployment: RoleDeployment | None, *, zero_by_design: bool = False
-) -> RoleState:
-    """One role's verdict. `zero_by_design`: the role autoscales with minReplicas 0 behind the
-    router, so zero pods is a healthy resting state (requests wait at the router), not Pending."""
-    if deployment is None:
-        return RoleState(False, "DeploymentMissing", f"no {role} Deployment yet", pending=True)
-    d = deployment
-    counts = f"{d.ready}/{d.desired} ready, {d.updated}/{d.desired} updated"
-    if d.failure:
-        return RoleState(False, "RolloutFailed", f"{d.name}: {d.failure}", degraded=True)
-    if d.desired == 0 and zero_by_design and d.replicas == 0:
-        message = f"{d.name} scaled to zero while idle; the router holds requests until a pod is up"
-        return RoleState(True, "ScaledToZero", message)
-    if d.desired == 0:
-        return RoleState(False, "ScaledToZero", f"{d.name} wants 0 pods", pending=True)
-    if d.observed_generation < d.generation or d.updated < d.desired or d.replicas > d.updated:
-        old = d.replicas - d.updated
-        extra = f", {old} old pod(s) left" if old > 0 else ""
-        return RoleState(False, "RollingOut", f"{d.name}: {counts}{extra}")
-    if d.ready < d.desired and d.rollout_complete:
-        return RoleState(False, "PodsNotReady", f"{d.name}: {counts}", degraded=True)
-    if d.ready < d.desired:
-        return RoleState(False, "PodsStarting", f"{d.name}: {counts}")
-    return RoleState(True, "AllPodsReady", f"{d.name}: {d.ready}/{d.desired} pods ready")
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What every condition is computed from: the spec (defaulted when valid), its error, the
+    roles that apply, the owned Deployments and each role's verdict."""
 
-
-def kv_events_problem(args: Iterable[str], env: Iterable[str], *, port: int, model: str) -> str:
-    """Why an engine container with these args and env variables does not publish KV events on
-    `port` under a `kv@<pod-ip>:<port>@<model>` topic ("" when it does)."""
-    args = list(args)
-    value = None
-    for index, arg in enumerate(args):
-        if arg == KV_EVENTS_FLAG and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(KV_EVENTS_FLAG + "="):
-            value = arg.split("=", 1)[1]
-        elif KV_EVENTS_FLAG in arg and " " in arg:  # a shell script line: `sh -c "... --flag x"`
-            words = shlex.split(arg)
-            if KV_EVENTS_FLAG in words[:-1]:
-                value = words[words.index(KV_EVENTS_FLAG) + 1]
-    if value is None:
-        return f"no {KV_EVENTS_FLAG} argument"
-    try:
-        config = json.loads(value)
-    except ValueError:
-        return f"{KV_EVENTS_FLAG} is not JSON: {value!r}"
-    if not isinstance(config, dict):
-        return f"{KV_EVENTS_FLAG} is not a JSON object"
-    endpoint, topic = str(config.get("endpoint") or ""), str(config.get("topic") or "")
-    if not endpoint.endswith(f":{port}"):
-        return f"publisher endpoint {endpoint!r} is not on spec.kvEvents.port {port}"
-    if not re.fullmatch(rf"kv@[^@:]+:{port}@{re.escape(model)}", topic):
-        return f"topic {topic!r} is not kv@<pod-ip>:{port}@{model}"
-    for variable in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", topic):
-        if variable not in env:
-            return f"topic {topic!r} refers to $({variable}), which the container does not set"
-    return ""
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    """The value of the last `flag V` or `flag=V` in `args` (argparse keeps the last), or None."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg == flag and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def router_kv_events_problem(args: Iterable[str], *, port: int, replay_port: int) -> str:
-    """Why a router container with these args does not subscribe to the decode pods' KV events
-    on `port` and replay on `replay_port` ("" when it does)."""
-    args = list(args)
-    problems = []
-    for (flag, default), want in zip(
-        ROUTER_KV_PORT_FLAGS.items(), (port, replay_port), strict=True
-    ):
-        value = _flag_value(args, flag)
-        got = default if value is None else value
-        if str(got) != str(want):
-            shown = f"{flag} {value}" if value is not None else f"no {flag} (default {default})"
-            problems.append(f"{shown}, spec.kvEvents wants {want}")
-    return "; ".join(problems)
+    spec: Mapping[str, Any]
+    spec_error: SpecError | None
+    pods: list[ModelPod] | None  # the engine pods' model state; None: not known this time
+    generation: int | None
+    applied_generation: int | None
+    roles: list[str]
+    owned: dict[str, RoleDeployment]
+    states: dict[str, RoleState]
+    old_status: Mapping[str, Any]
 
 
 def _condition(
@@ -299,6 +164,172 @@ def _spec_desired(spec: Mapping[str, Any], role: str) -> int:
     return int(section.get("replicas", 1))
 
 
+def observe(
+    body: Mapping[str, Any],
+    deployments: Iterable[RoleDeployment],
+    applied_generation: int | None,
+    config: OperatorConfig = DEFAULT_CONFIG,
+    pods: Iterable[ModelPod] | None = None,
+) -> Observed:
+    """Validate the spec, pick the Deployments this AtomDeployment owns and judge each role."""
+    meta = body.get("metadata") or {}
+    raw_spec = body.get("spec") or {}
+    spec_error: SpecError | None = None
+    try:
+        validate_spec(dict(raw_spec), config)
+        spec = apply_defaults(dict(raw_spec))
+    except SpecError as exc:
+        spec_error, spec = exc, dict(raw_spec)
+    owned: dict[str, RoleDeployment] = {}
+    for deployment in deployments:
+        if deployment.owner_uid == meta.get("uid") and deployment.role not in owned:
+            owned[deployment.role] = deployment
+    routed = has_router(spec)
+    roles = ["decode"] + (["prefill"] if "prefill" in spec else []) + (["router"] if routed else [])
+
+    def zero_by_design(role: str) -> bool:
+        autoscaling = (spec.get(role) or {}).get("autoscaling") or {}
+        return bool(spec_error is None and routed and autoscaling.get("enabled")
+                    and autoscaling.get("minReplicas") == 0)  # fmt: skip
+
+    states = {role: role_state(role, owned.get(role), zero_by_design=zero_by_design(role))
+              for role in roles}  # fmt: skip
+    return Observed(spec, spec_error, None if pods is None else list(pods), meta.get("generation"),
+                    applied_generation, roles, owned, states, body.get("status") or {})  # fmt: skip
+
+
+def spec_valid(seen: Observed) -> Verdict:
+    if seen.spec_error is None:
+        return Verdict("SpecValid", True, "Valid", "the spec is valid", seen.generation)
+    return Verdict("SpecValid", False, "InvalidSpec", str(seen.spec_error), seen.generation)
+
+
+def model_ready_verdict(seen: Observed) -> Verdict | None:
+    """ModelReady (model_readiness.py); None for an invalid spec, or when the pods are not
+    known this time and there is no earlier verdict to keep."""
+    if seen.spec_error is not None:
+        return None
+    if seen.pods is None:
+        before = next((c for c in seen.old_status.get("conditions") or []
+                       if c.get("type") == "ModelReady"), None)  # fmt: skip
+        if before is None:
+            return None
+        return Verdict("ModelReady", before.get("status") == "True", before.get("reason", ""),
+                       before.get("message", ""), before.get("observedGeneration"))  # fmt: skip
+    source = model_source(seen.spec["model"])
+    ready, reason, message = model_ready(source, source_digest(source), seen.pods)
+    return Verdict("ModelReady", ready, reason, message, seen.applied_generation)
+
+
+def role_ready(seen: Observed, role: str) -> Verdict:
+    state = seen.states[role]
+    kind = ROLE_CONDITIONS[role]
+    return Verdict(kind, state.ready, state.reason, state.message, seen.applied_generation)
+
+
+def kv_events_wiring_problems(seen: Observed) -> list[str]:
+    """What keeps the engines' and the router's args from wiring KV events as the spec says."""
+    events = seen.spec.get("kvEvents") or {}
+    port, replay = int(events.get("port", 5557)), int(events.get("replayPort", 5558))
+    model = str((seen.spec.get("model") or {}).get("name", ""))
+    problems = []
+    for role in (r for r in ENGINE_ROLES if r in seen.roles):
+        deployment = seen.owned.get(role)
+        if deployment is None:
+            problems.append(f"{role}: no Deployment yet")
+            continue
+        problem = kv_events_problem(deployment.args, deployment.env, port=port, model=model)
+        if problem:
+            problems.append(f"{role} ({deployment.name}): {problem}")
+    if "router" in seen.roles:
+        router = seen.owned.get("router")
+        if router is None:
+            problems.append("router: no Deployment yet")
+        else:
+            problem = router_kv_events_problem(router.args, port=port, replay_port=replay)
+            if problem:
+                problems.append(f"router ({router.name}): {problem}")
+    return problems
+
+
+def kv_events_enabled(seen: Observed) -> bool:
+    return bool((seen.spec.get("kvEvents") or {}).get("enabled", True))
+
+
+def kv_events_wired(seen: Observed, problems: list[str]) -> Verdict:
+    gen = seen.applied_generation
+    if not kv_events_enabled(seen):
+        return Verdict("KVEventsWired", False, "Disabled", "spec.kvEvents.enabled is false", gen)
+    if problems:
+        return Verdict("KVEventsWired", False, "ArgsMissing", "; ".join(problems), gen)
+    events = seen.spec.get("kvEvents") or {}
+    message = f"engine pods publish on port {events.get('port', 5557)}"
+    if "router" in seen.roles:
+        message += (
+            f"; the router subscribes on {events.get('port', 5557)} "
+            f"(replay {events.get('replayPort', 5558)})"
+        )
+    return Verdict("KVEventsWired", True, "ArgsWired", message, gen)
+
+
+def scaling_limited(seen: Observed) -> Verdict | None:
+    """Only while a role autoscales with provider builtin: whether its last decision wanted more
+    than maxReplicas (read from status.autoscaling, which the autoscaler writes)."""
+    builtin = [
+        role
+        for role in ENGINE_ROLES
+        if role in seen.roles
+        and ((seen.spec.get(role) or {}).get("autoscaling") or {}).get("enabled")
+        and ((seen.spec.get(role) or {}).get("autoscaling") or {}).get("provider") == "builtin"
+    ]
+    if not builtin or seen.spec_error is not None:
+        return None
+    decisions = seen.old_status.get("autoscaling") or {}
+    limited = [
+        f"{role}: {(decisions.get(role) or {}).get('reason', '')}"
+        for role in builtin
+        if (decisions.get(role) or {}).get("limited") == "max"
+    ]
+    gen = seen.applied_generation
+    if limited:
+        return Verdict("ScalingLimited", True, "AtMaxReplicas", "; ".join(limited), gen)
+    message = f"{', '.join(builtin)} within [minReplicas, maxReplicas]"
+    return Verdict("ScalingLimited", False, "WithinLimits", message, gen)
+
+
+def ready(seen: Observed, kv_problems: list[str]) -> Verdict:
+    gen = seen.applied_generation
+    not_ready = [ROLE_CONDITIONS[r] for r in seen.roles if not seen.states[r].ready]
+    if seen.spec_error is not None:
+        return Verdict("Ready", False, "SpecInvalid", str(seen.spec_error), gen)
+    if seen.applied_generation != seen.generation:
+        message = f"generation {seen.generation} is not applied yet (applied: {gen})"
+        return Verdict("Ready", False, "Reconciling", message, gen)
+    if not_ready:
+        return Verdict("Ready", False, "ComponentsNotReady", f"not ready: {', '.join(not_ready)}",
+                       gen)  # fmt: skip
+    if kv_events_enabled(seen) and kv_problems:
+        return Verdict("Ready", False, "KVEventsNotWired", "; ".join(kv_problems), gen)
+    return Verdict("Ready", True, "AllComponentsReady", f"ready: {', '.join(seen.roles)}", gen)
+
+
+def phase(
+    seen: Observed, is_ready: bool, kv_problems: list[str], model: Verdict | None = None
+) -> str:
+    states = seen.states.values()
+    if seen.spec_error is not None:
+        return "Failed"
+    if (
+        (model is not None and model.reason == "DownloadFailed")
+        or any(s.degraded for s in states)
+        or (kv_events_enabled(seen) and kv_problems and not any(s.pending for s in states))
+    ):
+        return "Degraded"
+    if any(s.pending for s in states):
+        return "Pending"
+    return "Ready" if is_ready else "Progressing"
+
+
 def fold_status(
     body: Mapping[str, Any],
     deployments: Iterable[RoleDeployment],
@@ -306,169 +337,46 @@ def fold_status(
     applied_generation: int | None,
     endpoint: str | None,
     now: str,
+    config: OperatorConfig = DEFAULT_CONFIG,
+    pods: Iterable[ModelPod] | None = None,
 ) -> dict[str, Any]:
     """The whole status for `body`, except observedGeneration (which only the appliers write).
 
     `applied_generation` is the generation the operator last applied (status.observedGeneration,
     or the current one when the caller has just applied it); `endpoint` the Service URL, None
-    to keep the current one (the spec may be too broken to compute it).
+    to keep the current one (the spec may be too broken to compute it); `config` the operator's
+    configuration the spec is validated against; `pods` the engine pods' model state
+    (`model_readiness.summarize_pod`), None when it could not be read this time.
     """
-    meta = body.get("metadata") or {}
-    generation = meta.get("generation")
-    uid = meta.get("uid")
-    old_status = body.get("status") or {}
-    previous = {c.get("type"): c for c in old_status.get("conditions") or [] if c.get("type")}
-    raw_spec = body.get("spec") or {}
-
-    spec_error: SpecError | None = None
-    try:
-        validate_spec(dict(raw_spec))
-        spec = apply_defaults(dict(raw_spec))
-    except SpecError as exc:
-        spec_error = exc
-        spec = dict(raw_spec)
-
-    owned: dict[str, RoleDeployment] = {}
-    for deployment in deployments:
-        if deployment.owner_uid == uid and deployment.role not in owned:
-            owned[deployment.role] = deployment
-
-    routed = has_router(spec)
-    roles = ["decode"] + (["prefill"] if "prefill" in spec else []) + (["router"] if routed else [])
-
-    def zero_by_design(role: str) -> bool:
-        autoscaling = (spec.get(role) or {}).get("autoscaling") or {}
-        return bool(
-            spec_error is None
-            and routed
-            and autoscaling.get("enabled")
-            and autoscaling.get("minReplicas") == 0
-        )
-
-    states = {
-        role: role_state(role, owned.get(role), zero_by_design=zero_by_design(role))
-        for role in roles
-    }
-
-    conditions: list[dict[str, Any]] = []
-
-    def add(kind: str, ready: bool, reason: str, message: str, gen: int | None) -> None:
-        conditions.append(_condition(kind, ready, reason, message, gen, previous, now))
-
-    if spec_error is None:
-        add("SpecValid", True, "Valid", "the spec is valid", generation)
-    else:
-        add("SpecValid", False, "InvalidSpec", str(spec_error), generation)
-    for role in roles:
-        state = states[role]
-        add(ROLE_CONDITIONS[role], state.ready, state.reason, state.message, applied_generation)
-
-    kv_events = spec.get("kvEvents") or {}
-    kv_enabled = bool(kv_events.get("enabled", True))
-    kv_problems: list[str] = []
-    if not kv_enabled:
-        add(
-            "KVEventsWired", False, "Disabled", "spec.kvEvents.enabled is false", applied_generation
-        )
-    else:
-        for role in (r for r in ENGINE_ROLES if r in roles):
-            deployment = owned.get(role)
-            if deployment is None:
-                kv_problems.append(f"{role}: no Deployment yet")
-                continue
-            problem = kv_events_problem(
-                deployment.args,
-                deployment.env,
-                port=int(kv_events.get("port", 5557)),
-                model=str((spec.get("model") or {}).get("name", "")),
-            )
-            if problem:
-                kv_problems.append(f"{role} ({deployment.name}): {problem}")
-        if "router" in roles:
-            router = owned.get("router")
-            if router is None:
-                kv_problems.append("router: no Deployment yet")
-            else:
-                problem = router_kv_events_problem(
-                    router.args,
-                    port=int(kv_events.get("port", 5557)),
-                    replay_port=int(kv_events.get("replayPort", 5558)),
-                )
-                if problem:
-                    kv_problems.append(f"router ({router.name}): {problem}")
-        if kv_problems:
-            add("KVEventsWired", False, "ArgsMissing", "; ".join(kv_problems), applied_generation)
-        else:
-            message = f"engine pods publish on port {kv_events.get('port', 5557)}"
-            if "router" in roles:
-                message += (
-                    f"; the router subscribes on {kv_events.get('port', 5557)} "
-                    f"(replay {kv_events.get('replayPort', 5558)})"
-                )
-            add("KVEventsWired", True, "ArgsWired", message, applied_generation)
-
-    builtin = [
-        role
-        for role in ENGINE_ROLES
-        if role in roles
-        and ((spec.get(role) or {}).get("autoscaling") or {}).get("enabled")
-        and ((spec.get(role) or {}).get("autoscaling") or {}).get("provider") == "builtin"
+    seen = observe(body, deployments, applied_generation, config, pods)
+    kv_problems = kv_events_wiring_problems(seen) if kv_events_enabled(seen) else []
+    model = model_ready_verdict(seen)
+    verdicts = [spec_valid(seen), model, *(role_ready(seen, role) for role in seen.roles)]
+    verdicts.append(kv_events_wired(seen, kv_problems))
+    verdicts.append(scaling_limited(seen))
+    overall = ready(seen, kv_problems)
+    verdicts.append(overall)
+    previous = {c.get("type"): c for c in seen.old_status.get("conditions") or [] if c.get("type")}
+    conditions = [
+        _condition(v.kind, v.ready, v.reason, v.message, v.generation, previous, now)
+        for v in verdicts
+        if v is not None
     ]
-    if builtin and spec_error is None:
-        decisions = old_status.get("autoscaling") or {}
-        limited = [
-            f"{role}: {(decisions.get(role) or {}).get('reason', '')}"
-            for role in builtin
-            if (decisions.get(role) or {}).get("limited") == "max"
-        ]
-        if limited:
-            add("ScalingLimited", True, "AtMaxReplicas", "; ".join(limited), applied_generation)
-        else:
-            message = f"{', '.join(builtin)} within [minReplicas, maxReplicas]"
-            add("ScalingLimited", False, "WithinLimits", message, applied_generation)
-
-    not_ready = [ROLE_CONDITIONS[r] for r in roles if not states[r].ready]
-    if spec_error is not None:
-        ready, reason, message = False, "SpecInvalid", str(spec_error)
-    elif applied_generation != generation:
-        ready, reason = False, "Reconciling"
-        message = f"generation {generation} is not applied yet (applied: {applied_generation})"
-    elif not_ready:
-        ready, reason, message = False, "ComponentsNotReady", f"not ready: {', '.join(not_ready)}"
-    elif kv_enabled and kv_problems:
-        ready, reason, message = False, "KVEventsNotWired", "; ".join(kv_problems)
-    else:
-        ready, reason, message = True, "AllComponentsReady", f"ready: {', '.join(roles)}"
-    add("Ready", ready, reason, message, applied_generation)
-
-    if spec_error is not None:
-        phase = "Failed"
-    elif any(s.degraded for s in states.values()) or (
-        kv_enabled and kv_problems and not any(s.pending for s in states.values())
-    ):
-        phase = "Degraded"
-    elif any(s.pending for s in states.values()):
-        phase = "Pending"
-    elif not ready:
-        phase = "Progressing"
-    else:
-        phase = "Ready"
-
-    status: dict[str, Any] = {
-        "phase": phase,
-        "endpoint": old_status.get("endpoint") if endpoint is None else endpoint,
-        "model": (spec.get("model") or {}).get("name") or old_status.get("model"),
+    spec = seen.spec
+    return {
+        "phase": phase(seen, overall.ready, kv_problems, model),
+        "endpoint": seen.old_status.get("endpoint") if endpoint is None else endpoint,
+        "model": (spec.get("model") or {}).get("name") or seen.old_status.get("model"),
         "roles": {
             role: _role_status(
-                owned.get(role), _spec_desired(spec, role), role_selector_string(body, role)
+                seen.owned.get(role), _spec_desired(spec, role), role_selector_string(body, role)
             )
-            if role in roles
+            if role in seen.roles
             else None
             for role in ("decode", "prefill", "router")
         },
         "conditions": conditions,
     }
-    return status
 
 
 def status_changes(current: Mapping[str, Any], folded: Mapping[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,8 @@ SERVICEACCOUNTS = "v1/serviceaccounts"
 ROLES = "rbac.authorization.k8s.io/v1/roles"
 ROLEBINDINGS = "rbac.authorization.k8s.io/v1/rolebindings"
 PODS = "v1/pods"
+SECRETS = "v1/secrets"
+PVCS = "v1/persistentvolumeclaims"
 EVENTS = "v1/events"
 NAMESPACES = "v1/namespaces"
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -75,6 +77,8 @@ BUILTINS: dict[str, dict[str, Any]] = {
     ROLES: {"kind": "Role", "namespaced": True},
     ROLEBINDINGS: {"kind": "RoleBinding", "namespaced": True},
     PODS: {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    SECRETS: {"kind": "Secret", "namespaced": True},
+    PVCS: {"kind": "PersistentVolumeClaim", "namespaced": True, "subresources": {"status"}},
     EVENTS: {"kind": "Event", "namespaced": True},
     # kopf waits for namespaces to be discoverable before it watches anything.
     NAMESPACES: {"kind": "Namespace", "namespaced": False},
@@ -250,7 +254,9 @@ class Cluster:
 
     def writes(self) -> list[kmock.Request]:
         """Every create/patch/delete of a child object, in order (status writes excluded: in
-        these tests only the test itself, playing the Deployment controller, makes those)."""
+        these tests only the test itself, playing the Deployment controller, makes those). The
+        create-once Secret and claim are not children here: their POST is sent on every
+        reconcile and answered 409 once they exist; `versions` counts what was stored."""
         children = [kmock.resource(r) for r in CHILD_RESOURCES]
         actions = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
         return [

@@ -11,7 +11,9 @@ import pytest
 import yaml
 from test_crd import to_json_schema
 
-from atom_operator.render import render_children, render_role_deployment, render_scaled_object
+from atom_operator.render import render_children
+from atom_operator.render.autoscalers import render_scaled_object
+from atom_operator.render.roles import render_role_deployment
 
 KEDA_CRD = pathlib.Path(__file__).parent / "data" / "keda.sh_scaledobjects.yaml"
 

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from atom_operator.render import CHILD_KINDS, ROUTER_RULES
+from atom_operator.render import CHILD_KINDS
+from atom_operator.render.router import ROUTER_RULES
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders and lints the chart")
 
@@ -74,8 +75,9 @@ def test_chart_crd_is_the_repository_crd():
     assert crd["data"] == (REPO / "crds" / "atomdeployments.serving.atom.dev.yaml").read_text()
 
 
-@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["llm", "team-b"]}],
-                         ids=["cluster-wide", "namespaced"])  # fmt: skip
+@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["llm", "team-b"]},
+                                    {"namespaced": True, "envReferences": {"secrets": ["s"]}}],
+                         ids=["cluster-wide", "watched", "namespaced"])  # fmt: skip
 def test_rendered_objects_are_valid_kubernetes(values):
     objects = render_chart(values)
     assert objects
@@ -143,7 +145,8 @@ def _verbs(rules: list[dict], group: str, resource: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["llm"]}], ids=["cluster", "ns"])
+@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["llm"]}, {"namespaced": True}],
+                         ids=["cluster", "ns", "release-ns"])  # fmt: skip
 def test_rbac_covers_exactly_what_the_operator_does(values):
     objects = render_chart(values)
     (role,) = by_kind(objects, "Role" if values else "ClusterRole")[-1:]
@@ -163,14 +166,49 @@ def test_rbac_covers_exactly_what_the_operator_does(values):
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 assert _verbs(rules, group, resource) >= set(rule["verbs"]), resource
-    # nothing else: no secrets, no wildcards, no peering objects (the operator runs --standalone)
+    # The keys Secret and a model-cache claim are created once, never read: the operator cannot
+    # read any Secret (apply.CREATE_ONLY POSTs them and takes a 409 as "exists").
+    assert _verbs(rules, "", "secrets") == {"create"}
+    assert _verbs(rules, "", "persistentvolumeclaims") == {"create"}
+    # nothing else: no wildcards, no peering objects (the operator runs --standalone)
     granted = {res for rule in rules for res in rule["resources"]}
     assert granted == {
         "atomdeployments", "atomdeployments/status", "atomdeployments/finalizers", "deployments",
         "services", "poddisruptionbudgets", "horizontalpodautoscalers", "scaledobjects",
         "networkpolicies", "inferencepools", "pods", "events",
         "serviceaccounts", "roles", "rolebindings", "endpointslices",
+        "secrets", "persistentvolumeclaims",
     }  # fmt: skip
+
+
+def test_namespaced_install_has_no_cluster_scoped_object():
+    objects = render_chart({"namespaced": True})
+    assert sorted((o["kind"], o["metadata"].get("namespace")) for o in objects) == [
+        ("Deployment", "atom-system"), ("Role", "atom-system"), ("RoleBinding", "atom-system"),
+        ("ServiceAccount", "atom-system"),
+    ]  # fmt: skip
+    assert operator_args(objects)[:6] == [
+        "operator", "run", "--standalone", "--namespace", "atom-system", "--no-cluster-scan",
+    ]  # fmt: skip
+    assert "its own namespace only (atom-system)" in notes({"namespaced": True})
+    with pytest.raises(Exception, match="either namespaced"):
+        render_chart({"namespaced": True, "watchNamespaces": ["llm"]})
+
+
+def test_env_references_become_operator_flags_and_the_operator_knows_its_pods():
+    objects = render_chart({"envReferences": {"secrets": ["hf-shared"], "configMaps": ["c"]}})
+    args = operator_args(objects)
+    assert args[args.index("--allow-env-secret") + 1] == "hf-shared"
+    assert args[args.index("--allow-env-configmap") + 1] == "c"
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {var["name"]: var for var in container["env"]}
+    assert env["ATOM_OPERATOR_NAMESPACE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}
+    }
+    labels = dict(p.split("=") for p in env["ATOM_OPERATOR_POD_LABELS"]["value"].split(","))
+    assert labels.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert labels == deployment["spec"]["selector"]["matchLabels"]
 
 
 def test_operator_deployment_is_single_non_root_and_probed():

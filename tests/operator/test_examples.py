@@ -9,7 +9,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from atom_operator.render import endpoint_url, render_children
+from atom_operator.render import render_children
+from atom_operator.render.keys import DeploymentKeys
+from atom_operator.render.names import endpoint_url
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -25,7 +27,8 @@ def _body(path: pathlib.Path) -> dict:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_children_are_valid_kubernetes(path):
-    children = render_children(_body(path))
+    children = render_children(_body(path), keys=DeploymentKeys.generate())
+    assert children[0]["kind"] == "Secret"
     for child in children:
         for version in VERSIONS:
             try:
@@ -50,16 +53,23 @@ def test_example_shapes():
     assert _kinds("amd-mi300x-aggregated-router.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "ServiceAccount", "Role", "RoleBinding",
-        "Deployment", "NetworkPolicy", "Service",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("amd-mi300x-disaggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget",
         "Deployment", "Service", "PodDisruptionBudget",
         "ServiceAccount", "Role", "RoleBinding",
-        "Deployment", "NetworkPolicy", "Service",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("nvidia-h100-aggregated.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",
+    ]  # fmt: skip
+    # A Hugging Face source given a size: the model-cache claim first (created once).
+    assert _kinds("amd-mi300x-deepseek-r1.yaml") == [
+        "PersistentVolumeClaim",
+        "Deployment", "Service", "PodDisruptionBudget",
+        "ServiceAccount", "Role", "RoleBinding",
+        "Deployment", "NetworkPolicy", "NetworkPolicy", "Service",
     ]  # fmt: skip
     assert _kinds("cpu-smollm2.yaml") == [
         "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Service",

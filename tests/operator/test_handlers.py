@@ -96,6 +96,7 @@ async def test_create_posts_an_applied_event(cluster, operator_running):
         (
             "Normal",
             "Applied",
+            "Secret/chat-atom-keys created, "
             "Deployment/chat-decode created, Service/chat-decode created, "
             "PodDisruptionBudget/chat-decode created, NetworkPolicy/chat created, "
             "Service/chat created",
@@ -281,7 +282,7 @@ async def test_removing_prefill_deletes_the_disaggregated_children(cluster, oper
         status = cluster.atomd("chat")["status"]
     assert set(status["roles"]) == {"decode"}
     assert [c["type"] for c in status["conditions"]] == [
-        "SpecValid", "DecodeReady", "KVEventsWired", "Ready"
+        "SpecValid", "ModelReady", "DecodeReady", "KVEventsWired", "Ready"
     ]  # fmt: skip
 
 
@@ -314,7 +315,7 @@ async def test_router_opt_in_renders_the_router_and_opt_out_prunes_it(cluster, o
         assert cluster.get(SERVICES, "chat-decode")["spec"]["clusterIP"] == "None"
         status = cluster.atomd("chat")["status"]
         assert [c["type"] for c in status["conditions"]] == [
-            "SpecValid", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"
+            "SpecValid", "ModelReady", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"
         ]  # fmt: skip
         assert condition(cluster.atomd("chat"), "RouterReady")["reason"] == "RollingOut"
 
@@ -326,7 +327,7 @@ async def test_router_opt_in_renders_the_router_and_opt_out_prunes_it(cluster, o
     assert cluster.get(SERVICES, "chat")["spec"]["selector"]["serving.atom.dev/role"] == "decode"
     assert set(status["roles"]) == {"decode"}
     assert [c["type"] for c in status["conditions"]] == [
-        "SpecValid", "DecodeReady", "KVEventsWired", "Ready"
+        "SpecValid", "ModelReady", "DecodeReady", "KVEventsWired", "Ready"
     ]  # fmt: skip
     assert not any(e[1] == "RouterWithoutKVEvents" for e in cluster.events())
 

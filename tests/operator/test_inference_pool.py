@@ -10,7 +10,8 @@ import pytest
 import yaml
 from test_crd import to_json_schema
 
-from atom_operator.render import render_children, render_inference_pool
+from atom_operator.render import render_children
+from atom_operator.render.network import render_inference_pool
 from atom_operator.spec import SpecError
 
 POOL_CRD = (

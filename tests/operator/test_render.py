@@ -8,23 +8,31 @@ from typing import Any
 
 import pytest
 
-from atom_operator import render
-from atom_operator.render import (
+from atom_operator.render import render_children
+from atom_operator.render.autoscalers import quantity, render_hpa
+from atom_operator.render.names import (
     child_name,
     endpoint_url,
     label_value,
-    render_children,
-    render_hpa,
+    role_selector_string,
+    short_hash,
+)
+from atom_operator.render.roles import (
     render_pdb,
     render_role_deployment,
     render_role_service,
-    render_router_deployment,
     render_service,
-    role_selector_string,
 )
+from atom_operator.render.router import render_router_deployment
 from atom_operator.spec import SpecError
 
 UID = "7f0c1e52-3d3c-4b8e-9a55-2f1f2b6a0c11"
+# The per-deployment keys Secret, read-only in every engine and router pod.
+KEYS_VOLUME = {
+    "name": "atom-keys",
+    "secret": {"secretName": "qwen3-8b-atom-keys", "defaultMode": 0o440},
+}
+KEYS_MOUNT = {"name": "atom-keys", "mountPath": "/etc/atom/keys", "readOnly": True}
 
 
 def atomd(spec: dict[str, Any] | None = None, name: str = "qwen3-8b", **metadata: Any):
@@ -78,14 +86,14 @@ def test_child_name_keeps_a_clean_name():
 )
 def test_child_name_sanitizes_and_adds_a_hash_of_the_original(name, expected):
     got = child_name(atomd(name=name), "decode")
-    assert got == expected.format(h=render._short_hash(name))
+    assert got == expected.format(h=short_hash(name))
 
 
 def test_child_name_truncates_to_63_with_hash_and_keeps_the_suffix():
     long = "a" * 70
     got = child_name(atomd(name=long), "prefill")
     assert len(got) == 63
-    assert got == "a" * 46 + "-" + render._short_hash(long) + "-prefill"
+    assert got == "a" * 46 + "-" + short_hash(long) + "-prefill"
 
 
 def test_names_that_sanitize_alike_do_not_collide():
@@ -95,7 +103,7 @@ def test_names_that_sanitize_alike_do_not_collide():
 def test_label_value_truncates_long_names_with_a_hash():
     assert label_value("qwen3-8b") == "qwen3-8b"
     long = "m" * 100
-    assert label_value(long) == "m" * 54 + "-" + render._short_hash(long)
+    assert label_value(long) == "m" * 54 + "-" + short_hash(long)
     assert len(label_value(long)) == 63
 
 
@@ -143,6 +151,7 @@ def test_disaggregated_children_with_autoscaling(provider, scaler):
         ("RoleBinding", "qwen3-8b-router"),
         ("Deployment", "qwen3-8b-router"),
         ("NetworkPolicy", "qwen3-8b"),
+        ("NetworkPolicy", "qwen3-8b-router"),
         ("Service", "qwen3-8b"),
     ]
 
@@ -160,6 +169,7 @@ def test_aggregated_children_with_the_router():
         ("RoleBinding", "qwen3-8b-router"),
         ("Deployment", "qwen3-8b-router"),
         ("NetworkPolicy", "qwen3-8b"),
+        ("NetworkPolicy", "qwen3-8b-router"),
         ("Service", "qwen3-8b"),
     ]
     # Explicitly off is the aggregated default: the same children as without the field.
@@ -253,9 +263,10 @@ def test_serve_args_for_an_aggregated_hf_model_in_order():
         "--block-size", "32",
         "--max-model-len", "32768",
         "--tensor-parallel-size", "8",
+        "--compile-cache-dir", "/var/cache/atom/compile",
         "--kv-events-config",
-        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
-        '"replay_endpoint":"tcp://*:5558","topic":"kv@$(POD_IP):5557@qwen3"}',
+        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://$(POD_IP):5557",'
+        '"replay_endpoint":"tcp://$(POD_IP):5558","topic":"kv@$(POD_IP):5557@qwen3"}',
         "--state-checkpoint-interval-tokens", "8192",
         "--no-state-checkpoint-demand",
         "--state-checkpoint-memory-fraction", "0.25",
@@ -280,8 +291,8 @@ def test_kv_events_config_uses_spec_ports_and_the_pod_ip_variable():
     assert config == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:6000",
-        "replay_endpoint": "tcp://*:6001",
+        "endpoint": "tcp://$(POD_IP):6000",
+        "replay_endpoint": "tcp://$(POD_IP):6001",
         "topic": "kv@$(POD_IP):6000@m",
     }
     # the variable $(POD_IP) refers to must be defined, and before any user variable
@@ -330,6 +341,20 @@ def test_kv_transfer_defaults_to_the_portable_connector_and_is_absent_when_aggre
     )
 
 
+def test_prefill_and_decode_run_at_their_own_tensor_parallel_sizes():
+    """Prefill TP 2 -> decode TP 8: each role's pods get their own --tensor-parallel-size and
+    GPU count (the runtime's KV connector pulls each decode rank's heads from the producer
+    ranks that hold them)."""
+    spec = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 8}}
+    for role, size in (("prefill", 2), ("decode", 8)):
+        engine = container(render_role_deployment(atomd(spec), role))
+        assert flag(engine["args"], "--tensor-parallel-size") == str(size)
+        assert engine["resources"]["limits"]["amd.com/gpu"] == size
+        assert json.loads(flag(engine["args"], "--kv-transfer-config"))["kv_role"] == (
+            "kv_producer" if role == "prefill" else "kv_consumer"
+        )
+
+
 def test_user_args_come_after_the_operator_flags():
     spec = {"engine": {"args": ["--block-size", "64"]}, "prefill": {"args": ["--x"]}}
     args = container(render_role_deployment(atomd(spec), "prefill"))["args"]
@@ -352,7 +377,8 @@ def test_user_env_overrides_by_name_and_role_env_wins_over_engine_env():
     }
     deployment = render_role_deployment(atomd(spec), "decode")
     names = [var["name"] for var in container(deployment)["env"]]
-    assert names == ["POD_IP", "HF_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "A"]
+    assert names == ["POD_IP", "ATOM_TRANSFER_KEY_FILE", "HF_HOME", "TRITON_CACHE_DIR",
+                     "XDG_CACHE_HOME", "A"]  # fmt: skip
     assert env_of(deployment)["HF_HOME"] == "/data/hf"
     assert env_of(deployment)["A"] == "2"
 
@@ -386,7 +412,9 @@ def test_pvc_root_and_file_models():
     deployment = render_role_deployment(atomd({"model": {"uri": "file:///models/smol"}}), "decode")
     args = container(deployment)["args"]
     assert (flag(args, "--model"), flag(args, "--served-model-name")) == ("/models/smol", "smol")
-    assert [v["name"] for v in pod(deployment)["volumes"]] == ["dshm", "cache", "tmp"]
+    assert [v["name"] for v in pod(deployment)["volumes"]] == [
+        "dshm", "cache", "compile-cache", "tmp", "atom-keys"
+    ]  # fmt: skip
 
 
 def test_default_model_has_no_model_flag():
@@ -509,12 +537,16 @@ def test_shm_cache_volumes_and_probes():
     assert pod(deployment)["volumes"] == [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
         {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}},
+        {"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        KEYS_VOLUME,
     ]
     assert container(deployment)["volumeMounts"] == [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": "/var/cache/atom"},
+        {"name": "compile-cache", "mountPath": "/var/cache/atom/compile"},
         {"name": "tmp", "mountPath": "/tmp"},
+        KEYS_MOUNT,
     ]
     assert container(deployment)["securityContext"]["readOnlyRootFilesystem"] is True
     sized = render_role_deployment(atomd({"engine": {"cacheSize": "300Gi"}}), "decode")
@@ -598,7 +630,7 @@ def test_no_hpa_without_autoscaling():
 @pytest.mark.parametrize("value,expected", [(4, "4"), (2.0, "2"), (0.8, "800m"), (2.5, "2500m"),
                                             (0.0001, "1m")])  # fmt: skip
 def test_quantity(value, expected):
-    assert render.quantity(value) == expected
+    assert quantity(value) == expected
 
 
 # --- services, PDB, router --------------------------------------------------------------------
@@ -697,9 +729,10 @@ def test_router_deployment():
         "limits": {"cpu": "1", "memory": "1Gi"},
     }
     assert engine["securityContext"]["readOnlyRootFilesystem"] is True
-    assert engine["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert engine["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, KEYS_MOUNT]
     assert router["spec"]["template"]["spec"]["volumes"] == [
-        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        KEYS_VOLUME,
     ]
     assert "tolerations" not in pod(router)  # the router needs no GPU node
     assert render_router_deployment(atomd()) is None
@@ -772,66 +805,12 @@ def test_router_has_its_own_service_account_allowed_to_watch_endpointslices():
     assert aggregated.isdisjoint({"ServiceAccount", "Role", "RoleBinding"})
 
 
-@pytest.mark.parametrize("mode", [{"prefill": {}}, {"router": {"enabled": True}}],
-                         ids=["disaggregated", "aggregated"])  # fmt: skip
-def test_network_policy_admits_the_router_to_the_engine_ports(mode):
-    """The router's pod labels match the policy's own-pods rule, which opens every port (HTTP,
-    KV events, replay), so a policy-enforcing CNI lets the router subscribe and forward."""
-    events = {"port": 6000, "replayPort": 6001}
-    children = render_children(atomd({**mode, "kvEvents": events}))
-    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
-    router = next(c for c in children if c["metadata"]["name"] == "qwen3-8b-router"
-                  and c["kind"] == "Deployment")  # fmt: skip
-    router_labels = router["spec"]["template"]["metadata"]["labels"]
-    engine_labels = render_role_deployment(atomd(mode), "decode")["spec"]["template"]["metadata"][
-        "labels"
-    ]
-
-    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-        return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
-
-    assert selects(policy["spec"]["podSelector"], engine_labels)
-    decode = next(c for c in children if c["metadata"]["name"] == "qwen3-8b-decode"
-                  and c["kind"] == "Deployment")  # fmt: skip
-    engine_ports = {p["containerPort"] for p in container(decode)["ports"]}
-    assert engine_ports == {8000, 6000, 6001}
-    for port in engine_ports:
-        admitted = [
-            rule for rule in policy["spec"]["ingress"]
-            if any("podSelector" in peer and selects(peer["podSelector"], router_labels)
-                   for peer in rule.get("from", []))
-            and (not rule.get("ports") or any(p["port"] == port for p in rule["ports"]))
-        ]  # fmt: skip
-        assert admitted, port
-
-
 def test_router_image_override():
     router = render_router_deployment(atomd({"prefill": {}, "router": {"image": "r:1"}}))
     assert container(router)["image"] == "r:1"
 
 
 # --- a locked-down cluster --------------------------------------------------------------------
-
-
-def test_network_policy_opens_http_to_clients_and_the_rest_only_to_the_deployment():
-    policy = render.render_network_policy(atomd())
-    own = {"podSelector": {"matchLabels": {"serving.atom.dev/deployment": "qwen3-8b"}}}
-    assert policy["metadata"]["name"] == "qwen3-8b"
-    assert policy["spec"] == {
-        "podSelector": {"matchLabels": {"serving.atom.dev/deployment": "qwen3-8b"}},
-        "policyTypes": ["Ingress"],
-        "ingress": [
-            {"ports": [{"protocol": "TCP", "port": 8000}]},  # clients, via the Service
-            {"from": [own]},  # KV events, replay, KV transfer: the router and the other role
-        ],
-    }
-    epp = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-d"}}}
-    extra = render.render_network_policy(atomd({"networkPolicy": {"kvEventsFrom": [epp]}}))
-    assert extra["spec"]["ingress"][2] == {
-        "from": [epp],
-        "ports": [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}],
-    }
-    assert render.render_network_policy(atomd({"networkPolicy": {"enabled": False}})) is None
 
 
 def test_engine_pods_mount_no_service_account_token():

@@ -30,6 +30,7 @@ def test_renders_a_file_as_multi_document_yaml():
     assert result.stdout.startswith("---\n")
     docs = list(yaml.safe_load_all(result.stdout))
     assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Secret", "smollm2-atom-keys"),
         ("Deployment", "smollm2-decode"),
         ("Service", "smollm2-decode"),
         ("PodDisruptionBudget", "smollm2-decode"),
@@ -38,6 +39,26 @@ def test_renders_a_file_as_multi_document_yaml():
     ]
     assert {d["metadata"]["namespace"] for d in docs} == {"default"}
     assert "ownerReferences" not in docs[0]["metadata"]  # no uid outside a cluster
+    # Fresh keys on every render; --no-keys-secret leaves the Secret out for re-renders.
+    again = yaml.safe_load_all(atom_render("-f", str(CPU_EXAMPLE)).stdout)
+    assert next(again)["data"]["transfer-key"] != docs[0]["data"]["transfer-key"]
+    without = atom_render("-f", str(CPU_EXAMPLE), "--no-keys-secret")
+    assert [d["kind"] for d in yaml.safe_load_all(without.stdout)] == [d["kind"] for d in docs[1:]]
+
+
+def test_env_references_need_the_operators_allowance():
+    doc = yaml.safe_load(CPU_EXAMPLE.read_text())
+    doc["spec"]["engine"]["env"] = [
+        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ]
+    text = yaml.safe_dump(doc)
+    refused = atom_render("-f", "-", stdin=text)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(
+        "error: spec.engine.env[0].valueFrom.secretKeyRef.name: Secret 'hf' is not one"
+    )
+    allowed = atom_render("-f", "-", "--allow-env-secret", "hf", stdin=text)
+    assert allowed.returncode == 0, allowed.stderr
 
 
 def test_reads_several_documents_from_stdin_with_a_default_namespace():
@@ -56,11 +77,13 @@ spec: {accelerator: {vendor: nvidia}, prefill: {}}
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
     assert [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs] == [
+        ("Secret", "team-a", "one-atom-keys"),
         ("Deployment", "team-a", "one-decode"),
         ("Service", "team-a", "one-decode"),
         ("PodDisruptionBudget", "team-a", "one-decode"),
         ("NetworkPolicy", "team-a", "one"),
         ("Service", "team-a", "one"),
+        ("Secret", "team-b", "two-atom-keys"),
         ("Deployment", "team-b", "two-decode"),
         ("Service", "team-b", "two-decode"),
         ("PodDisruptionBudget", "team-b", "two-decode"),
@@ -72,6 +95,7 @@ spec: {accelerator: {vendor: nvidia}, prefill: {}}
         ("RoleBinding", "team-b", "two-router"),
         ("Deployment", "team-b", "two-router"),
         ("NetworkPolicy", "team-b", "two"),
+        ("NetworkPolicy", "team-b", "two-router"),
         ("Service", "team-b", "two"),
     ]
 

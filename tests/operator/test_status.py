@@ -6,16 +6,10 @@ import json
 
 import pytest
 
+from atom_operator.kv_events_wiring import kv_events_problem, router_kv_events_problem
 from atom_operator.render import render_children
-from atom_operator.status import (
-    RoleDeployment,
-    fold_status,
-    kv_events_problem,
-    role_state,
-    router_kv_events_problem,
-    status_changes,
-    summarize_deployment,
-)
+from atom_operator.role_deployment import RoleDeployment, role_state, summarize_deployment
+from atom_operator.status import fold_status, status_changes
 
 NOW, EARLIER = "2026-01-02T00:00:00Z", "2026-01-01T00:00:00Z"
 UID = "uid-1"
@@ -233,7 +227,15 @@ def test_endpoint_none_keeps_the_previous_one():
          ("POD_IP",), "publisher endpoint 'tcp://*:9' is not on spec.kvEvents.port 5557"),
         (("--kv-events-config", json.dumps({"endpoint": "tcp://*:5557", "topic": "kv@x:5557@other"})),
          (), "topic 'kv@x:5557@other' is not kv@<pod-ip>:5557@m"),
-        (KV_ARGS, (), f"topic '{TOPIC}' refers to $(POD_IP), which the container does not set"),
+        (KV_ARGS, (), f"'{TOPIC}' refers to $(POD_IP), which the container does not set"),
+        # Escaped for the kubelet: a literal `$(POD_IP)` is no pod address.
+        (("--kv-events-config", json.dumps({"endpoint": "tcp://*:5557",
+                                             "topic": "kv@$$(POD_IP):5557@m"})),
+         ("POD_IP",), "topic 'kv@$$(POD_IP):5557@m' is not kv@<pod-ip>:5557@m"),
+        (("--kv-events-config", json.dumps({"endpoint": "tcp://$(HOST_IP):5557",
+                                             "topic": TOPIC})),
+         ("POD_IP",), "'tcp://$(HOST_IP):5557' refers to $(HOST_IP), which the container does "
+                      "not set"),
     ],
 )  # fmt: skip
 def test_kv_events_problem(args, env, problem):

@@ -30,6 +30,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- end }}
 
+{{/* The namespaces of a namespaced install, as a JSON list: the release namespace alone with
+`namespaced`, else watchNamespaces (empty: cluster-wide). */}}
+{{- define "atom-operator.watchedNamespaces" -}}
+{{- if .Values.namespaced }}
+{{- list .Release.Namespace | toJson }}
+{{- else }}
+{{- .Values.watchNamespaces | toJson }}
+{{- end }}
+{{- end }}
+
 {{/* What the operator reconciles, in every namespace or in the watched ones. */}}
 {{- define "atom-operator.rules" -}}
 - apiGroups: ["serving.atom.dev"]
@@ -76,7 +86,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 # Disaggregated mode: each router gets a ServiceAccount, Role and RoleBinding (its EndpointSlice
 # watch). Kubernetes lets the operator create a Role, or bind one, only if the operator itself
 # holds every permission in it (no escalation): hence the endpointslices rule below, which the
-# operator does not use otherwise. Keep it in step with ROUTER_RULES in render.py.
+# operator does not use otherwise. Keep it in step with ROUTER_RULES in render/router.py.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
@@ -86,4 +96,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+# The per-deployment keys Secret (<name>-atom-keys) and a Hugging Face model-cache claim are
+# created once and never read or patched: `create` only. The operator cannot read any Secret.
+- apiGroups: [""]
+  resources: ["secrets", "persistentvolumeclaims"]
+  verbs: ["create"]
 {{- end }}
