@@ -1,5 +1,6 @@
-"""Every ATOM_* environment variable is defined once (an envs.py of the runtime or the kernels)
-and listed in docs/configuration.md; nothing reads one by a name those modules do not define."""
+"""Every ATOM_* environment variable is defined once (an envs.py of the runtime, the kernels or
+the operator) and listed in docs/configuration.md; nothing reads one by a name those modules do
+not define."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import re
 from pathlib import Path
 
 from atom_kernels import envs as kernel_envs
+from atom_operator import envs as operator_envs
 from atom_runtime import envs as runtime_envs
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFINED = {v.name for v in runtime_envs.VARIABLES + kernel_envs.VARIABLES}
+ALL = runtime_envs.VARIABLES + kernel_envs.VARIABLES + operator_envs.VARIABLES
+DEFINED = {v.name for v in ALL}
 NAME = re.compile(r"\bATOM_[A-Z0-9_]*[A-Z0-9]\b")
 
 
@@ -28,7 +31,7 @@ def test_every_variable_named_in_the_code_is_defined_in_an_envs_module():
 
 def test_the_docs_list_every_variable_with_its_default():
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    for var in runtime_envs.VARIABLES + kernel_envs.VARIABLES:
+    for var in ALL:
         default = var.default or "unset"
         assert f"| `{var.name}` | `{default}` |" in doc, var.name
 

@@ -20,8 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "router": ("atom_runtime.router.cli", "KV-cache-aware router in front of `atom serve` pods"),
     "kv-events": ("atom_runtime.kv_events.cli", "KV-cache event tools: `atom kv-events listen`"),
-    "render": ("atom_operator.cli_render", "render an AtomDeployment's child objects as YAML"),
-    "operator": ("atom_operator.cli_operator", "run the Kubernetes operator: `atom operator run`"),
+    "render": ("atom_operator.cli.render", "render an AtomDeployment's child objects as YAML"),
+    "operator": ("atom_operator.cli.run", "run the Kubernetes operator: `atom operator run`"),
 }
 
 
