@@ -16,6 +16,11 @@ captured once stays valid. Each sequence cuts its own context into that many ran
 device (a multiple of BLOCK_N tokens each), so a short context still spreads over several
 programs instead of landing whole in the first split; splits past its end do no work.
 
+Sliding window and sinks (GPT-OSS, Mistral): with WINDOW > 0 a sequence's range is its last
+WINDOW positions, so the splits cut that range and no block before it is read (a windowed
+layer's blocks there may already be back in the pool). A sink is a per-head logit that joins
+the softmax's denominator at the end (single split) or in the merge.
+
 Heads a program (HEADS, `decode_heads_per_program`): at large batch one program may attend for
 two KV heads, reading each token's K/V for both as one contiguous run. Its query tile is then
 block-diagonal (each query head's vector sits in its KV head's columns, zeros elsewhere), so
@@ -68,6 +73,7 @@ def _decode_split_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    sinks_ptr,
     scale_log2,
     q_stride_b,
     q_stride_h,
@@ -93,6 +99,8 @@ def _decode_split_kernel(
     FP8: tl.constexpr = False,
     K_SCALE_PTR: tl.constexpr = False,
     V_SCALE_PTR: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     if HEADS_FASTEST:  # grid (kv head, sequence, split): a sequence's heads launch together
@@ -106,8 +114,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     ctx = tl.load(context_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    lo = _window_start(ctx, WINDOW)
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * tokens_per_split
     end = tl.minimum(ctx, start + tokens_per_split)
 
     # A split past this sequence's context writes nothing (the merge never reads it).
@@ -177,6 +186,9 @@ def _decode_split_kernel(
             acc = acc * load_scale(v_scale, V_SCALE_PTR)
 
         if NUM_SPLITS == 1:
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + heads, mask=r_mask, other=0.0).to(tl.float32)
+                acc, l_i = _add_sink(acc, m_i, l_i, sink * 1.4426950408889634)
             # context_len 0: no tile ran, l_i is 0, and the row is written as zeros.
             denom = tl.where(l_i > 0, l_i, 1.0)
             o = acc / denom[:, None]
@@ -197,12 +209,30 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _window_start(ctx, WINDOW: tl.constexpr):
+    """The first position the token at ctx - 1 sees: 0, or its window's first."""
+    if WINDOW > 0:
+        return tl.maximum(ctx - WINDOW, 0)
+    return ctx * 0
+
+
+@triton.jit
+def _add_sink(acc, m, total, sink_log2):
+    """Rows' (acc, sum) with a sink logit (log2 domain, [rows]) joined to the softmax: rescaled
+    to max(m, sink), the sink's term added to the sum only."""
+    m_new = tl.maximum(m, sink_log2)
+    keep = tl.exp2(m - m_new)  # 0 for a row with no key (m = -inf)
+    return acc * keep[:, None], total * keep + tl.exp2(sink_log2 - m_new)
+
+
+@triton.jit
 def _decode_merge_kernel(
     context_lens_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    sinks_ptr,
     out_stride_b,
     out_stride_h,
     HEAD_DIM: tl.constexpr,
@@ -211,14 +241,17 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     ctx = tl.load(context_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    live_splits = tl.cdiv(ctx, tl.maximum(tokens_per_split, 1))
+    span = ctx - _window_start(ctx, WINDOW)
+    tokens_per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    live_splits = tl.cdiv(span, tl.maximum(tokens_per_split, 1))
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -242,6 +275,12 @@ def _decode_merge_kernel(
         total = total * keep + tl.sum(l_part * w, axis=0)
         o = o * keep + tl.sum(acc * w[:, None], axis=0)
         m_run = m_new
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_run, sink)
+        keep = tl.exp2(m_run - m_fin)
+        o = o * keep
+        total = total * keep + tl.exp2(sink - m_fin)
     o = o / tl.where(total > 0, total, 1.0)  # no live split (context_len 0): zeros
     o_ptrs = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h + offs_d
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -317,6 +356,8 @@ def paged_attention_decode(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -347,6 +388,8 @@ def paged_attention_decode(
     config = decode_config(head_dim)
     block_n = block_n or config["block_n"]
     max_context = block_tables.shape[1] * page_size
+    if sliding_window > 0:
+        max_context = min(max_context, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, num_kv_heads, max_context, block_n, _multiprocessor_count(q.device)
@@ -394,6 +437,7 @@ def paged_attention_decode(
         part_acc,
         part_max,
         part_sum,
+        out if sinks is None else sinks,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -418,6 +462,8 @@ def paged_attention_decode(
         FP8=is_fp8(k_cache),
         K_SCALE_PTR=k_ptr,
         V_SCALE_PTR=v_ptr,
+        WINDOW=sliding_window,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
         **pdl.options(q.device),
@@ -429,6 +475,7 @@ def paged_attention_decode(
             part_acc,
             part_max,
             part_sum,
+            out if sinks is None else sinks,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
@@ -436,6 +483,8 @@ def paged_attention_decode(
             BLOCK_S=min(_MERGE_SPLITS, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d,
             BLOCK_N=block_n,
+            WINDOW=sliding_window,
+            HAS_SINKS=sinks is not None,
             num_warps=1 if block_d <= 128 else 2,
             **pdl.options(q.device),
         )

@@ -155,6 +155,13 @@ def _check_scalar_scale(name: str, scale: torch.Tensor | float, device: torch.de
         raise ValueError(f"{name} must be a float or a one-element fp32 tensor, got {type(scale)}")
 
 
+def _check_window(sliding_window: int, sinks: torch.Tensor | None, num_heads: int) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous [{num_heads}], got {tuple(sinks.shape)}")
+
+
 @op(triton="kv_cache.store_kvcache", on="key")
 def store_kvcache(
     key: torch.Tensor,
@@ -191,6 +198,8 @@ def paged_attention_decode(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV cache.
 
@@ -200,9 +209,15 @@ def paged_attention_decode(
     `[B, num_heads, head_dim]` (written into `out` when given). CUDA-graph capturable on
     the Triton path: no host syncs, launch sizes depend on shapes only. An FP8 cache holds K / k_scale
     and V / v_scale: the attention is over K and V.
+
+    sliding_window (> 0): the token sees only the last `sliding_window` positions (its own
+    included), and block-table entries wholly before them are never read (they may be freed).
+    sinks: fp32 `[num_heads]`, a per-head logit that joins each softmax's denominator and
+    contributes no value (GPT-OSS's attention sinks).
     """
     _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_query(q)
+    _check_window(sliding_window, sinks, q.shape[1])
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)} must be [B, num_heads, {k_cache.shape[3]}] with num_heads "
@@ -224,6 +239,8 @@ def paged_attention_prefill(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a batch of variable-length query chunks packed back to back.
 
@@ -232,10 +249,12 @@ def paged_attention_prefill(
     Query i of chunk b sits at position `seq_lens[b] - q_len_b + i` and attends to cache
     positions `0..` that position. A chunk of length 1 is a decode step. max_seqlen_q is
     an upper bound on the chunk lengths (it sizes the launch). Returns `[T, num_heads,
-    head_dim]` (written into `out` when given). An FP8 cache: as `paged_attention_decode`.
+    head_dim]` (written into `out` when given). An FP8 cache, `sliding_window` and `sinks`: as
+    for `paged_attention_decode` (a query at position p sees `p - sliding_window + 1..p`).
     """
     _check_cache(k_cache, v_cache, k_scale, v_scale)
     _check_query(q)
+    _check_window(sliding_window, sinks, q.shape[1])
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)} must be [T, num_heads, {k_cache.shape[3]}] with num_heads "

@@ -23,6 +23,12 @@ is chosen on the host from shapes only (`block_tables.shape[1]`, `max_seqlen_q`,
 and the device), so there is no device-to-host sync and a captured launch stays valid; the
 partial buffers come from the torch allocator (a graph capture takes them from its pool).
 
+Sliding window and sinks (GPT-OSS, Mistral): with WINDOW > 0 a tile's keys start at its first
+query's window (rounded down to a tile; keys before it are masked as they load, so a block a
+windowed layer has given back is never read) and every tile takes the masked path, each row
+seeing only its own last WINDOW positions. A sink is a per-head logit joined to the softmax's
+denominator at the end (or in the merge of splits).
+
 K/V rows are gathered through the block table. How the table is read is a launch setting
 (`kv_lookup`): "tile" (the page holds the whole BLOCK_N tile: one lookup per tile, any page
 that is a multiple of BLOCK_N), "page" (BLOCK_N spans whole pages: one lookup per page, the
@@ -43,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.decode_attention import _multiprocessor_count
+from atom_kernels.decode_attention import _add_sink, _multiprocessor_count
 from atom_kernels.fp8_formats import is_fp8
 from atom_kernels.fp8_quant import load_scale, scale_arg
 
@@ -74,6 +80,7 @@ def _load_kv_tile(
     cache_stride_block,
     cache_stride_off,
     tile,
+    kv_start,
     kv_end,
     offs_n,
     offs_d,
@@ -86,7 +93,7 @@ def _load_kv_tile(
     KV_LOOKUP: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_D] tile of keys (or values) at positions tile..tile+BLOCK_N-1 of
-    one KV head; positions at or past kv_end read as zeros when MASKED."""
+    one KV head; positions before kv_start or at or past kv_end read as zeros when MASKED."""
     # One return at the end (no early returns: every Triton version compiles this form).
     if KV_LOOKUP == 1:
         # Whole pages: one block-table entry per page, a 3-D gather viewed as 2-D.
@@ -106,7 +113,7 @@ def _load_kv_tile(
         )
         if MASKED:
             pos = (page * PAGE_SIZE)[:, None] + offs_p[None, :]
-            mask = (pos < kv_end)[:, :, None] & d_mask[None, None, :]
+            mask = ((pos >= kv_start) & (pos < kv_end))[:, :, None] & d_mask[None, None, :]
             kv3 = tl.load(ptrs, mask=mask, other=0.0)
         elif PAD_D:
             kv3 = tl.load(ptrs, mask=d_mask[None, None, :], other=0.0)
@@ -128,7 +135,8 @@ def _load_kv_tile(
             rows = block.to(tl.int64) * cache_stride_block + (pos % PAGE_SIZE) * cache_stride_off
         ptrs = cache_ptr + (rows + head_off)[:, None] + offs_d[None, :]
         if MASKED:
-            kv = tl.load(ptrs, mask=(pos < kv_end)[:, None] & d_mask[None, :], other=0.0)
+            inside = (pos >= kv_start) & (pos < kv_end)
+            kv = tl.load(ptrs, mask=inside[:, None] & d_mask[None, :], other=0.0)
         elif PAD_D:
             kv = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
         else:
@@ -150,6 +158,7 @@ def _attend_tile(
     cache_stride_off,
     tile,
     q_pos,
+    kv_start,
     kv_end,
     scale_log2,
     offs_n,
@@ -162,10 +171,11 @@ def _attend_tile(
     BLOCK_D: tl.constexpr,
     KV_LOOKUP: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     k = _load_kv_tile(
-        k_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
-        offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+        k_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_start,
+        kv_end, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
     ).to(q.dtype)  # fmt: skip
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -173,7 +183,10 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k))
     if CAUSAL:
         pos = tile + offs_n
-        s = tl.where(pos[None, :] <= q_pos[:, None], s * scale_log2, float("-inf"))
+        seen = pos[None, :] <= q_pos[:, None]
+        if WINDOW > 0:
+            seen = seen & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(seen, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row whose keys so far are all masked keeps m = -inf; exp2(-inf - -inf) is NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -186,8 +199,8 @@ def _attend_tile(
         p = tl.exp2(s * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_kv_tile(
-        v_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_end,
-        offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
+        v_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_start,
+        kv_end, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
     ).to(q.dtype)  # fmt: skip
     acc = acc * alpha[:, None]
     if IEEE_DOT:
@@ -212,6 +225,7 @@ def _sweep_keys(
     cache_stride_block,
     cache_stride_off,
     q_pos,
+    kv_start,
     kv_end,
     scale_log2,
     offs_n,
@@ -226,6 +240,7 @@ def _sweep_keys(
     LOOP_STAGES: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Tiles lo, lo + BLOCK_N, ... below hi. LOOP_STAGES > 0 pipelines the loop with
     `tl.range(num_stages=...)` (every load of the loop, the block-table reads included);
@@ -234,25 +249,25 @@ def _sweep_keys(
         for tile in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
-                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                KV_LOOKUP, IEEE_DOT,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_start, kv_end,
+                scale_log2, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N,
+                BLOCK_D, KV_LOOKUP, IEEE_DOT, WINDOW,
             )  # fmt: skip
     elif LOOP_STAGES > 0:
         for tile in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
-                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                KV_LOOKUP, IEEE_DOT,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_start, kv_end,
+                scale_log2, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N,
+                BLOCK_D, KV_LOOKUP, IEEE_DOT, WINDOW,
             )  # fmt: skip
     else:
         for tile in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-                cache_stride_block, cache_stride_off, tile, q_pos, kv_end, scale_log2,
-                offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
-                KV_LOOKUP, IEEE_DOT,
+                cache_stride_block, cache_stride_off, tile, q_pos, kv_start, kv_end,
+                scale_log2, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N,
+                BLOCK_D, KV_LOOKUP, IEEE_DOT, WINDOW,
             )  # fmt: skip
     return acc, m_i, l_i
 
@@ -272,6 +287,7 @@ def _prefill_kernel(
     cu_seqlens_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    sinks_ptr,
     scale_log2,
     num_splits,
     num_tokens,
@@ -300,6 +316,8 @@ def _prefill_kernel(
     FP8: tl.constexpr = False,
     K_SCALE_PTR: tl.constexpr = False,
     V_SCALE_PTR: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // HEADS_PER_PROG
     head_block = tl.program_id(0)
@@ -344,28 +362,36 @@ def _prefill_kernel(
         bt_row = block_tables_ptr + seq.to(tl.int64) * bt_stride_b
         head_off = ((head_block * HEADS_PER_PROG) // group).to(tl.int64) * cache_stride_h
         kv_end = first_pos + tl.minimum(q_len, m0 + BLOCK_Q)  # last query's position + 1
-        # Keys before first_pos + m0 precede every query of the tile: no mask needed.
-        unmasked_end = ((first_pos + m0) // BLOCK_N) * BLOCK_N
+        # Keys before first_pos + m0 precede every query of the tile: no mask needed. Under a
+        # window the tile's keys start at its first query's window, and every tile is masked.
+        if WINDOW > 0:
+            kv_start = tl.maximum(first_pos + m0 - WINDOW + 1, 0)
+            lo = (kv_start // BLOCK_N) * BLOCK_N
+            unmasked_end = lo
+        else:
+            kv_start = first_pos * 0
+            lo = kv_start
+            unmasked_end = ((first_pos + m0) // BLOCK_N) * BLOCK_N
         if SPLIT:
-            # This split's share of [0, kv_end), cut at multiples of BLOCK_N.
-            per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-            start = split * per_split
+            # This split's share of [lo, kv_end), cut at multiples of BLOCK_N.
+            per_split = tl.cdiv(tl.cdiv(kv_end - lo, num_splits), BLOCK_N) * BLOCK_N
+            start = lo + split * per_split
             end = tl.minimum(kv_end, start + per_split)
         else:
-            start = 0
+            start = lo
             end = kv_end
         PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
         acc, m_i, l_i = _sweep_keys(
             start, tl.minimum(end, unmasked_end), q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
-            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_end, scale_log2,
-            offs_n, offs_d, d_mask, False, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
-            LOOP_STAGES, WARP_SPEC, IEEE_DOT,
+            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_start, kv_end,
+            scale_log2, offs_n, offs_d, d_mask, False, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+            KV_LOOKUP, LOOP_STAGES, WARP_SPEC, IEEE_DOT, WINDOW,
         )  # fmt: skip
         acc, m_i, l_i = _sweep_keys(
             tl.maximum(start, unmasked_end), end, q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr,
-            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_end, scale_log2,
-            offs_n, offs_d, d_mask, True, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
-            LOOP_STAGES, WARP_SPEC, IEEE_DOT,
+            bt_row, head_off, cache_stride_block, cache_stride_off, q_pos, kv_start, kv_end,
+            scale_log2, offs_n, offs_d, d_mask, True, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D,
+            KV_LOOKUP, LOOP_STAGES, WARP_SPEC, IEEE_DOT, WINDOW,
         )  # fmt: skip
         if FP8:  # the split partials too: the merge is linear in them
             acc = acc * load_scale(v_scale, V_SCALE_PTR)
@@ -380,6 +406,9 @@ def _prefill_kernel(
             acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
             tl.store(acc_ptrs, acc, mask=store_mask)
         else:
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
+                acc, l_i = _add_sink(acc, m_i, l_i, sink)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             o_ptrs = out_ptr + tokens[:, None] * out_stride_t + heads[:, None] * out_stride_h
             tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -392,6 +421,7 @@ def _prefill_merge_kernel(
     part_max_ptr,
     part_sum_ptr,
     cu_seqlens_ptr,
+    sinks_ptr,
     num_seqs,
     num_splits,
     out_stride_t,
@@ -399,6 +429,7 @@ def _prefill_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """One program per (token, head): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
     Rows past the last chunk (padding tokens) are left as they are, as the unsplit kernel
@@ -413,13 +444,18 @@ def _prefill_merge_kernel(
         d_mask = offs_d < HEAD_DIM
         row = (offs_s.to(tl.int64) * num_tokens + token) * num_heads + head
         m = tl.load(part_max_ptr + row, mask=offs_s < num_splits, other=float("-inf"))
-        live = m > float("-inf")  # split 0 always is: key 0 is visible to every query
+        live = m > float("-inf")  # some split is: every query sees itself
         l_part = tl.load(part_sum_ptr + row, mask=live, other=0.0)
         acc_ptrs = part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :]
         acc = tl.load(acc_ptrs, mask=live[:, None] & d_mask[None, :], other=0.0)
         m_max = tl.max(m, axis=0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m_max = tl.maximum(m_max, sink)
         w = tl.where(live, tl.exp2(m - m_max), 0.0)
         total = tl.sum(l_part * w, axis=0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - m_max)
         o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         o_ptrs = out_ptr + token.to(tl.int64) * out_stride_t + head * out_stride_h + offs_d
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -701,6 +737,8 @@ def paged_attention_prefill(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -726,9 +764,12 @@ def paged_attention_prefill(
     if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
 
+    max_context = block_tables.shape[1] * page_size
+    if sliding_window > 0:  # a tile's keys: its queries' windows
+        max_context = min(max_context, sliding_window + max_seqlen_q)
     plan = _plan(
         num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q,
-        block_tables.shape[1] * page_size, _multiprocessor_count(q.device), block_m, block_n,
+        max_context, _multiprocessor_count(q.device), block_m, block_n,
         num_warps, num_stages, num_splits, heads_per_program, kv_lookup, loop_stages,
         warp_specialize, torch.version.hip is not None,
     )  # fmt: skip
@@ -764,6 +805,7 @@ def paged_attention_prefill(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        out if sinks is None else sinks,
         scale * _LOG2E,
         num_splits,
         num_tokens,
@@ -792,6 +834,8 @@ def paged_attention_prefill(
         FP8=is_fp8(k_cache),
         K_SCALE_PTR=k_ptr,
         V_SCALE_PTR=v_ptr,
+        WINDOW=sliding_window,
+        HAS_SINKS=sinks is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
@@ -802,6 +846,7 @@ def paged_attention_prefill(
             part_max,
             part_sum,
             cu_seqlens_q,
+            out if sinks is None else sinks,
             batch,
             num_splits,
             out_strides[0],
@@ -809,6 +854,7 @@ def paged_attention_prefill(
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
             num_warps=1 if block_d <= 128 else 2,
         )
     return out
@@ -877,6 +923,8 @@ def warm_up(
     q_dtype: torch.dtype | None = None,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> list[tuple[PrefillLaunch, Exception]]:
     """Compile each launch in `launches` (from `reachable_launches`) by running it once on one
     token over one page of these caches (read only), q shaped like the model's (a view of a
@@ -885,7 +933,9 @@ def warm_up(
     launches that failed, with their errors (the others are compiled all the same).
 
     `q_dtype`: the model's activation dtype (default the cache's; an FP8 cache needs it given).
-    `k_scale`, `v_scale`: as the serving steps pass them (a float and a tensor compile apart)."""
+    `k_scale`, `v_scale`: as the serving steps pass them (a float and a tensor compile apart).
+    A model's windowed layers and layers with sinks compile variants of their own: warm each
+    kind (`sliding_window`, `sinks`)."""
     _, page_size, _, head_dim = k_cache.shape
     dev = k_cache.device
     if q_dtype is None:
@@ -902,7 +952,7 @@ def warm_up(
         try:
             paged_attention_prefill(
                 q, k_cache, v_cache, cu, lens, table, scale, 1,
-                block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
+                sliding_window=sliding_window, sinks=sinks, block_m=launch.block_m, block_n=launch.block_n, num_warps=launch.num_warps,
                 num_stages=launch.num_stages, num_splits=launch.num_splits,
                 heads_per_program=launch.heads_per_program, kv_lookup=launch.kv_lookup,
                 loop_stages=launch.loop_stages, warp_specialize=launch.warp_specialize,

@@ -66,23 +66,43 @@ def _scale_value(scale: torch.Tensor | float, device: torch.device) -> torch.Ten
     return torch.tensor(float(scale), dtype=torch.float32, device=device)
 
 
-def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first `num_tokens` tokens of one sequence as `[num_tokens, num_kv_heads, head_dim]`."""
+def gather_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int, start: int = 0
+) -> torch.Tensor:
+    """Tokens `start..num_tokens` of one sequence as `[num_tokens - start, num_kv_heads,
+    head_dim]`; blocks wholly before `start` are not read (a sliding window's freed blocks)."""
     block_size = cache.shape[1]
+    first = start // block_size
     num_blocks = (num_tokens + block_size - 1) // block_size
-    blocks = block_table_row[:num_blocks].long()
-    return cache[blocks].flatten(0, 1)[:num_tokens]
+    blocks = block_table_row[first:num_blocks].long()
+    lo = start - first * block_size
+    return cache[blocks].flatten(0, 1)[lo : num_tokens - first * block_size]
+
+
+def window_start(first_query: int, sliding_window: int) -> int:
+    """The first key position any query from `first_query` on sees under a sliding window of
+    `sliding_window` keys (0: no window)."""
+    return max(0, first_query - sliding_window + 1) if sliding_window > 0 else 0
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_position: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    first_position: int,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """Attention of one sequence's queries over its keys, in fp32.
 
     q: `[q_len, num_heads, head_dim]`, query `i` at absolute position `first_position + i`;
     k: `[kv_len, num_kv_heads, head_dim]`, v: `[kv_len, num_kv_heads, v_dim]` (v_dim may differ
-    from head_dim: latent attention), key `j` at position `j`. Query `i` sees keys
-    `0..first_position + i`. Returns fp32 `[q_len, num_heads, v_dim]`.
+    from head_dim: latent attention), key `j` at position `key_start + j`. Query at position p
+    sees keys `0..p`, or with a sliding window of W keys `p - W + 1..p`. sinks (`[num_heads]`):
+    a per-head logit added to the softmax's denominator only (GPT-OSS). Returns fp32
+    `[q_len, num_heads, v_dim]`.
     """
     q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads, v_dim = k.shape[0], k.shape[1], v.shape[2]
@@ -91,16 +111,26 @@ def causal_attention(
     qf = q.float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     kf = k.float().permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, kv_len, head_dim]
     vf = v.float().permute(1, 0, 2).unsqueeze(1)
-    key_pos = torch.arange(kv_len, device=q.device)
+    key_pos = key_start + torch.arange(kv_len, device=q.device)
+    sink = None
+    if sinks is not None:  # [kv_heads, group, 1, 1], broadcast over the query rows
+        sink = sinks.float().reshape(num_kv_heads, group, 1, 1)
     out = torch.empty(num_kv_heads, group, q_len, v_dim, dtype=torch.float32, device=q.device)
     rows_per_chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * kv_len))
     for lo in range(0, q_len, rows_per_chunk):
         hi = min(q_len, lo + rows_per_chunk)
         scores = torch.matmul(qf[:, :, lo:hi], kf.transpose(-1, -2)) * scale
         query_pos = first_position + torch.arange(lo, hi, device=q.device)
-        future = key_pos[None, :] > query_pos[:, None]
-        scores.masked_fill_(future, float("-inf"))
-        out[:, :, lo:hi] = torch.matmul(torch.softmax(scores, dim=-1), vf)
+        hidden = key_pos[None, :] > query_pos[:, None]
+        if sliding_window > 0:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            with_sink = torch.cat([scores, sink.expand(-1, -1, hi - lo, 1)], dim=-1)
+            probs = torch.softmax(with_sink, dim=-1)[..., :-1]
+        out[:, :, lo:hi] = torch.matmul(probs, vf)
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, v_dim)
 
 
@@ -115,17 +145,22 @@ def paged_attention_decode(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence at position `context_lens[b] - 1`; zeros where length is 0."""
+    """One query token per sequence at position `context_lens[b] - 1`; zeros where length is 0.
+    Only the window's blocks are read."""
     if out is None:
         out = torch.empty_like(q)
     for b, ctx in enumerate(context_lens.tolist()):
         if ctx <= 0:
             out[b].zero_()
             continue
-        k = from_cache(gather_kv(k_cache, block_tables[b], ctx), k_scale)
-        v = from_cache(gather_kv(v_cache, block_tables[b], ctx), v_scale)
-        out[b] = causal_attention(q[b : b + 1], k, v, scale, ctx - 1)[0].to(out.dtype)
+        start = window_start(ctx - 1, sliding_window)
+        k = from_cache(gather_kv(k_cache, block_tables[b], ctx, start), k_scale)
+        v = from_cache(gather_kv(v_cache, block_tables[b], ctx, start), v_scale)
+        att = causal_attention(q[b : b + 1], k, v, scale, ctx - 1, sliding_window, sinks, start)
+        out[b] = att[0].to(out.dtype)
     return out
 
 
@@ -142,8 +177,11 @@ def paged_attention_prefill(
     *,
     k_scale: torch.Tensor | float = 1.0,
     v_scale: torch.Tensor | float = 1.0,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed query chunks over their sequences' cached prefix + themselves."""
+    """Causal attention of packed query chunks over their sequences' cached prefix + themselves
+    (only the window's blocks read under a sliding window)."""
     if out is None:
         out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -154,9 +192,12 @@ def paged_attention_prefill(
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: {q_len} query tokens but seq_len {seq_len}")
-        k = from_cache(gather_kv(k_cache, block_tables[b], seq_len), k_scale)
-        v = from_cache(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
-        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, seq_len - q_len).to(out.dtype)
+        first = seq_len - q_len
+        start = window_start(first, sliding_window)
+        k = from_cache(gather_kv(k_cache, block_tables[b], seq_len, start), k_scale)
+        v = from_cache(gather_kv(v_cache, block_tables[b], seq_len, start), v_scale)
+        att = causal_attention(q[lo:hi], k, v, scale, first, sliding_window, sinks, start)
+        out[lo:hi] = att.to(out.dtype)
     return out
 
 
