@@ -5,6 +5,9 @@ block of one expert (no loop over experts anywhere):
 1. gate/up: `inter[p] = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)` for pair p = (t, j);
 2. down: `out[p] = topk_weights[p] * (inter[p] @ w2[e]^T)`; then `y[t] = sum_j out[(t, j)]`.
 
+GPT-OSS's experts add a bias to gate/up and to down and clamp their SwiGLU (`ExpertArith`):
+the biases are added to the fp32 accumulators, the activation is `_expert_act`.
+
 The sort runs on the device with a launch grid sized by an upper bound on the block count, so
 nothing waits on the host (CUDA-graph capturable); blocks past the real count exit at once.
 
@@ -19,6 +22,8 @@ small launches a layer. The router (`moe_topk`) is one kernel on every path.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,10 +40,35 @@ MOE_GEMV = envs.MOE_GEMV.enabled()
 GEMV_MAX_TOKENS = int(envs.MOE_GEMV_MAX_TOKENS.number())
 
 
+class ExpertArith(NamedTuple):
+    """What the experts add to SwiGLU (GPT-OSS): per-expert biases of gate/up ([E, 2I]) and down
+    ([E, H]), and the clamped activation with its gain and limit (`ops.fused_moe`)."""
+
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    clamped: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+PLAIN = ExpertArith()
+
+
+@triton.jit
+def _expert_act(gate, up, CLAMPED: tl.constexpr, alpha, limit):
+    """silu(gate) * up, or with CLAMPED GPT-OSS's clamped SwiGLU (`ops.fused_moe`)."""
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,
     inter_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -50,7 +80,11 @@ def _moe_gate_up_kernel(
     w_stride_e,
     w_stride_n,
     inter_stride,
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -86,7 +120,11 @@ def _moe_gate_up_kernel(
         else:
             gate += tl.dot(a, wg)
             up += tl.dot(a, wu)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:
+        b_row = b_ptr + expert.to(tl.int64) * 2 * inter_size
+        gate += tl.load(b_row + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_row + inter_size + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    act = _expert_act(gate, up, CLAMPED, alpha, limit)
     out = inter_ptr + pair.to(tl.int64)[:, None] * inter_stride + n[None, :]
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
@@ -95,6 +133,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     inter_ptr,
     w_ptr,
+    b_ptr,
     out_ptr,
     weights_ptr,
     sorted_pairs_ptr,
@@ -107,6 +146,7 @@ def _moe_down_kernel(
     w_stride_e,
     w_stride_n,
     out_stride,
+    HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -140,6 +180,9 @@ def _moe_down_kernel(
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert.to(tl.int64) * hidden + n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
     out = out_ptr + pair64[:, None] * out_stride + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -198,6 +241,7 @@ def _moe_topk_kernel(
 def _moe_gemv_gate_up_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,
     ids_ptr,
     inter_ptr,
     hidden,
@@ -206,7 +250,11 @@ def _moe_gemv_gate_up_kernel(
     w_stride_e,
     w_stride_n,
     inter_stride,
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -234,7 +282,12 @@ def _moe_gemv_gate_up_kernel(
         gate += wg.to(tl.float32) * a[None, :]
         up += wu.to(tl.float32) * a[None, :]
     g = tl.sum(gate, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    u = tl.sum(up, axis=1)
+    if HAS_BIAS:
+        b_row = b_ptr + expert * 2 * inter_size
+        g += tl.load(b_row + n, mask=n_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_row + inter_size + n, mask=n_ok, other=0.0).to(tl.float32)
+    act = _expert_act(g, u, CLAMPED, alpha, limit)
     out = inter_ptr + pair.to(tl.int64) * inter_stride + n
     tl.store(out, act.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
@@ -243,6 +296,7 @@ def _moe_gemv_gate_up_kernel(
 def _moe_gemv_down_kernel(
     inter_ptr,
     w_ptr,
+    b_ptr,
     ids_ptr,
     weights_ptr,
     y_ptr,
@@ -253,6 +307,7 @@ def _moe_gemv_down_kernel(
     w_stride_n,
     y_stride,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -289,6 +344,12 @@ def _moe_gemv_down_kernel(
         )
         acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, axis=1)
+    if HAS_BIAS:  # each pair's bias, scaled by its routing weight
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(jj == j, ids, 0), axis=0)
+            weight = tl.sum(tl.where(jj == j, wts, 0.0), axis=0)
+            bias = tl.load(b_ptr + expert * hidden + n, mask=n_ok, other=0.0)
+            y += bias.to(tl.float32) * weight
     tl.store(y_ptr + token * y_stride + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -327,11 +388,19 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.fused_moe`."""
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"fused_moe needs {name} with a contiguous last dim")
+    arith = ExpertArith(
+        w13_bias, w2_bias, activation == "swiglu_clamped", swiglu_alpha, swiglu_limit
+    )
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -339,7 +408,7 @@ def fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     if MOE_GEMV and num_tokens <= GEMV_MAX_TOKENS:
-        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, None, None, arith)
     # Few pairs per expert in decode: small row blocks waste less padding.
     block_m = 16 if num_pairs <= 64 * num_experts else 64
     sorted_pairs, block_expert = sort_pairs_by_expert(topk_ids, num_experts, block_m)
@@ -348,19 +417,25 @@ def fused_moe(
     inter_buf = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, inter_buf, sorted_pairs, block_expert, num_pairs, num_experts, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), inter_buf.stride(0),
-        TOP_K=top_k, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, w13, _or(arith.w13_bias, w13), inter_buf, sorted_pairs, block_expert, num_pairs,
+        num_experts, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        inter_buf.stride(0), arith.alpha, arith.limit, TOP_K=top_k,
+        HAS_BIAS=arith.w13_bias is not None, CLAMPED=arith.clamped, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,
     )  # fmt: skip
     out_pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        inter_buf, w2, out_pairs, weights, sorted_pairs, block_expert, num_pairs, num_experts,
-        hidden, inter, inter_buf.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0),
-        IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        inter_buf, w2, _or(arith.w2_bias, w2), out_pairs, weights, sorted_pairs, block_expert,
+        num_pairs, num_experts, hidden, inter, inter_buf.stride(0), w2.stride(0), w2.stride(1),
+        out_pairs.stride(0), HAS_BIAS=arith.w2_bias is not None, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _or(bias: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """A bias pointer for the launch: the bias, or any tensor when HAS_BIAS is off."""
+    return placeholder if bias is None else bias
 
 
 # Launch shapes of the pair GEMV: gate/up (BLOCK_N gate and as many up rows a program,
@@ -382,13 +457,15 @@ def fused_moe_gemv(
     topk_ids: torch.Tensor,
     gate_up: tuple[int, int, int] | None = None,
     down: tuple[int, int, int] | None = None,
+    arith: ExpertArith = PLAIN,
 ) -> torch.Tensor:
     """`fused_moe` for a few tokens, pair by pair (no sort): a gate/up launch of one program per
     (pair, block of intermediate columns) streaming its expert's gate and up rows, then a down
     launch of one program per (token, block of hidden columns) summing the token's pairs in one
     fp32 accumulator. Arithmetic: fp32 sums, SwiGLU in fp32 rounded to the dtype, each pair's
     intermediate row scaled by its routing weight in fp32, the output rounded once.
-    `gate_up` / `down`: launch shapes (BLOCK_N, BLOCK_K, warps); default the tuned ones."""
+    `gate_up` / `down`: launch shapes (BLOCK_N, BLOCK_K, warps); default the tuned ones.
+    `arith`: biases and the clamped activation (GPT-OSS)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     if num_tokens * top_k == 0:
@@ -398,31 +475,33 @@ def fused_moe_gemv(
         gate_up, down = gate_up or tuned[0], down or tuned[1]
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
-    inter = _gemv_gate_up(x, w13, ids, top_k, gate_up)
-    return _gemv_down(inter, w2, ids, weights, num_tokens, top_k, down)
+    inter = _gemv_gate_up(x, w13, ids, top_k, gate_up, arith)
+    return _gemv_down(inter, w2, ids, weights, num_tokens, top_k, down, arith.w2_bias)
 
 
-def _gemv_gate_up(x, w13, ids, top_k, shape) -> torch.Tensor:
+def _gemv_gate_up(x, w13, ids, top_k, shape, arith: ExpertArith = PLAIN) -> torch.Tensor:
     block_n, block_k, warps = shape
     num_pairs, hidden, inter = ids.shape[0], x.shape[1], w13.shape[1] // 2
     block_k = min(block_k, triton.next_power_of_2(hidden))
     out = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _moe_gemv_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_n))](
-        x, w13, ids, out, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        x, w13, _or(arith.w13_bias, w13), ids, out, hidden, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), out.stride(0), arith.alpha, arith.limit, TOP_K=top_k,
+        HAS_BIAS=arith.w13_bias is not None, CLAMPED=arith.clamped, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.options(x.device),
     )  # fmt: skip
     return out
 
 
-def _gemv_down(inter, w2, ids, weights, num_tokens, top_k, shape) -> torch.Tensor:
+def _gemv_down(inter, w2, ids, weights, num_tokens, top_k, shape, bias=None) -> torch.Tensor:
     block_n, block_k, warps = shape
     hidden, inter_size = w2.shape[1], w2.shape[2]
     block_k = min(block_k, triton.next_power_of_2(inter_size))
     y = torch.empty((num_tokens, hidden), dtype=inter.dtype, device=inter.device)
     _moe_gemv_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        inter, w2, ids, weights, y, hidden, inter_size, inter.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), TOP_K=top_k, BLOCK_P=triton.next_power_of_2(top_k),
+        inter, w2, _or(bias, w2), ids, weights, y, hidden, inter_size, inter.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), TOP_K=top_k, HAS_BIAS=bias is not None,
+        BLOCK_P=triton.next_power_of_2(top_k),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.options(inter.device),
     )  # fmt: skip
     return y

@@ -1129,13 +1129,22 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    """Sparse MoE with SwiGLU experts: `y[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e,
-    :I] @ x[t]) * (w13[e, I:] @ x[t]))`, e = topk_ids[t, j].
+    """Sparse MoE with gated experts: `y[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e,
+    :I] @ x[t] + b13[e, :I], w13[e, I:] @ x[t] + b13[e, I:]) + b2[e])`, e = topk_ids[t, j].
 
     x `[T, H]`; w13 `[E, 2I, H]` (gate rows then up rows); w2 `[E, H, I]`; topk_weights fp32
-    `[T, K]`; topk_ids int32 `[T, K]` in [0, E). Returns `[T, H]` in x's dtype. On a GPU:
-    tokens sorted by expert and two grouped Triton GEMMs (no loop over experts)."""
+    `[T, K]`; topk_ids int32 `[T, K]` in [0, E). Optional biases w13_bias `[E, 2I]` and
+    w2_bias `[E, H]` (GPT-OSS; None: no bias). `activation`: "silu" is SwiGLU, `silu(gate) *
+    up`; "swiglu_clamped" is GPT-OSS's, gate clamped above at `swiglu_limit`, up to
+    [-limit, limit], then `gate * sigmoid(swiglu_alpha * gate) * (up + 1)`. Returns `[T, H]`
+    in x's dtype. On a GPU: tokens sorted by expert and two grouped Triton GEMMs (no loop over
+    experts)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     t, h = x.shape
@@ -1153,6 +1162,11 @@ def fused_moe(
             f"topk_weights must be fp32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
             f"{tuple(topk_weights.shape)}"
         )
+    for name, bias, shape in (("w13_bias", w13_bias, (e, 2 * inter)), ("w2_bias", w2_bias, (e, h))):
+        if bias is not None and (tuple(bias.shape) != shape or not bias.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {list(shape)}, got {tuple(bias.shape)}")
+    if activation not in ("silu", "swiglu_clamped"):
+        raise ValueError(f"activation={activation!r}: expected 'silu' or 'swiglu_clamped'")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -833,8 +833,13 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    """Sparse MoE with SwiGLU experts, in fp32: one pass per expert that has tokens."""
+    """Sparse MoE with gated experts, in fp32: one pass per expert that has tokens."""
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -849,10 +854,25 @@ def fused_moe(
         lo += count
         tokens = pairs // top_k
         h = x[tokens].float() @ w13[expert].float().t()  # [n, 2I]
-        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        y = (act @ w2[expert].float().t()) * topk_weights.flatten()[pairs, None].float()
-        out.index_add_(0, tokens, y)
+        if w13_bias is not None:
+            h = h + w13_bias[expert].float()
+        act = expert_activation(h[:, :inter], h[:, inter:], activation, swiglu_alpha, swiglu_limit)
+        y = act @ w2[expert].float().t()
+        if w2_bias is not None:
+            y = y + w2_bias[expert].float()
+        out.index_add_(0, tokens, y * topk_weights.flatten()[pairs, None].float())
     return out.to(x.dtype)
+
+
+def expert_activation(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float
+) -> torch.Tensor:
+    """An expert's gated activation (see `ops.fused_moe`)."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 def state_copy_(
