@@ -35,8 +35,11 @@ class DecodeBytes:
     num_experts: int
     top_k: int
     embedding_row: int  # one token's embedding row (0 when the table is the tied LM head)
-    kv_per_token: int  # K + V of one token over every attention layer
+    kv_per_token: int  # K + V of one token over every full-attention layer
     state_per_seq: int  # one sequence's recurrent + conv state over every stateful layer
+    # Sliding-window layers read only their last `window` positions (GPT-OSS, Mistral).
+    window_kv_per_token: int = 0  # K + V of one token over every windowed layer
+    window: int = 0
 
     def experts_touched(self, batch: int) -> float:
         """Expected distinct routed experts a MoE layer reads at `batch` tokens."""
@@ -54,6 +57,7 @@ class DecodeBytes:
             + self.experts_touched(batch) * self.expert
             + batch * self.embedding_row
             + (sum(contexts) + batch) * self.kv_per_token  # read the context, write the new K/V
+            + (sum(min(c, self.window) for c in contexts) + batch) * self.window_kv_per_token
             + batch * 2 * self.state_per_seq  # read and write the state
         )
 
@@ -62,7 +66,7 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
     """The step's bytes from the loaded model's parameters and the runner's cache layout.
 
     Routed experts are the `w13` / `w2` parameters of a module with `num_experts` and `top_k`
-    (layers of `models.qwen3_next.SparseMoE`); the embedding is the `embed_tokens` module
+    (layers of `layers.moe.SparseMoE`, their biases with them); the embedding is the `embed_tokens` module
     unless its weight is also the LM head's."""
     head = getattr(model, "lm_head", None)
     head_weight = getattr(head, "weight", None)
@@ -76,21 +80,30 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
                 continue
             seen.add(id(p))
             nbytes = p.numel() * p.element_size()
-            if routed and pname in ("w13", "w2"):
+            if routed and pname in ("w13", "w2", "w13_bias", "w2_bias"):
                 expert += nbytes // module.num_experts
                 num_experts, top_k = module.num_experts, module.top_k
             elif name.endswith("embed_tokens") and p is not head_weight:
                 embedding_row = nbytes // p.shape[0]
             else:
                 weights += nbytes
+    full = window = window_kv = 0
+    for layer in model.attention_layers():
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * layer.k_cache.element_size()
+        if layer.sliding_window:
+            window, window_kv = layer.sliding_window, window_kv + per_token
+        else:
+            full += per_token
     return DecodeBytes(
         weights=weights,
         expert=expert,
         num_experts=num_experts,
         top_k=top_k,
         embedding_row=embedding_row,
-        kv_per_token=runner.bytes_per_block // runner.block_size,
+        kv_per_token=full,
         state_per_seq=runner.state_bytes_per_slot,
+        window_kv_per_token=window_kv,
+        window=window,
     )
 
 

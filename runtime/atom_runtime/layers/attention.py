@@ -8,6 +8,12 @@ torch's attention kernels run, with ATOM_DENSE_PREFILL=1) and the chunks are of 
 dense kernels win on (`varlen_attention.takes_dense_path`), dense attention over the step's own
 q/k/v; otherwise the paged variable-length prefill kernel (a chunk of length one is a decode
 there too, so mixed batches are correct).
+
+Sliding-window layers (`sliding_window` > 0: Mistral, Mixtral, GPT-OSS's every other layer)
+attend over their last `sliding_window` positions; where the engine frees the blocks a window
+has left behind, they write and read through the step's window block tables
+(`AttentionMetadata.window`). Attention sinks (GPT-OSS) are a learned per-head logit in each
+softmax's denominator (`sinks`, a parameter of the layer).
 """
 
 from __future__ import annotations
@@ -17,14 +23,31 @@ from torch import nn
 
 from atom_kernels import ops, varlen_attention
 from atom_runtime.layers.cache_spec import KVCacheSpec, paged_kv_spec
-from atom_runtime.layers.forward_context import get_attention_metadata
+from atom_runtime.layers.forward_context import AttentionMetadata, get_attention_metadata
+from atom_runtime.layers.weights import copy_weight
+from atom_runtime.system.distributed import tp_rank
 
 
 class PagedAttention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, q_gate: bool = False
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        q_gate: bool = False,
+        sliding_window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window or 0
+        # This rank's heads' sink logits (fp32; the checkpoint holds every head's).
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            self.sinks.keep_fp32 = True  # added to fp32 softmax sums
+        else:
+            self.sinks = None
         # Gated attention: each q head is followed by its output gate in the qkv projection.
         self.q_gate = q_gate
         self.num_heads = num_heads
@@ -64,7 +87,7 @@ class PagedAttention(nn.Module):
         heads, head_dim] views into qkv, normed and rotated (q strided past the gates with
         `q_gate`): `forward` takes k and v for the dense path of fresh prompts."""
         self._check_bound()
-        meta = get_attention_metadata()
+        meta = self.metadata()
         ops.qk_norm_rope_store_(
             qkv,
             positions,
@@ -102,7 +125,7 @@ class PagedAttention(nn.Module):
         self._check_bound()
         qkv = ops.linear_rope_store_small_m(
             x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
-            get_attention_metadata().slot_mapping, self.num_heads, self.num_kv_heads,
+            self.metadata().slot_mapping, self.num_heads, self.num_kv_heads,
             self.head_dim, q_norm_weight, k_norm_weight, eps,
         )  # fmt: skip
         return self._one_row_q(qkv)
@@ -131,16 +154,28 @@ class PagedAttention(nn.Module):
         if summed is not None:
             qkv = ops.rms_scaled_linear_rope_store_small_m(
                 *summed, norm_eps, weight, bias, positions, cos_sin_cache, self.k_cache,
-                self.v_cache, get_attention_metadata().slot_mapping, self.num_heads,
+                self.v_cache, self.metadata().slot_mapping, self.num_heads,
                 self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
             )  # fmt: skip
             return self._one_row_q(qkv), x
         qkv, residual = ops.rms_norm_linear_rope_store_small_m(
             x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
-            self.k_cache, self.v_cache, get_attention_metadata().slot_mapping, self.num_heads,
+            self.k_cache, self.v_cache, self.metadata().slot_mapping, self.num_heads,
             self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
         )  # fmt: skip
         return self._one_row_q(qkv), residual
+
+    def metadata(self) -> AttentionMetadata:
+        """The step's attention metadata for this layer: a sliding-window layer's own slot
+        mapping and block tables when the engine keeps a window's blocks apart."""
+        meta = get_attention_metadata()
+        if self.sliding_window and meta.window is not None:
+            return meta.window
+        return meta
+
+    def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        n = param.data.shape[0]
+        copy_weight(param.data, loaded.narrow(0, tp_rank() * n, n))
 
     def _one_row_q(self, qkv: torch.Tensor) -> torch.Tensor:
         return qkv[:, : self.num_heads * self.head_dim].view(1, self.num_heads, self.head_dim)
@@ -157,11 +192,13 @@ class PagedAttention(nn.Module):
         head_dim], from `prepare`); with them, a step of fresh prompts attends over them alone,
         densely, when `dense_prefill` is on and `varlen_attention.takes_dense_path` says the dense
         kernels win on its chunks. Returns [T, num_heads * head_dim]."""
-        meta = get_attention_metadata()
+        meta = self.metadata()
+        window, sinks = self.sliding_window, self.sinks
         if meta.decode_only:
             out = ops.paged_attention_decode(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                sliding_window=window, sinks=sinks,
+            )  # fmt: skip
         elif (
             self.dense_prefill
             and k is not None
@@ -182,5 +219,7 @@ class PagedAttention(nn.Module):
                 meta.block_tables,
                 self.scale,
                 meta.max_seqlen_q,
+                sliding_window=window,
+                sinks=sinks,
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

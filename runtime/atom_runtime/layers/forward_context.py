@@ -37,6 +37,10 @@ class AttentionMetadata:
     # reuses (MLA's per-token attention rows), keyed by the layer kind's name; the model clears
     # it at the start of each forward (a captured graph must record the derivation).
     derived: dict = field(default_factory=dict)
+    # Sliding-window layers whose blocks the engine keeps apart (KV groups, docs/models.md):
+    # their own slot mapping and block tables, the rest of the step as above. None: every
+    # layer reads and writes through the tables above.
+    window: AttentionMetadata | None = None
 
 
 def fresh_chunk_lengths(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray) -> tuple[int, ...] | None:

@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from atom_runtime.layers.moe import MoESpec
     from atom_runtime.models.mla_config import GroupedTopkRouting, LatentAttentionConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Llama-family decoders; Qwen3-MoE and Mixtral are the same with sparse MoE layers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# GPT-OSS: alternating sliding-window and full attention with sinks, MoE with biases.
+GPT_OSS_MODEL_TYPES = ("gpt_oss",)
 # Hybrid models: Gated DeltaNet layers (per-request recurrent state) between gated full-attention
 # layers. The multimodal Qwen3.5 configs nest the language model under `text_config`.
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -36,6 +40,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    output_bias: bool = False  # o_proj carries a bias (GPT-OSS)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -62,6 +67,19 @@ class ModelConfig:
     mla: LatentAttentionConfig | None = None  # multi-head latent attention
     routing: GroupedTopkRouting | None = None  # grouped top-k routing, shared experts
     num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
+    # -- GPT-OSS-style experts: router and expert biases, clamped SwiGLU (layers.moe.MoESpec) --
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # How the checkpoint stores the experts: None (plain tensors) or "mxfp4" (GPT-OSS,
+    # dequantized at load).
+    expert_quantization: str | None = None
+    # -- sliding-window attention (Mistral, Mixtral, GPT-OSS) --
+    sliding_window: int | None = None  # keys within this many positions, the query's included
+    sliding_layers: list[int] = field(default_factory=list)  # the layers that use the window
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator
 
     @property
     def is_hybrid(self) -> bool:
@@ -70,6 +88,35 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window of the sliding-window layers when they keep their KV blocks apart from the
+        full-attention layers' (both kinds present: GPT-OSS), so blocks a window has passed go
+        back to the pool (docs/kv-groups.md); None: one block table for every layer."""
+        if self.sliding_window is None or not self.sliding_layers:
+            return None
+        return self.sliding_window if len(self.sliding_layers) < self.num_hidden_layers else None
+
+    def is_sliding_layer(self, i: int) -> bool:
+        return self.sliding_window is not None and i in self.sliding_layers
+
+    def moe_spec(self) -> MoESpec:
+        from atom_runtime.layers.moe import MoESpec
+
+        return MoESpec(
+            hidden_size=self.hidden_size,
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            intermediate_size=self.moe_intermediate_size,
+            renormalize=self.norm_topk_prob,
+            shared_intermediate_size=self.shared_expert_intermediate_size,
+            router_bias=self.router_bias,
+            expert_bias=self.expert_bias,
+            activation=self.expert_activation,
+            swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit,
+        )
 
     def is_moe_layer(self, i: int) -> bool:
         if self.routing is not None:
@@ -89,40 +136,19 @@ class ModelConfig:
             from atom_runtime.models.mla_config import deepseek_from_hf
 
             return deepseek_from_hf(cfg)
+        if model_type in GPT_OSS_MODEL_TYPES:
+            return _gpt_oss_from_hf(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES + MLA_MODEL_TYPES)}"
+                f"{', '.join(SUPPORTED_MODEL_TYPES + GPT_OSS_MODEL_TYPES + HYBRID_MODEL_TYPES + MLA_MODEL_TYPES)}"
             )
-        heads = cfg["num_attention_heads"]
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older configs at top level.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (
-            rope if rope.get("rope_type") not in (None, "default") else None
-        )
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        )
+        parsed = _llama_from_hf(cls, cfg)
+        if model_type in ("qwen3_moe", "mixtral"):
+            _add_moe(parsed, cfg)
+        if model_type in ("mistral", "mixtral") and cfg.get("sliding_window"):
+            _add_window(parsed, cfg["sliding_window"], range(parsed.num_hidden_layers))
+        return parsed
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -130,6 +156,40 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         return cls.from_hf(json.loads(path.read_text()))
+
+
+def _llama_from_hf(cls, cfg: dict) -> ModelConfig:
+    """The fields every Llama-family config.json shares."""
+    model_type = cfg.get("model_type", "")
+    heads = cfg["num_attention_heads"]
+    # transformers >= 5 keeps rope settings in `rope_parameters`; older configs at top level.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (
+        rope if rope.get("rope_type") not in (None, "default") else None
+    )
+    eos = cfg.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return cls(
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+    )
 
 
 def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
@@ -234,4 +294,104 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
         parsed.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
         parsed.decoder_sparse_step = sparse_step
         parsed.mlp_only_layers = list(cfg.get("mlp_only_layers") or [])
+    return parsed
+
+
+def _need(cfg: dict, name: str, model_type: str):
+    if cfg.get(name) is None:
+        raise ValueError(f"{name}: missing from the {model_type} config")
+    return cfg[name]
+
+
+def _add_moe(parsed: ModelConfig, cfg: dict) -> None:
+    """Qwen3-MoE's and Mixtral's sparse layers: which layers, how many experts, how wide."""
+    model_type = parsed.model_type
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act: {act!r} is not supported for {model_type} (silu only)")
+    if model_type == "mixtral":
+        experts = _need(cfg, "num_local_experts", model_type)
+        parsed.moe_intermediate_size = parsed.intermediate_size
+        parsed.norm_topk_prob = True  # Mixtral always renormalises its top-k weights
+    else:
+        # Released configs say num_experts; transformers 5 saves it as num_local_experts.
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if experts is None:
+            raise ValueError(f"num_experts: missing from the {model_type} config")
+        parsed.moe_intermediate_size = _need(cfg, "moe_intermediate_size", model_type)
+        parsed.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+        step = cfg.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"decoder_sparse_step: must be a positive integer, got {step!r}")
+        parsed.decoder_sparse_step = step
+        only = list(cfg.get("mlp_only_layers") or [])
+        bad = [i for i in only if not isinstance(i, int) or not 0 <= i < parsed.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers: {bad} are not layer indices")
+        parsed.mlp_only_layers = only
+    top_k = _need(cfg, "num_experts_per_tok", model_type)
+    if not isinstance(experts, int) or experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"num_experts_per_tok: {top_k} must be in [1, experts={experts}] for {model_type}"
+        )
+    parsed.num_experts, parsed.num_experts_per_tok = experts, top_k
+
+
+def _add_window(parsed: ModelConfig, window, layers) -> None:
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window: must be a positive integer, got {window!r}")
+    parsed.sliding_window = window
+    parsed.sliding_layers = list(layers)
+
+
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gpt_oss_from_hf(cfg: dict) -> ModelConfig:
+    """GPT-OSS: a Llama-shaped trunk (biased q/k/v/o, YaRN rope), sliding_attention and
+    full_attention layers (alternating in the releases), attention sinks, and MoE layers whose
+    router and experts carry biases and whose SwiGLU is clamped; its experts may be MXFP4."""
+    t = "gpt_oss"
+    num_layers = _need(cfg, "num_hidden_layers", t)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}"
+        )
+    bad = sorted({x for x in layer_types if x not in GPT_OSS_LAYER_TYPES})
+    if bad:
+        raise ValueError(f"layer_types: {bad} not supported for gpt_oss ({GPT_OSS_LAYER_TYPES})")
+    quant = cfg.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ValueError(f"quantization_config.quant_method: {method!r} is not supported (mxfp4)")
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    base = {k: v for k, v in cfg.items() if k not in ("model_type", "layer_types")}
+    base.update(model_type="llama", num_local_experts=experts)
+    base.setdefault("max_position_embeddings", 131072)
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 150000.0))
+    base["rope_parameters"], base["rope_scaling"] = rope, None
+    parsed = _llama_from_hf(ModelConfig, base)
+    parsed.model_type = t
+    parsed.attention_bias = parsed.output_bias = bool(cfg.get("attention_bias", True))
+    parsed.attention_sinks = True
+    parsed.intermediate_size = parsed.moe_intermediate_size = _need(cfg, "intermediate_size", t)
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    if not isinstance(experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(
+            f"num_experts_per_tok: {top_k} must be in [1, num_local_experts={experts}]"
+        )
+    parsed.num_experts, parsed.num_experts_per_tok = experts, top_k
+    parsed.norm_topk_prob = True  # softmax over the top-k logits: the same weights
+    parsed.router_bias = parsed.expert_bias = True
+    parsed.expert_activation = "swiglu_clamped"
+    parsed.swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
+    parsed.swiglu_limit = float(cfg.get("swiglu_limit", 7.0))
+    parsed.expert_quantization = method
+    sliding = [i for i, x in enumerate(layer_types) if x == "sliding_attention"]
+    if sliding:
+        _add_window(parsed, cfg.get("sliding_window"), sliding)
     return parsed

@@ -37,12 +37,12 @@ from atom_runtime.layers.linear import (
     RowParallelLinear,
     _divide,
 )
+from atom_runtime.layers.moe import DenseMLP, load_routed_expert
 from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding, softmax_scale_correction
 from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.deepseek_moe import GroupedTopkMoE
-from atom_runtime.models.qwen3_next import DenseMLP, load_routed_expert
 from atom_runtime.system.distributed import tp_size
 
 log = logging.getLogger(__name__)

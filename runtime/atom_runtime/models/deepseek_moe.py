@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
+from atom_runtime.layers.moe import DenseMLP, SparseMoE
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.mla_config import GroupedTopkRouting
-from atom_runtime.models.qwen3_next import DenseMLP, SparseMoE
 from atom_runtime.system.distributed import all_reduce, tp_size
 
 
@@ -68,7 +68,7 @@ class GroupedTopkMoE(SparseMoE):
     def __init__(self, cfg: ModelConfig) -> None:
         if cfg.routing is None:
             raise ValueError("GroupedTopkMoE needs a config with grouped top-k routing")
-        super().__init__(replace(cfg, shared_expert_intermediate_size=0))
+        super().__init__(replace(cfg.moe_spec(), shared_intermediate_size=0))
         self.routing = cfg.routing
         self.gate.weight.keep_fp32 = True
         if self.routing.correction_bias:

@@ -126,7 +126,11 @@ class CheckpointTensor:
         return self._convert(self._file.get_tensor(self.name))
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.dtype is None else t.to(self.dtype)
+        # Integer tensors (quantized blocks and their scales) keep their dtype: only a loader
+        # that dequantizes them knows what they mean.
+        if self.dtype is None or not t.is_floating_point():
+            return t
+        return t.to(self.dtype)
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
@@ -249,6 +253,7 @@ def build_model(
     seed: int = 0,
 ):
     from atom_runtime.models.deepseek import DeepseekForCausalLM
+    from atom_runtime.models.gpt_oss import GptOssForCausalLM
     from atom_runtime.models.llama import LlamaForCausalLM
     from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -259,6 +264,8 @@ def build_model(
             model = DeepseekForCausalLM(cfg)
         elif cfg.is_hybrid:
             model = Qwen3NextForCausalLM(cfg)
+        elif cfg.model_type == "gpt_oss":
+            model = GptOssForCausalLM(cfg)
         else:
             model = LlamaForCausalLM(cfg)
     model.to(dtype=dtype)

@@ -37,18 +37,18 @@ from atom_kernels import ops
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.forward_context import get_state_metadata
 from atom_runtime.layers.linear import (
-    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     _divide,
 )
+from atom_runtime.layers.moe import DenseMLP, SparseMoE, load_routed_expert
 from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding
 from atom_runtime.layers.weights import copy_weight
 from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
-from atom_runtime.system.distributed import all_reduce, tp_rank, tp_size
+from atom_runtime.system.distributed import tp_rank, tp_size
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -241,113 +241,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj.forward_adding(o.reshape(t, vs), residual, next_norm)
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.gate_up_proj.act_after = "silu_mul"
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
-
-
-class SparseMoE(nn.Module):
-    """Top-k softmax routing over experts (fused MoE op), plus an optional shared expert scaled
-    by sigmoid(shared_expert_gate(x)). Each rank holds every expert's slice of the intermediate
-    dimension; the partial outputs are summed across ranks.
-
-    A shared expert as wide as a routed one (Qwen3-Next, Qwen3.5-MoE) is stacked after them as
-    expert E: its gate is the router's row E, its weights the experts' slot E, and `moe_topk`
-    gives every token a last pair (E, sigmoid(logit E)). One router launch and one fused MoE
-    call then serve both, and one all-reduce under TP. A narrower or wider one stays a
-    DenseMLP beside the experts."""
-
-    # The checkpoint tensors a stacked shared expert is built from (per MoE layer, under mlp.).
-    STACKED_TENSORS = (
-        "gate.weight",
-        "shared_expert_gate.weight",
-        "shared_expert.gate_proj.weight",
-        "shared_expert.up_proj.weight",
-        "shared_expert.down_proj.weight",
-    )
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        e, h = cfg.num_experts, cfg.hidden_size
-        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
-        self.renormalize = cfg.norm_topk_prob
-        self.inter_all = cfg.moe_intermediate_size
-        self.inter = _divide(cfg.moe_intermediate_size, tp_size(), "moe_intermediate_size")
-        shared = cfg.shared_expert_intermediate_size
-        self.stacked_shared = shared > 0 and shared == cfg.moe_intermediate_size
-        slots = e + 1 if self.stacked_shared else e
-        self.gate = LinearBase(h, slots, bias=False)
-        self.w13 = nn.Parameter(torch.empty(slots, 2 * self.inter, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(slots, h, self.inter), requires_grad=False)
-        if shared and not self.stacked_shared:
-            self.shared_expert = DenseMLP(h, shared)
-            self.shared_expert_gate = LinearBase(h, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
-        # Checkpoint tensors that fill parts of the stacked parameters (a missing one would
-        # leave its slot unset behind a parameter that counts as loaded).
-        self.stacked_loaded: set[str] = set()
-
-    def load_experts(self, name: str, loaded) -> None:
-        """`gate_up_proj` / `down_proj` (all experts fused) or `{e}.{gate,up,down}_proj.weight`."""
-        i, r = self.inter, tp_rank()
-        if name == "gate_up_proj":
-            t = loaded  # [E, 2I, H]: gate rows then up rows
-            e = self.num_experts
-            copy_weight(self.w13.data[:e, :i], t.narrow(1, r * i, i))
-            copy_weight(self.w13.data[:e, i:], t.narrow(1, self.inter_all + r * i, i))
-            return
-        if name == "down_proj":
-            copy_weight(self.w2.data[: self.num_experts], loaded.narrow(2, r * i, i))
-            return
-        m = re.fullmatch(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
-        if m is None or int(m.group(1)) >= self.num_experts:
-            raise ValueError(f"mlp.experts.{name}: not an expert tensor of this model")
-        self._load_expert(int(m.group(1)), m.group(2), loaded)
-
-    def load_stacked_shared(self, name: str, loaded) -> str:
-        """The stacked shared expert's tensors (`shared_expert.{gate,up,down}_proj.weight`,
-        `shared_expert_gate.weight`) and the router (`gate.weight`, rows [0, E)); returns the
-        parameter loaded."""
-        e = self.num_experts
-        self.stacked_loaded.add(name)
-        if name == "gate.weight":
-            copy_weight(self.gate.weight.data[:e], loaded)
-            return "gate.weight"
-        if name == "shared_expert_gate.weight":
-            copy_weight(self.gate.weight.data[e:], loaded)
-            return "gate.weight"
-        m = re.fullmatch(r"shared_expert\.(gate_proj|up_proj|down_proj)\.weight", name)
-        if m is None:
-            raise ValueError(f"mlp.{name}: not a tensor of this layer's MoE")
-        self._load_expert(e, m.group(1), loaded)
-        return "w2" if m.group(1) == "down_proj" else "w13"
-
-    def _load_expert(self, e: int, which: str, loaded) -> None:
-        """One expert's gate, up or down projection into slot e (this rank's columns)."""
-        i, r = self.inter, tp_rank()
-        if which == "down_proj":
-            copy_weight(self.w2.data[e], loaded.narrow(1, r * i, i))
-        else:
-            rows = slice(0, i) if which == "gate_proj" else slice(i, 2 * i)
-            copy_weight(self.w13.data[e, rows], loaded.narrow(0, r * i, i))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = ops.moe_topk(self.gate(x), self.top_k, self.renormalize, self.stacked_shared)
-        y = ops.fused_moe(x, self.w13, self.w2, weights, ids)
-        if tp_size() > 1:
-            y = all_reduce(y)
-        if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
-
-
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -357,7 +250,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg)
         if cfg.is_moe_layer(index):
-            self.mlp = SparseMoE(cfg)
+            self.mlp = SparseMoE(cfg.moe_spec())
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
             self.mlp.down_proj.residual_after = True  # the layer adds it to the residual stream
@@ -447,16 +340,3 @@ class Qwen3NextForCausalLM(CausalLM):
             if isinstance(moe, SparseMoE) and moe.stacked_shared:
                 return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
         return load_routed_expert(self, name, tensor)
-
-
-def load_routed_expert(model: nn.Module, name: str, tensor) -> str | None:
-    """A routed expert's checkpoint tensor (`model.layers.N.mlp.experts.*`, fused or one per
-    expert) into its layer's `SparseMoE`; returns the parameter loaded, None for any other."""
-    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.experts\.(.+)", name)
-    if m is None:
-        return None
-    moe = model.get_submodule(m.group(1))
-    if not isinstance(moe, SparseMoE):
-        raise ValueError(f"checkpoint tensor {name!r}: layer has no experts here")
-    moe.load_experts(m.group(2), tensor)
-    return f"{m.group(1)}.{'w2' if 'down_proj' in m.group(2) else 'w13'}"
