@@ -66,8 +66,8 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
     """The step's bytes from the loaded model's parameters and the runner's cache layout.
 
     Routed experts are the `w13` / `w2` parameters of a module with `num_experts` and `top_k`
-    (layers of `layers.moe.SparseMoE`, their biases with them); the embedding is the `embed_tokens` module
-    unless its weight is also the LM head's."""
+    (layers of `layers.moe.SparseMoE`, their biases with them); the embedding is the
+    `embed_tokens` module unless its weight is also the LM head's."""
     head = getattr(model, "lm_head", None)
     head_weight = getattr(head, "weight", None)
     weights = expert = embedding_row = 0
@@ -88,9 +88,9 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
             else:
                 weights += nbytes
     full = window = window_kv = 0
-    for layer in model.attention_layers():
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * layer.k_cache.element_size()
-        if layer.sliding_window:
+    for layer in model.attention_layers():  # K + V, or MLA's latent row, as its cache holds
+        per_token = sum(t[0, 0].numel() * t.element_size() for t in layer.cache_tensors())
+        if getattr(layer, "sliding_window", 0):
             window, window_kv = layer.sliding_window, window_kv + per_token
         else:
             full += per_token

@@ -8,6 +8,12 @@ Contracts (docs/architecture.md):
 
 The pool knows nothing of sequences. It also lends raw blocks to owners that are not sequences
 (state checkpoints borrow PAGE units from it) and takes them back, all or nothing.
+
+KV groups (docs/kv-groups.md): a model whose sliding-window layers keep their blocks apart from
+the full-attention layers' (GPT-OSS) draws both kinds from this one pool. Each group has its own
+prefix index (`cached`: full attention, group 0; `cached_window`: the window's, group 1); a
+block remembers which one serves it. KV events describe group 0 only: a window block of a prefix
+is worth nothing without the full-attention blocks of the same tokens, which group 0 reports.
 """
 
 from __future__ import annotations
@@ -19,21 +25,23 @@ from atom_runtime.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: array | None = None
+        self.group = 0  # the KV group whose prefix index holds the hash
 
-    def set_hash(self, block_hash: int, token_ids: array) -> None:
+    def set_hash(self, block_hash: int, token_ids: array, group: int = 0) -> None:
         if not isinstance(token_ids, array):
             raise TypeError(
                 f"Block.token_ids must be an array('i'), got {type(token_ids).__name__}"
             )
         self.hash = block_hash
         self.token_ids = token_ids
+        self.group = group
 
     def clear_hash(self) -> None:
         self.hash = None
@@ -58,8 +66,10 @@ class BlockPool:
         self._free_plain: deque[int] = deque(range(num_blocks))
         # Free blocks that still hold a cached hash, least recently freed first.
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        # The prefix index: hash -> the block that serves it.
+        # The prefix indexes: hash -> the block that serves it; full attention (KV group 0)
+        # and sliding-window layers kept apart (group 1).
         self.cached: dict[int, int] = {}
+        self.cached_window: dict[int, int] = {}
         # Blocks lent to non-sequence owners (state checkpoints): block id -> owner tag.
         self.lent: dict[int, str] = {}
         self.enable_events = enable_events
@@ -145,9 +155,16 @@ class BlockPool:
 
     # -- the prefix index ----------------------------------------------------------------------
 
-    def lookup(self, block_hash: int, token_ids: array) -> int | None:
+    def index(self, group: int) -> dict[int, int]:
+        return self.cached if group == 0 else self.cached_window
+
+    @property
+    def holds_hashes(self) -> bool:
+        return bool(self.cached or self.cached_window)
+
+    def lookup(self, block_hash: int, token_ids: array, group: int = 0) -> int | None:
         """The block serving this hash, if its tokens also match (a hash alone is not proof)."""
-        block_id = self.cached.get(block_hash)
+        block_id = self.index(group).get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
@@ -171,11 +188,22 @@ class BlockPool:
         return hits
 
     def publish_hashes(
-        self, block_ids: list[int], hashes: list[int], tokens: list[array], parent: int | None
+        self,
+        block_ids: list[int],
+        hashes: list[int],
+        tokens: list[array],
+        parent: int | None,
+        group: int = 0,
     ) -> None:
-        """Record computed blocks in the index. One BlockStored per contiguous run of blocks that
-        entered the index; a block whose hash another block already serves keeps its hash but does
-        not displace the index entry."""
+        """Record computed blocks in the index of their KV group. One BlockStored per contiguous
+        run of blocks that entered group 0's index; a block whose hash another block already
+        serves keeps its hash but does not displace the index entry."""
+        if group != 0:
+            index = self.cached_window
+            for block_id, block_hash, block_tokens in zip(block_ids, hashes, tokens, strict=True):
+                self.blocks[block_id].set_hash(block_hash, block_tokens, group)
+                index.setdefault(block_hash, block_id)
+            return
         prev = parent
         run_parent: int | None = None
         run_hashes: list[int] = []
@@ -203,6 +231,7 @@ class BlockPool:
             self._free_plain.append(block_id)
         self._free_cached.clear()
         self.cached.clear()
+        self.cached_window.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -215,9 +244,10 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         if block.hash is None:
             return
-        if self.cached.get(block.hash) == block.block_id:
-            del self.cached[block.hash]
-            if self.enable_events:
+        index = self.index(block.group)
+        if index.get(block.hash) == block.block_id:
+            del index[block.hash]
+            if self.enable_events and block.group == 0:
                 self._events.append(BlockRemoved(block_hashes=[block.hash]))
         block.clear_hash()
 

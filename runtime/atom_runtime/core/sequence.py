@@ -55,6 +55,10 @@ class Sequence:
         # Block ids, grown by the block manager: an array, so the model runner copies a row
         # into its step's table as one buffer copy instead of converting a list per step.
         self.block_table = array("i")
+        # Models whose sliding-window layers keep their own blocks (KV group 1): those, index
+        # for index beside block_table; -1 where the window has passed and the block went back.
+        self.window_table = array("i")
+        self.window_start = 0  # window_table's entries before this one are -1
         # Hybrid models: state slots held while resident ([0] committed, then scratch).
         self.state_slots: list[int] = []
         # Chained hashes of this sequence's full blocks, computed once each, in order.

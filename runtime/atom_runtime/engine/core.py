@@ -104,7 +104,7 @@ class EngineCore:
                 )
         _warn_checkpoint_flags(config, hybrid)
         self.scheduler = Scheduler(
-            BlockManager(self.pool, prefix_caching),
+            BlockManager(self.pool, prefix_caching, sliding_window=self.model_config.kv_window),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -115,8 +115,9 @@ class EngineCore:
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
         self.kv_transfer = make_transfer_agent(
-            config, self.scheduler.block_manager, self.executor, hybrid=hybrid
-        )
+            config, self.scheduler.block_manager, self.executor, hybrid=hybrid,
+            windowed=self.model_config.kv_window is not None,
+        )  # fmt: skip
         if self.kv_transfer is not None:
             # A producer holds a finished prompt's blocks before the scheduler frees them.
             self.scheduler.on_finish = self.kv_transfer.on_finished
@@ -140,7 +141,7 @@ class EngineCore:
         self.add_request(EngineRequest("__atom_warm_up__", list(range(1, n + 1)), params))
         while self.has_unfinished_requests():
             self.step()
-        if self.pool.num_free_blocks != self.pool.num_blocks or self.pool.cached:
+        if self.pool.num_free_blocks != self.pool.num_blocks or self.pool.holds_hashes:
             raise RuntimeError("warm-up left blocks or cached hashes behind")
         if self.state_pool is not None and self.state_pool.num_in_use:
             raise RuntimeError("warm-up left state slots behind")

@@ -35,6 +35,10 @@ class StepInputs(msgspec.Struct, tag="step", array_like=True):
     # State checkpoints: the unit table (int64 [R, 3], maintenance.UnitCopyTable.rows) of the
     # copies to run before this forward; each rank translates it for its own shard.
     state_copy: np.ndarray | None = None
+    # KV groups (sliding-window layers with blocks of their own): their slot mapping (int64
+    # [T]) and block tables (int32 [B, max_blocks], 0 where the window has passed).
+    window_slot_mapping: np.ndarray | None = None
+    window_block_tables: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -1,7 +1,13 @@
 """The model runner's memory: how many KV blocks (and, for hybrid models, state slots) fit, the
 cache tensors themselves, and the state-checkpoint copy plan over them. On a GPU the budget is
 what `gpu_memory_utilization` leaves after the weights and a profiling forward's peak; on CPU it
-is ATOM_CPU_KVCACHE_SPACE GiB."""
+is ATOM_CPU_KVCACHE_SPACE GiB.
+
+KV groups (docs/kv-groups.md): when a model's sliding-window layers keep their blocks apart
+(`ModelConfig.kv_window`), a block id is one block of the full-attention layers or one of the
+window layers, never both. The layers then share cache tensors: the i-th full-attention layer
+and the i-th window layer write tensor pair i, each in the blocks its group owns, so a block
+costs max(full layers, window layers) layers' worth of memory, not the sum."""
 
 from __future__ import annotations
 
@@ -36,13 +42,27 @@ class CacheMemory:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block of every attention layer's cache, as each layer's `cache_spec` says (K and
-        V per KV head, or one latent row a token for MLA)."""
+        """One block of every cache tensor, as each layer's `cache_spec` says (K and V per KV
+        head, or one latent row a token for MLA). With KV groups the layers of one pair share
+        tensors (`_cache_pairs`): a pair counts once."""
         per_token = sum(
-            layer.cache_spec().bytes_per_token(self.dtype)
-            for layer in self.model.attention_layers()
+            pair[0].cache_spec().bytes_per_token(self.dtype) for pair in self._cache_pairs()
         )
         return self.block_size * per_token
+
+    def _cache_pairs(self) -> list[list]:
+        """The attention layers by the cache tensors they write: one layer each, or with KV
+        groups the i-th layer of each group on the same tensors."""
+        attn = self.model.attention_layers()
+        if self.model_config.kv_window is None:
+            return [[layer] for layer in attn]
+        full = [layer for layer in attn if not layer.sliding_window]
+        window = [layer for layer in attn if layer.sliding_window]
+        pairs = [[] for _ in range(max(len(full), len(window)))]
+        for group in (full, window):
+            for i, layer in enumerate(group):
+                pairs[i].append(layer)
+        return pairs
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -199,12 +219,15 @@ class CacheMemory:
 
     def _allocate_kv_cache(self) -> None:
         """Each attention layer's cache tensors, `[num_blocks, block_size, *token_shape]` as its
-        `cache_spec` lists them, bound to the layer."""
-        for layer in self.model.attention_layers():
-            spec = layer.cache_spec()
-            layer.bind_cache(
-                spec.allocate(self.num_blocks, self.block_size, self.dtype, self.device)
-            )
+        `cache_spec` lists them, bound to the layer (the layers of a KV-group pair share them:
+        their specs are one)."""
+        for layers in self._cache_pairs():
+            spec = layers[0].cache_spec()
+            tensors = spec.allocate(self.num_blocks, self.block_size, self.dtype, self.device)
+            for layer in layers:
+                if layer.cache_spec() != spec:
+                    raise RuntimeError("layers sharing cache tensors need one cache spec")
+                layer.bind_cache(tensors)
 
     def _release_kv_cache(self) -> None:
         for layer in self.model.attention_layers():

@@ -72,8 +72,9 @@ class DecodeGraphs(_CapturedGraphs):
         super().__init__()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []
-        self._block_table_stage: torch.Tensor | None = None
+        self._table_stages: dict[str, torch.Tensor] = {}
         self.stateful = False
+        self.windowed = False
 
     def capture(
         self,
@@ -82,11 +83,14 @@ class DecodeGraphs(_CapturedGraphs):
         sizes: list[int],
         max_blocks: int,
         stateful: bool = False,
+        windowed: bool = False,
     ) -> None:
         """Capture one graph per batch size in `sizes` (sorted ascending) over block tables
         `max_blocks` wide. `stateful` (hybrid models): state slot ids and has_initial_state are
-        graph inputs too."""
+        graph inputs too. `windowed` (KV groups): so are the window layers' slot mapping and
+        block tables."""
         self.stateful = stateful
+        self.windowed = windowed
         max_bs = sizes[-1]
         dev = device
         bufs = {
@@ -101,6 +105,9 @@ class DecodeGraphs(_CapturedGraphs):
             "has_initial_state": torch.zeros(max_bs, dtype=torch.bool, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
+        if windowed:
+            bufs["window_slot_mapping"] = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+            bufs["window_block_tables"] = torch.zeros_like(bufs["block_tables"])
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(sizes):
@@ -110,6 +117,13 @@ class DecodeGraphs(_CapturedGraphs):
                     seq_lens=bufs["seq_lens"][:bs],
                     decode_only=True,
                 )
+                if windowed:
+                    meta.window = AttentionMetadata(
+                        slot_mapping=bufs["window_slot_mapping"][:bs],
+                        block_tables=bufs["window_block_tables"][:bs],
+                        seq_lens=meta.seq_lens,
+                        decode_only=True,
+                    )
                 set_attention_metadata(meta)
                 if stateful:
                     set_state_metadata(
@@ -132,22 +146,27 @@ class DecodeGraphs(_CapturedGraphs):
         torch.cuda.synchronize(dev)
         self.inputs = bufs
         self.sizes = sizes
-        # Pinned host staging: a decode step fills one set and copies it over asynchronously.
-        self._host_sets = [
-            {
-                "input_ids": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-                "positions": torch.zeros(max_bs, dtype=torch.int64).pin_memory(),
-                "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64).pin_memory(),
-                "seq_lens": torch.zeros(max_bs, dtype=torch.int32).pin_memory(),
-                "state_slots": torch.full((max_bs,), -1, dtype=torch.int32).pin_memory(),
-                "has_initial_state": torch.zeros(max_bs, dtype=torch.bool).pin_memory(),
-                "block_tables": torch.zeros(max_bs * max_blocks, dtype=torch.int32).pin_memory(),
-            }
-            for _ in range(2)
-        ]
-        self._staging_turn = 0
-        self._block_table_stage = torch.zeros(max_bs * max_blocks, dtype=torch.int32, device=dev)
+        self._make_staging(bufs, windowed, max_bs * max_blocks, dev)
         log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _make_staging(self, bufs: dict, windowed: bool, table_size: int, dev) -> None:
+        """Pinned host staging: a decode step fills one set and copies it over asynchronously.
+        Block tables go flat (a step's n x width, packed), through a device stage."""
+        tables = ["block_tables", "window_block_tables"] if windowed else ["block_tables"]
+        self._host_sets = []
+        for _ in range(2):
+            host = {
+                name: torch.empty(buf.shape, dtype=buf.dtype).pin_memory()
+                for name, buf in bufs.items()
+                if name not in tables and name != "query_start_loc"
+            }
+            for name in tables:
+                host[name] = torch.zeros(table_size, dtype=torch.int32).pin_memory()
+            self._host_sets.append(host)
+        self._staging_turn = 0
+        self._table_stages = {
+            name: torch.zeros(table_size, dtype=torch.int32, device=dev) for name in tables
+        }
 
     def replay(
         self,
@@ -171,10 +190,17 @@ class DecodeGraphs(_CapturedGraphs):
         slots = host["slot_mapping"].numpy()
         slots[:n] = inputs.slot_mapping
         slots[n:bs] = -1
+        names = ["input_ids", "positions", "slot_mapping", "seq_lens"]
+        if self.windowed:
+            if inputs.window_slot_mapping is None:
+                raise RuntimeError("a windowed model's decode step came without window tables")
+            window_slots = host["window_slot_mapping"].numpy()
+            window_slots[:n] = inputs.window_slot_mapping
+            window_slots[n:bs] = -1
+            names.append("window_slot_mapping")
         lens = host["seq_lens"].numpy()
         lens[:n] = inputs.seq_lens
         lens[n:bs] = 0  # padded rows attend to nothing
-        names = ["input_ids", "positions", "slot_mapping", "seq_lens"]
         if self.stateful:
             if inputs.state_slots is None:
                 raise RuntimeError("a hybrid model's decode step came without state slots")
@@ -187,21 +213,28 @@ class DecodeGraphs(_CapturedGraphs):
             names += ["state_slots", "has_initial_state"]
         for name in names:
             dev[name][:bs].copy_(host[name][:bs], non_blocking=True)
-        width = inputs.block_tables.shape[1]
-        packed = n * width
-        host["block_tables"].numpy()[:packed] = inputs.block_tables.reshape(-1)
-        stage = self._block_table_stage[:packed]
-        stage.copy_(host["block_tables"][:packed], non_blocking=True)
-        dev["block_tables"][:n, :width].copy_(stage.view(n, width))
+        self._copy_table(host, "block_tables", inputs.block_tables)
+        if self.windowed:
+            self._copy_table(host, "window_block_tables", inputs.window_block_tables)
         if inputs.pending_sources is not None:
             fill_pending(dev["input_ids"], inputs.pending_sources)
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]
 
+    def _copy_table(self, host: dict[str, torch.Tensor], name: str, table: np.ndarray) -> None:
+        """A step's [n, width] block table into the graphs' [max_bs, max_blocks] buffer: packed
+        into pinned memory, one asynchronous copy to the device stage, one copy into place."""
+        n, width = table.shape
+        packed = n * width
+        host[name].numpy()[:packed] = table.reshape(-1)
+        stage = self._table_stages[name][:packed]
+        stage.copy_(host[name][:packed], non_blocking=True)
+        self.inputs[name][:n, :width].copy_(stage.view(n, width))
+
     def clear(self) -> None:
         super().clear()
-        self._block_table_stage = None
+        self._table_stages = {}
 
 
 def default_prefill_buckets(max_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:

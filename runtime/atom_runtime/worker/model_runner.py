@@ -156,8 +156,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             )
         )
         for layer in layers:
-            layer.dense_prefill = on
-        if not on:
+            # Windows and sinks: the paged kernels only.
+            layer.dense_prefill = on and not layer.sliding_window and layer.sinks is None
+        if not any(layer.dense_prefill for layer in layers):
             return False
         start = time.perf_counter()
         with torch.inference_mode():
@@ -192,13 +193,15 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                 or default_capture_sizes(self.config.max_num_seqs)
             )
         )
+        windowed = self.model_config.kv_window is not None
         self.graphs.capture(
-            self.model, self.device, sizes, max_blocks, stateful=self.state is not None
-        )
-        # Short prefill and mixed steps: dense models only (a hybrid model's chunked GDN
-        # prefill plans its chunks on the host).
+            self.model, self.device, sizes, max_blocks, stateful=self.state is not None,
+            windowed=windowed,
+        )  # fmt: skip
+        # Short prefill and mixed steps: dense models with one block table only (a hybrid
+        # model's chunked GDN prefill plans its chunks on the host).
         max_tokens = min(self.config.prefill_graph_max_tokens, self.max_num_batched_tokens)
-        if self.state is None and max_tokens > 0:
+        if self.state is None and not windowed and max_tokens > 0:
             buckets = default_prefill_buckets(max_tokens, self.config.max_num_seqs)
             try:
                 self.prefill_graphs.capture(self.model, self.device, buckets, max_blocks)
@@ -218,28 +221,41 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         variant first seen in the timed step cost about 2 s)."""
         from atom_kernels import prefill_attention
 
-        layer = self.model.attention_layers()[0]
-        if not isinstance(layer, PagedAttention):
+        # One representative layer of each kind (window, sinks): each compiles its own variants.
+        # Latent attention (MLA) has its own kernels: nothing to warm here.
+        kinds = {}
+        for layer in self.model.attention_layers():
+            if isinstance(layer, PagedAttention):
+                kinds.setdefault((layer.sliding_window, layer.sinks is not None), layer)
+        if not kinds:
             return
-        launches = prefill_attention.reachable_launches(
-            num_heads=layer.num_heads,
-            num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim,
-            page_size=self.block_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_tokens=self.max_num_batched_tokens,
-            max_context=max_context,
-            num_multiprocessors=torch.cuda.get_device_properties(self.device).multi_processor_count,
-        )
-        width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim
-        with torch.inference_mode():
-            failed = prefill_attention.warm_up(
-                layer.k_cache, layer.v_cache, layer.num_heads, width, layer.scale, launches
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        compiled = 0
+        for (window, _), layer in kinds.items():
+            context = (
+                min(max_context, window + self.max_num_batched_tokens) if window else max_context
             )
+            launches = prefill_attention.reachable_launches(
+                num_heads=layer.num_heads,
+                num_kv_heads=layer.num_kv_heads,
+                head_dim=layer.head_dim,
+                page_size=self.block_size,
+                max_num_seqs=self.config.max_num_seqs,
+                max_tokens=self.max_num_batched_tokens,
+                max_context=context,
+                num_multiprocessors=num_sms,
+            )
+            width = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim
+            with torch.inference_mode():
+                failed = prefill_attention.warm_up(
+                    layer.k_cache, layer.v_cache, layer.num_heads, width, layer.scale, launches,
+                    sliding_window=window, sinks=layer.sinks,
+                )  # fmt: skip
+            compiled += len(launches) - len(failed)
+            for launch, exc in failed:
+                log.warning("prefill attention variant %s did not build: %s", launch, exc)
         torch.cuda.synchronize(self.device)
-        log.info("compiled %d prefill attention variants", len(launches) - len(failed))
-        for launch, exc in failed:
-            log.warning("prefill attention variant %s did not build: %s", launch, exc)
+        log.info("compiled %d prefill attention variants", compiled)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -293,6 +309,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if inputs.state_slots is not None:
             host["state_slots"] = inputs.state_slots
             host["has_initial_state"] = inputs.has_initial_state
+        if inputs.window_block_tables is not None:
+            host["window_slot_mapping"] = inputs.window_slot_mapping
+            host["window_block_tables"] = inputs.window_block_tables
         # One pinned staging buffer and one copy for the whole step (device.to_device_many).
         d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
         fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
@@ -310,6 +329,15 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             meta.host_cu_seqlens_q = inputs.cu_seqlens_q
             meta.host_seq_lens = inputs.seq_lens
             meta.host_block_tables = inputs.block_tables
+        if inputs.window_block_tables is not None:
+            meta.window = AttentionMetadata(
+                slot_mapping=d["window_slot_mapping"],
+                block_tables=d["window_block_tables"],
+                seq_lens=meta.seq_lens,
+                decode_only=decode_only,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                max_seqlen_q=meta.max_seqlen_q,
+            )
         input_ids = d["input_ids"]
         if inputs.pending_sources is not None:
             self._fill_pending(input_ids, inputs.pending_sources)

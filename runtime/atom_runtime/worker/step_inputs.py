@@ -95,6 +95,8 @@ class StepInputPreparation:
         )
         if pending_rows:
             inputs.pending_sources = self._pending_sources(pending_rows, pending_seqs)
+        if self.model_config.kv_window is not None:
+            self._add_window_rows(inputs, batch.seqs)
         if self.state is not None:
             self._add_state_rows(inputs, batch.seqs)
         if self._prompt_jobs:
@@ -148,9 +150,25 @@ class StepInputPreparation:
         if min(ids) == PENDING_TOKEN:
             pending = [i for i, t in enumerate(ids) if t == PENDING_TOKEN]
             inputs.pending_sources = self._pending_sources(pending, [seqs[i] for i in pending])
+        if self.model_config.kv_window is not None:
+            self._add_window_rows(inputs, seqs)
         if self.state is not None:
             self._add_state_rows(inputs, seqs)
         return inputs, [seqs[i] for i in rows]
+
+    def _add_window_rows(self, inputs: StepInputs, seqs: list[Sequence]) -> None:
+        """The window layers' slot mapping and block tables (KV groups): the step's positions
+        through each sequence's window_table; entries the window has passed (-1) read as 0,
+        a block those layers never read for this sequence."""
+        bs = self.block_size
+        tables = np.zeros(inputs.block_tables.shape, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table = np.frombuffer(seq.window_table, dtype=np.int32)
+            tables[i, : len(table)] = np.maximum(table, 0)
+        rows = np.repeat(np.arange(len(seqs)), np.diff(inputs.cu_seqlens_q))
+        pos = inputs.positions
+        inputs.window_block_tables = tables
+        inputs.window_slot_mapping = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
 
     @staticmethod
     def _add_state_rows(inputs: StepInputs, seqs: list[Sequence]) -> None:
