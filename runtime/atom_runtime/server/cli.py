@@ -12,6 +12,7 @@ import sys
 
 from atom_runtime import envs
 from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.server.reasoning import REASONING_PARSERS
 from atom_runtime.server.tools import TOOL_CALL_PARSERS
 
 API_KEY_ENV = envs.API_KEY.name
@@ -78,7 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="how tool calls are read out of the model's text: hermes (<tool_call>{...}</tool_call>, "
-        "Qwen2.5/Qwen3 and Hermes models)",
+        "Qwen2.5/Qwen3 and Hermes models), openai (GPT-OSS's harmony calls; needs "
+        "--reasoning-parser gpt_oss)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="put the model's thinking in chat responses' reasoning_content: deepseek_r1 "
+        "(DeepSeek-R1), qwen3 (Qwen3 <think> blocks), gpt_oss or openai_gptoss (GPT-OSS's "
+        "harmony analysis channel)",
     )
     add_engine_arguments(parser)
 
@@ -106,6 +116,16 @@ def run(args: argparse.Namespace) -> int:
             "atom serve: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr
         )
         return 2
+    if args.tool_call_parser == "openai" and args.reasoning_parser not in (
+        "gpt_oss",
+        "openai_gptoss",
+    ):
+        print(
+            "atom serve: error: --tool-call-parser openai reads harmony messages: it needs "
+            "--reasoning-parser gpt_oss",
+            file=sys.stderr,
+        )
+        return 2
     if args.engine_stall_timeout != 0 and not args.engine_stall_timeout > HEARTBEAT_S:
         print(
             f"atom serve: error: --engine-stall-timeout must be 0 (off) or more than "
@@ -128,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace_period=args.shutdown_grace_period,
         engine_stall_timeout=args.engine_stall_timeout,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         max_sequences_per_request=args.max_sequences_per_request,
         enable_debug_endpoints=args.enable_debug_endpoints,

@@ -13,6 +13,7 @@ from atom_runtime.engine.core_client import EngineDeadError, RequestStream
 from atom_runtime.engine.output_processor import RequestState
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.server import responses as R
+from atom_runtime.server.reasoning import ChoiceReasoning
 from atom_runtime.server.tools import ToolPlan
 
 
@@ -111,6 +112,8 @@ class _Shape:
     called: set[int] = field(default_factory=set)  # choices whose named call has begun
     echo: list[tuple[str, list[int], int]] | None = None  # per prompt, with `echo`: _echo()
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs asked for: how many top ones
+    # Under --reasoning-parser: each chat choice's reasoning / content split, by choice index.
+    reasoning: dict[int, ChoiceReasoning] | None = None
 
     @property
     def text_only(self) -> bool:
@@ -121,6 +124,7 @@ class _Shape:
             and (self.tools is None or self.tools.mode == "none")
             and self.echo is None
             and self.prompt_logprobs is None
+            and self.reasoning is None
         )
 
     def body(self, choices: list[dict], usage: dict | None) -> dict:

@@ -229,6 +229,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None  # an earlier answer's thinking, sent back
 
     def template_dict(self) -> dict:
         content = self.content
@@ -242,6 +243,8 @@ class ChatMessage(_Body):
         if self.tool_calls:
             # Templates (Qwen, Hermes) write the arguments with `tojson`: give them the object.
             out["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -255,6 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    include_reasoning: bool = True  # under --reasoning-parser: False drops reasoning_content
 
     def sampling_params(self, tools: ToolPlan | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -197,8 +197,15 @@ def chat_choice(
     stop_reason: int | str | None,
     logprobs: dict | None,
     tool_calls: list[dict] | None = None,
+    *,
+    reasoning: bool = False,
+    reasoning_content: str | None = None,
 ) -> dict:
+    """`reasoning`: the server runs a reasoning parser, so the message carries
+    `reasoning_content` (null when the choice had none)."""
     message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning_content
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

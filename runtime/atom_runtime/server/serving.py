@@ -31,6 +31,7 @@ from atom_runtime.server import responses as R
 from atom_runtime.server.in_flight import RequestCut, Run, _retrieve, _Shape, merged
 from atom_runtime.server.metrics import ServerMetrics
 from atom_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from atom_runtime.server.reasoning import make_parser, plan_reasoning
 from atom_runtime.server.tools import named_call_delta, plan_tools
 from atom_runtime.text.tokenizer import Tokenizer
 from atom_runtime.web.errors import (
@@ -63,6 +64,7 @@ class OpenAIServing:
         log_requests: bool = True,
         tool_parser: str | None = None,
         max_sequences: int = 256,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.client = client
         self.max_sequences = max_sequences
@@ -71,6 +73,7 @@ class OpenAIServing:
         # (and so how much tokenizer memory is in use) at once.
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="atom-tokenize")
         self.tool_parser = tool_parser
+        self.reasoning_parser = make_parser(reasoning_parser)
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.metrics = metrics
@@ -188,11 +191,16 @@ class OpenAIServing:
         except Exception as e:  # a template that fails on this conversation (jinja2 errors)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
         rid = f"chatcmpl-{random_id()}"
+        reasoning = plan_reasoning(
+            self.reasoning_parser, tools, params, req.include_reasoning,
+            lambda: self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False),
+        )  # fmt: skip
         runs = await self._submit(
             rid, [(None, prompt_ids)], params, req.kv_transfer_params, req.renames(), arrival
         )
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=True)
         shape.tools = tools
+        shape.reasoning = reasoning
         if req.stream:
             return _sse(self._stream(runs, shape))
         outs = await self._collect(request, runs)
@@ -202,9 +210,18 @@ class OpenAIServing:
             lp = None
             if params.logprobs is not None:
                 lp = R.chat_logprobs(c.token_ids, c.top, params.logprobs, self.token_text)
-            content, calls = tools.parse(c.text) if c.finish_reason else (c.text, [])
+            thought = None
+            if reasoning is not None:
+                thought, content, calls = reasoning[c.index].message(c.text)
+            else:
+                content, calls = tools.parse(c.text) if c.finish_reason else (c.text, [])
             reason = tools.finish_reason(calls, c.finish_reason)
-            choices.append(R.chat_choice(c.index, content, reason, c.stop_reason, lp, calls))
+            choices.append(
+                R.chat_choice(
+                    c.index, content, reason, c.stop_reason, lp, calls,
+                    reasoning=reasoning is not None, reasoning_content=thought,
+                )
+            )  # fmt: skip
         body = R.completion_body(
             rid, shape.created, model, choices, _usage(runs), _kv_transfer(outs), chat=True
         )
@@ -330,7 +347,7 @@ class OpenAIServing:
                 chars, ntok = sent.get(index, (0, 0))
                 upto = (
                     c.streamable_len
-                    if shape.tools is None
+                    if shape.tools is None or shape.reasoning is not None
                     else shape.tools.streamable(c.streamable_text)
                 )
                 num_tokens = len(c.token_ids)
@@ -399,7 +416,13 @@ class OpenAIServing:
                 lp = R.chat_logprobs(new_ids, c.top[ntok:], k, self.token_text)
             delta = {"content": text} if text else {}
             reason = c.finish_reason
-            if shape.tools is not None and shape.tools.mode == "named":
+            if shape.reasoning is not None:
+                seen = c.text[: chars + len(text)]
+                delta, calls = shape.reasoning[c.index].delta(seen, final=reason is not None)
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                reason = shape.tools.finish_reason(calls, reason)
+            elif shape.tools is not None and shape.tools.mode == "named":
                 # The text is the call's arguments: stream them as such.
                 first = index not in shape.called
                 shape.called.add(index)

@@ -35,6 +35,7 @@ class ServerConfig:
     shutdown_grace_period: float = 10.0
     engine_stall_timeout: float = 300.0
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto"
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content in chat answers
     max_request_body_bytes: int = 8 * 1024 * 1024
     max_sequences_per_request: int = 256
     enable_debug_endpoints: bool = False  # /debug/kv_cache and POST /reset_prefix_cache
@@ -96,6 +97,7 @@ class ServerState:
             self.config.log_requests,
             self.config.tool_call_parser,
             self.config.max_sequences_per_request,
+            self.config.reasoning_parser,
         )
         apply_gc_policy()
         c = self.config

@@ -12,6 +12,10 @@
 - `"none"`: plain text; the tools still reach the chat template.
 Streaming sends the text as it comes, holding back from the first `<tool_call>`, and the calls
 in one delta when the choice finishes.
+
+`--tool-call-parser openai` (GPT-OSS) reads calls from harmony's messages addressed to
+`functions.NAME`; harmony is parsed by the gpt_oss reasoning parser (server/reasoning.py), which
+it needs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from atom_runtime.sampling_params import StructuredOutputs
 from atom_runtime.web.errors import bad_request
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "openai")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -61,11 +65,11 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a finished choice's text."""
         if self.mode == "named":
-            return None, [_call(self.name, text)]
+            return None, [call_object(self.name, text)]
         if self.mode == "required":
             try:
                 calls = json.loads(text)
-                return None, [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
+                return None, [call_object(c["name"], json.dumps(c["parameters"])) for c in calls]
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens
                 return text, []
         if self.mode == "auto":
@@ -107,14 +111,15 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
         try:
             obj = json.loads(body)
             arguments = obj.get("arguments", obj.get("parameters", {}))
-            calls.append(_call(obj["name"], json.dumps(arguments)))
+            calls.append(call_object(obj["name"], json.dumps(arguments)))
         except (ValueError, TypeError, KeyError, AttributeError):
             return text, []
     content = text[:start]  # as streamed: whitespace kept
     return (content if content.strip() else None), calls
 
 
-def _call(name: str, arguments: str) -> dict:
+def call_object(name: str, arguments: str) -> dict:
+    """One tool call of a response, as OpenAI's API shapes it (a fresh id)."""
     return {
         "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
         "type": "function",
@@ -125,7 +130,7 @@ def _call(name: str, arguments: str) -> dict:
 def named_call_delta(name: str, arguments: str, first: bool) -> dict:
     """A streamed piece of a named function's call: the first carries its id and name."""
     if first:
-        return {"index": 0, **_call(name, arguments)}
+        return {"index": 0, **call_object(name, arguments)}
     return {"index": 0, "function": {"arguments": arguments}}
 
 

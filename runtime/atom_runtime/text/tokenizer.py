@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -152,10 +153,16 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; use a plain prompt")
         if self._template is None:
+            from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # What transformers gives templates too: `{% break %}` / `{% continue %}` and
+            # strftime_now (GPT-OSS's harmony template writes today's date with it).
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
         return self._template.render(
             messages=messages,
@@ -176,6 +183,10 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _raise_template_error(message: str):
