@@ -1,8 +1,8 @@
 """The benchmark suites: what `benchmarks/run.py` runs, suite by suite.
 
 Each suite is a short list of commands, written as a user would type them from the repository
-root (`atom` is `python -m atom_runtime`). Placeholders: `$Q3`, `$L8`, `$H4`, `$M35` are the model
-configs in benchmarks/configs/ (dummy weights: a bare config.json), `$json` the folder each
+root (`atom` is `python -m atom_runtime`). Placeholders: `$Q3`, `$L8`, `$H4`, `$M35`, `$Q30`,
+`$G20` are the model configs in benchmarks/configs/ (dummy weights: a bare config.json), `$json` the folder each
 command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
 TCP port. docs/benchmarks.md says which published figure each command gives.
 
@@ -19,6 +19,8 @@ MODELS = {
     "L8": "benchmarks/configs/llama-3.1-8b",
     "H4": "benchmarks/configs/qwen3.5-4b",
     "M35": "benchmarks/configs/qwen3.5-35b-a3b",
+    "Q30": "benchmarks/configs/qwen3-30b-a3b",
+    "G20": "benchmarks/configs/gpt-oss-20b",
 }
 
 
@@ -182,6 +184,28 @@ SUITES: tuple[Suite, ...] = (
             _w1("M35", "w1_qwen3.5-35b-a3b"),
             _w1("H4", "w1_qwen3.5-4b_ckpt_off", " --state-checkpoint-interval-tokens 0"),
             _w1("H4", "w1_qwen3.5-4b_ckpt_on", " --state-checkpoint-interval-tokens -1"),
+        ),
+    ),
+    Suite(
+        "moe",
+        "issue 36's models: W2 and W1 of Qwen3-30B-A3B (Qwen3-MoE) and GPT-OSS-20B (sliding "
+        "window + sinks, bf16 experts: dummy weights have no MXFP4), each with the transformers "
+        "peer in the same call and the bound printed",
+        (
+            _w2("Q30", "w2_qwen3-30b-a3b", " --peer transformers"),
+            _w2("G20", "w2_gpt-oss-20b", " --peer transformers"),
+            _w1(
+                "Q30",
+                "w1_qwen3-30b-a3b",
+                " --peer transformers --peer-num-prompts 16 --peer-batch-size 16",
+                timeout_s=900,
+            ),
+            _w1(
+                "G20",
+                "w1_gpt-oss-20b",
+                " --peer transformers --peer-num-prompts 16 --peer-batch-size 16",
+                timeout_s=900,
+            ),
         ),
     ),
     Suite(

@@ -54,6 +54,29 @@ def tiny_mla_models(tmp_path_factory):
     return {kind: make_tiny_model(root / kind, kind) for kind in MLA_CONFIGS}
 
 
+@pytest.fixture
+def no_leftover_tp_workers():
+    """Every tensor-parallel worker a test starts is gone when it ends, and the process group
+    with it (rank 0 lives in the test process)."""
+    import multiprocessing
+
+    from atom_runtime.system import distributed
+
+    before = set(multiprocessing.active_children())
+    yield
+    assert set(multiprocessing.active_children()) - before == set()
+    assert distributed.tp_size() == 1
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory):
+    """Folders of small random sparse-MoE models: qwen3_moe, mixtral, gpt_oss (built once)."""
+    from tests.model_factory import MOE_CONFIGS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_models")
+    return {kind: make_tiny_model(root / kind, kind) for kind in MOE_CONFIGS}
+
+
 # -- no leaked processes -----------------------------------------------------------------------
 
 # Helpers Python and torch start once and keep for the whole session, by design.

@@ -75,6 +75,61 @@ CONFIGS = {
     ),
 }
 
+# Sparse-MoE models: their own fixture. Odd head counts, several experts, and (Mixtral, GPT-OSS)
+# a sliding window shorter than the longer test prompts.
+MOE_CONFIGS = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=64,
+        intermediate_size=96,  # the dense layer's
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],  # one dense layer among the MoE ones
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        hidden_size=64,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=24,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        architectures=["GptOssForCausalLM"],
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,  # sliding, full, sliding, full
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+}
+
 _HYBRID_COMMON = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -230,8 +285,8 @@ _references_on_torch = False
 
 
 def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """Write a random `kind` model (see CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS; `overrides`
-    replace config fields) to folder; returns the folder."""
+    """Write a random `kind` model (see CONFIGS, MOE_CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS;
+    `overrides` replace config fields) to folder; returns the folder."""
     import transformers
 
     from atom_runtime.models.loader import default_model_path
@@ -241,9 +296,11 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
     hybrid = kind in HYBRID_CONFIGS
     if hybrid:
         hybrid_references_on_torch()
-    spec = dict(HYBRID_CONFIGS.get(kind) or MLA_CONFIGS.get(kind) or CONFIGS[kind], **overrides)
+    base = HYBRID_CONFIGS.get(kind) or MLA_CONFIGS.get(kind) or MOE_CONFIGS.get(kind)
+    spec = dict(base or CONFIGS[kind], **overrides)
     spread_norms = hybrid or kind in MLA_CONFIGS
     spec.update(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    spec.update(overrides)
     model_type = spec.pop("model_type")
     spec.pop("architectures")
     config = transformers.AutoConfig.for_model(model_type, **spec)
