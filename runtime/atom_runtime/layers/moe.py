@@ -130,22 +130,18 @@ class SparseMoE(nn.Module):
         self.load_expert(int(m.group(1)), m.group(2), loaded)
         return "w2" if m.group(2) == "down_proj" else "w13"
 
-    def load_gate_up(self, gate, up, gate_bias=None, up_bias=None) -> None:
-        """Every routed expert's gate and up rows of this rank ([E, I/tp, H] each), and their
-        biases ([E, I/tp]) when the experts have them."""
+    def load_gate_up(self, gate, up, bias: bool = False) -> None:
+        """Every routed expert's gate and up rows of this rank ([E, I/tp, H] each), or with
+        `bias` their biases ([E, I/tp] each)."""
         e, i = self.num_experts, self.inter
-        copy_weight(self.w13.data[:e, :i], gate)
-        copy_weight(self.w13.data[:e, i:], up)
-        if gate_bias is not None:
-            copy_weight(self.w13_bias.data[:e, :i], gate_bias)
-            copy_weight(self.w13_bias.data[:e, i:], up_bias)
+        target = self.w13_bias if bias else self.w13
+        copy_weight(target.data[:e, :i], gate)
+        copy_weight(target.data[:e, i:], up)
 
-    def load_down(self, down, bias=None) -> None:
-        """Every routed expert's down projection, this rank's columns ([E, H, I/tp]), and its
-        bias ([E, H], whole: added on rank 0 only)."""
-        copy_weight(self.w2.data[: self.num_experts], down)
-        if bias is not None:
-            copy_weight(self.w2_bias.data[: self.num_experts], bias)
+    def load_down(self, down, bias: bool = False) -> None:
+        """Every routed expert's down projection, this rank's columns ([E, H, I/tp]), or with
+        `bias` its bias ([E, H], whole: added on rank 0 only)."""
+        copy_weight((self.w2_bias if bias else self.w2).data[: self.num_experts], down)
 
     def load_stacked_shared(self, name: str, loaded) -> str:
         """The stacked shared expert's tensors (`shared_expert.{gate,up,down}_proj.weight`,

@@ -22,7 +22,6 @@ import re
 import torch
 
 from atom_runtime.layers.moe import SparseMoE
-from atom_runtime.layers.weights import copy_weight
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.llama import LlamaForCausalLM
 from atom_runtime.models.mxfp4 import dequantize_mxfp4
@@ -107,13 +106,12 @@ def _load_bias(moe: SparseMoE, proj: str, tensor) -> None:
     """gate_up_proj_bias [E, 2I] (interleaved: this rank's gate and up columns) or
     down_proj_bias [E, H] (whole: rank 0 adds it)."""
     full = _whole(tensor)
-    e, i = moe.num_experts, moe.inter
     if proj == "down_proj":
-        copy_weight(moe.w2_bias.data[:e], full)
+        moe.load_down(full, bias=True)
         return
+    i = moe.inter
     mine = full.narrow(1, 2 * tp_rank() * i, 2 * i)
-    copy_weight(moe.w13_bias.data[:e, :i], mine[:, 0::2])
-    copy_weight(moe.w13_bias.data[:e, i:], mine[:, 1::2])
+    moe.load_gate_up(mine[:, 0::2], mine[:, 1::2], bias=True)
 
 
 def _whole(tensor) -> torch.Tensor:
