@@ -311,7 +311,7 @@ def mla_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            context_lens, out, part_acc, part_max, part_sum, out.stride(0), out.stride(1),
+            context_lens, out, part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
             HEAD_DIM=latent, NUM_SPLITS=num_splits,
             BLOCK_S=min(_MERGE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=block_l,
             BLOCK_N=block_n, num_warps=1 if block_l <= 128 else 4, **pdl.options(q_latent.device),

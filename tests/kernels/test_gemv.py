@@ -230,7 +230,7 @@ def test_gemv_config_depends_on_shapes_only():
     # count goes in (no tensor contents, no lengths), so a launch captured in a CUDA graph stays
     # valid.
     params = list(inspect.signature(gemv_config).parameters)
-    assert params == ["n", "k", "multiprocessors", "fp8"]
+    assert params == ["n", "k", "multiprocessors", "fp8", "block_scaled"]
     sms = 132  # H200
     # Wide outputs already fill the device: never split (qkv, gate_up, lm_head).
     for n, k in [(4096, 1024), (6144, 1024), (151936, 1024), (9728, 4096), (12288, 8192)]:

@@ -313,10 +313,11 @@ async def test_router_opt_in_renders_the_router_and_opt_out_prunes_it(cluster, o
             "serving.atom.dev/deployment": "chat", "serving.atom.dev/role": "router"
         }  # fmt: skip
         assert cluster.get(SERVICES, "chat-decode")["spec"]["clusterIP"] == "None"
-        status = cluster.atomd("chat")["status"]
-        assert [c["type"] for c in status["conditions"]] == [
-            "SpecValid", "ModelReady", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"
-        ]  # fmt: skip
+        # ModelReady joins once the operator has read the engine pods, a pass after creation.
+        await eventually(
+            lambda: [c["type"] for c in cluster.atomd("chat")["status"]["conditions"]]
+            == ["SpecValid", "ModelReady", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"]
+        )
         assert condition(cluster.atomd("chat"), "RouterReady")["reason"] == "RollingOut"
 
         await cluster.patch_atomd("chat", {"spec": {"router": {"enabled": False}}})

@@ -171,13 +171,22 @@ class KVCacheResponse(_Doc):
     num_blocks: int
 
 
+# One server-sent event of a stream (the schema applies to each event, as OpenAPI 3.2's
+# `itemSchema` and schemathesis read it): `data` holds a JSON chunk, or `[DONE]` last.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}},
+    "required": ["data"],
+}
+
+
 def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) -> dict:
     """FastAPI's `responses=` for a route: its 200 model and the error statuses it can give."""
     out: dict[int | str, dict] = {}
     if ok is not None:
         out[200] = {"model": ok, "description": (ok.__doc__ or ok.__name__).split("\n")[0]}
         if stream:
-            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            out[200]["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
     reasons = {
         400: "a bad request; `param` names the field",
         401: "a missing or wrong API key",
