@@ -126,7 +126,8 @@ class _Recorder:
     def __init__(self, entry: TensorEntry, plan: ReadPlan, dtype: torch.dtype | None = None):
         self.entry, self.plan, self.name = entry, plan, entry.name
         self.shape = torch.Size(entry.shape)
-        self.dtype = dtype or entry.dtype
+        floating = entry.dtype.is_floating_point
+        self.dtype = dtype if dtype is not None and floating else entry.dtype
         plan.rows.setdefault(entry.name, [])
 
     def dim(self) -> int:
@@ -201,7 +202,11 @@ class StreamedTensor:
         return views[0][1]
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.dtype is None or self.dtype == t.dtype else t.to(self.dtype)
+        # Integer tensors (quantized blocks, their scales) keep their dtype, as in the loader's
+        # CheckpointTensor: only a loader that dequantizes them knows what they mean.
+        if self.dtype is None or self.dtype == t.dtype or not t.is_floating_point():
+            return t
+        return t.to(self.dtype)
 
 
 class _Parts:
