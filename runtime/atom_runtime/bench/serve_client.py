@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -
 
 # -- the run -----------------------------------------------------------------------------------
 
+WAITING_EVERY_S = 15.0  # how often the ready check says it is still waiting
+
 
 def _base_url(args: argparse.Namespace) -> str:
     return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
@@ -173,17 +176,29 @@ async def _ready_check(client, base: str, args: argparse.Namespace) -> str | Non
     GET /v1/models; returns the server's first model name when --model is not given."""
     import httpx
 
-    deadline = time.monotonic() + max(args.ready_check_timeout_sec, 0)
+    limit = max(args.ready_check_timeout_sec, 0)
+    start = time.monotonic()
+    said = None  # when "waiting" was last printed
     while True:
         try:
             resp = await client.get(f"{base}/v1/models")
             break
         except httpx.TransportError as e:
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= limit:
                 raise BenchError(
-                    f"cannot reach {base}: {type(e).__name__}: {e} (is the server running? "
-                    "set --base-url or --host/--port)"
+                    f"cannot reach {base} after {waited:.0f} s: {type(e).__name__}: {e} (is the "
+                    "server running? set --base-url or --host/--port; --ready-check-timeout-sec "
+                    "waits longer)"
                 ) from e
+            if said is None or waited - said >= WAITING_EVERY_S:
+                print(
+                    f"waiting for the server at {base} ({waited:.0f} s; giving up after "
+                    f"{limit} s, --ready-check-timeout-sec)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = waited
             await asyncio.sleep(1.0)
     if args.model:
         return None

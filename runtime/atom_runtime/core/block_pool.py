@@ -56,11 +56,15 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_events: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_events: bool = False, medium: str = "GPU"
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Where the blocks live, as KV events name it (vLLM's "GPU" / "CPU").
+        self.medium = medium
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks that hold no hash: handed out first.
         self._free_plain: deque[int] = deque(range(num_blocks))
@@ -248,7 +252,7 @@ class BlockPool:
         if index.get(block.hash) == block.block_id:
             del index[block.hash]
             if self.enable_events and block.group == 0:
-                self._events.append(BlockRemoved(block_hashes=[block.hash]))
+                self._events.append(BlockRemoved(block_hashes=[block.hash], medium=self.medium))
         block.clear_hash()
 
     def _emit_stored(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
@@ -259,5 +263,6 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=tokens,
                     block_size=self.block_size,
+                    medium=self.medium,
                 )
             )

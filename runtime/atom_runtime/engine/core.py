@@ -36,7 +36,7 @@ from atom_runtime.core.scheduler import Scheduler, request_update
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.kv_transfer import make_transfer_agent
-from atom_runtime.models.loader import load_model_config, resolve_model_path
+from atom_runtime.models.preflight import preflight
 from atom_runtime.protocol.engine_core import (
     EngineRequest,
     EngineStats,
@@ -47,6 +47,8 @@ from atom_runtime.protocol.engine_core import (
 from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
+from atom_runtime.system import startup
+from atom_runtime.system.threads import configure_cpu_threads
 from atom_runtime.text.structured_outputs import Guides
 from atom_runtime.worker.executor import make_executor
 from atom_runtime.worker.sampler import SamplerOutput
@@ -57,9 +59,13 @@ log = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = load_model_config(self.model_path)
-        self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
+        self.startup = startup.restart()
+        with self.startup.phase("config"):
+            # The cheap checks (models/preflight.py) before any worker starts or weight is read.
+            checked = preflight(config)
+            self.model_path, self.model_config = checked.path, checked.config
+            configure_cpu_threads(config.cpu_threads, config.tensor_parallel_size)
+            self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
         self.executor = make_executor(config, self.model_config, self.model_path)
         try:
             self._finish_init(config)
@@ -79,6 +85,7 @@ class EngineCore:
             self.executor.num_blocks,
             config.block_size,
             enable_events=self.kv_events_config.enable_kv_cache_events,
+            medium="CPU" if self.executor.device.type == "cpu" else "GPU",
         )
         hybrid = self.model_config.is_hybrid
         self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
@@ -127,7 +134,8 @@ class EngineCore:
                 self.executor.device.type == "cuda" and config.tensor_parallel_size == 1
             )
         self._in_flight: _InFlight | None = None
-        self._warm_up()
+        with self.startup.phase("warm_up"):
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """Run one short request through a prefill and a decode step before serving, so the first

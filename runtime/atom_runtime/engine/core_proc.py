@@ -9,8 +9,9 @@ torch is imported; the only pickled thing is the spawn call's arguments, a plain
 EngineConfig fields and two addresses). Everything on the sockets is msgspec msgpack, never
 pickle: `ClientMessage` in, `EngineMessage` out (protocol/engine_core.py).
 
-Startup: load the engine, apply the GC policy, then send `EngineReady` (or `StartupFailed` with the
-reason, and exit 1). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
+Startup: load the engine (each phase logged with its seconds, system/startup.py), apply the GC
+policy, then send `EngineReady` with those seconds (or `StartupFailed` with the reason in one
+line, and exit 1; the traceback is logged only at --log-level debug). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
 if its parent died. `Shutdown` aborts what is left, shuts the engine down and exits 0.
 """
 
@@ -61,6 +62,7 @@ def run_engine_core(
         release_gc_policy,
         set_process_title,
     )
+    from atom_runtime.system.threads import mark_serving
 
     set_process_title("EngineCore", config.get("data_parallel_rank") or None)
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
@@ -78,13 +80,15 @@ def run_engine_core(
     outbox.connect(output_address)
     encode = encoder().encode
     engine = None
+    mark_serving()
     try:
         try:
             engine = _build_engine(config)
         except Exception as e:  # any load failure is reported, then this process exits 1
-            log.exception("engine core failed to start")
-            outbox.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
-            raise SystemExit(1) from e
+            # One line, said by the API server; the traceback only at --log-level debug.
+            log.debug("engine core failed to start", exc_info=True)
+            outbox.send(encode(StartupFailed(startup_error_message(e))))
+            raise SystemExit(1) from None
         apply_gc_policy()
         outbox.send(
             encode(
@@ -98,6 +102,7 @@ def run_engine_core(
                     vocab_size=engine.model_config.vocab_size,
                     max_num_batched_tokens=engine.max_num_batched_tokens,
                     stats=engine.stats(),
+                    startup_seconds=dict(engine.startup.seconds),
                 )
             )
         )
@@ -109,6 +114,14 @@ def run_engine_core(
         outbox.close()
         ctx.term()
         release_gc_policy()
+
+
+def startup_error_message(error: BaseException) -> str:
+    """A start-up failure in one line: a refusal (ValueError, a missing file) says what it says;
+    anything else is named by its type, as an unexpected error."""
+    if isinstance(error, (ValueError, FileNotFoundError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

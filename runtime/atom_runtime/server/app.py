@@ -1,7 +1,8 @@
 """`build_app`: the API server's FastAPI app. The engine loads in the lifespan (the routes answer
 503 until it is ready); with --api-key every route that serves the model or reads what it was
 sent needs the key (/v1/*, tokenize, detokenize, debug), while /health, /metrics and /version
-stay open for probes and scrapers, as in vLLM (docs/serving.md)."""
+stay open for probes and scrapers, as in vLLM (docs/serving.md). With --allowed-origins, CORS
+headers for those origins (none by default)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import hmac
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -47,6 +49,15 @@ def build_app(state: ServerState) -> FastAPI:
     # Added first, so it runs inside BodyLimit (which reads the body for it).
     app.add_middleware(GenerationFastPath, state=state, check_key=require_api_key)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
+    c = state.config
+    if c.allowed_origins:  # outermost: preflight OPTIONS requests are answered here
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=c.allowed_origins,
+            allow_methods=c.allowed_methods,
+            allow_headers=c.allowed_headers,
+            allow_credentials=c.allow_credentials,
+        )
     keyed = [Depends(require_api_key)]
     app.include_router(openai_routes(state, keyed))
     app.include_router(probe_routes(state))
@@ -67,6 +78,7 @@ def _lifespan(state: ServerState):
             loader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loader
+            await state.stop_background()
             await state.client.shutdown()
             if state.serving is not None:
                 state.serving.close()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -173,6 +174,18 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self.requests_finished.labels(reason)
+        self.startup_seconds = Gauge(
+            "atom:startup_seconds",
+            'Seconds of each start-up phase (system/startup.py); phase="ready" is the whole '
+            "start, from the command to /health answering 200 (the rest of it: processes "
+            "starting, imports).",
+            ["phase"],
+            registry=r,
+        )
+
+    def record_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.startup_seconds.labels(phase).set(value)
 
     def observe_request(
         self,

@@ -30,6 +30,28 @@ log = logging.getLogger("atom_runtime.gc")
 
 # Every ATOM process logs in this format (API server, engine core, workers, router).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+# The one --log-level convention of every `atom` command: these choices, any case.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def ensure_logging(level: int = logging.INFO) -> None:
+    """Give ATOM's loggers a handler on stderr when the application configured none (the
+    offline `LLM` in a script, as vLLM does for its own): start-up progress and errors are
+    seen. An application that set up logging (any root handler) keeps full control."""
+    ours = logging.getLogger("atom_runtime")
+    if logging.getLogger().handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    ours.addHandler(handler)
+    ours.setLevel(level)
+
+
+def log_level(value: str) -> str:
+    """argparse `type` of --log-level: the level in lower case, so DEBUG, Debug and debug all
+    parse (and `choices=LOG_LEVELS` shows the same five names everywhere)."""
+    return value.strip().lower()
+
 
 FREEZE_ENV = envs.GC_FREEZE.name
 DEBUG_ENV = envs.GC_DEBUG.name

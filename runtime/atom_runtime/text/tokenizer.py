@@ -67,6 +67,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = None
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja) in place of the model's chat template (--chat-template)."""
+        self.chat_template = template
+        self._template = None
+
     @property
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)

@@ -89,12 +89,21 @@ def from_validation_error(
     first = error.errors(include_url=False)[0]
     loc = _strip_union_tags(tuple(first["loc"]))
     if first["type"] == "json_invalid":
-        return bad_request(f"invalid JSON: {first['msg']}", None, "invalid_json")
+        return bad_request(invalid_json_message(first["msg"]), None, "invalid_json")
     param = field_path(loc)
     if param is not None and renames:
         param = renames.get(param, param)
     where = f"{param}: " if param else "request body: "
     return bad_request(f"{where}{first['msg']}", param, first["type"])
+
+
+def invalid_json_message(detail: str) -> str:
+    """ "the request body is not valid JSON: <where>", from pydantic's "Invalid JSON: <where>"
+    (said once, not "invalid JSON: Invalid JSON: ...")."""
+    head, sep, rest = detail.partition(":")
+    if sep and head.strip().lower() == "invalid json":
+        detail = rest.strip()
+    return f"the request body is not valid JSON: {detail}"
 
 
 def _strip_union_tags(loc: tuple) -> tuple:

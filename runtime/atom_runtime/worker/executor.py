@@ -56,6 +56,7 @@ from atom_runtime.system.distributed import (
     init_tensor_parallel,
     tp_size,
 )
+from atom_runtime.system.threads import configure_cpu_threads
 from atom_runtime.worker.model_runner import ModelRunner
 from atom_runtime.worker.sampler import SamplerOutput
 from atom_runtime.worker.tp_worker import WorkerSpec, run_worker
@@ -129,11 +130,10 @@ class TPExecutor:
 
         self._zmq = zmq
         reply_address, command_addresses = self._open_sockets(n)
-        # On CPU each rank gets its slice of the cores (rank 0 included, restored at shutdown).
+        # Each rank gets its slice of the cores (system/threads.py; rank 0 included, restored at
+        # shutdown): EngineCore planned this process's share already, the workers take the same.
         self._saved_threads = torch.get_num_threads()
-        threads = max(1, (os.cpu_count() or 1) // n)
-        if device.type == "cpu":
-            torch.set_num_threads(threads)
+        threads = configure_cpu_threads(config.cpu_threads, n).threads
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._spawn_workers(
             config, model_path, init_method, reply_address, command_addresses, threads

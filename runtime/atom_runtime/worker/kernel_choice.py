@@ -36,6 +36,7 @@ from atom_runtime.layers.forward_context import (
     set_state_metadata,
 )
 from atom_runtime.layers.linear import LinearBase
+from atom_runtime.worker.compile_cache import CompileCache
 
 log = logging.getLogger(__name__)
 # How much faster a whole batch-1 step must be, in two measurements in a row, for the step check
@@ -59,12 +60,17 @@ def norm_in_producer() -> bool:
 
 
 def select_small_m_kernels(
-    model: nn.Module, device: torch.device, num_blocks: int, block_size: int
+    model: nn.Module,
+    device: torch.device,
+    num_blocks: int,
+    block_size: int,
+    cache: CompileCache | None = None,
 ) -> dict[str, str]:
-    """The one-row path of every layer group, set on the layers: timed per group, then (in
-    "checked" mode) checked on a batch-1 step over the model's KV cache of `num_blocks` blocks.
-    Returns {group: path}; empty off the GPU or with ATOM_SMALL_M_KERNELS=cublas."""
-    choice = choose_small_m_kernels(model, device)
+    """The one-row path of every layer group, set on the layers: timed per group (or taken from
+    the compile cache), then (in "checked" mode) checked on a batch-1 step over the model's KV
+    cache of `num_blocks` blocks. Returns {group: path}; empty off the GPU or with
+    ATOM_SMALL_M_KERNELS=cublas."""
+    choice = choose_small_m_kernels(model, device, cache)
     if choice and small_m_mode() == "checked":
         choice = refine_small_m_kernels(model, choice, num_blocks, block_size)
     return choice
@@ -132,7 +138,9 @@ def use_small_m_path(layers: list[LinearBase], path: str) -> None:
         m.fuse_norm_parts = "+sumnorm" in path
 
 
-def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, str]:
+def choose_small_m_kernels(
+    model: nn.Module, device: torch.device, cache: CompileCache | None = None
+) -> dict[str, str]:
     """For each group of linear layers (`small_m_groups`), time a one-row product through every
     layer of the group (so weights stream from memory, as in a decode step) along each of its
     paths (`small_m_paths`: cuBLAS, the Triton GEMV, the GEMV with the norm before it, the
@@ -143,48 +151,85 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     3.1 us) and wins on others; a fused prologue can cost more than the launch it saves (every
     program recomputes it). Alone, a projection can time differently than inside a decode
     step: the model runner then checks the choices on the whole step
-    (`refine_small_m_kernels`). Returns {group: path}."""
+    (`refine_small_m_kernels`). A group (and a weight shape's GEMV launch) found in the compile
+    cache for this GPU, these versions and this mode is not timed again. Returns
+    {group: path}."""
     mode = small_m_mode()
     if device.type != "cuda" or mode == "cublas":
         return {}
-    choice = {}
+    cache_mode = f"{mode}/norm_in_producer={int(norm_in_producer())}"
+    choice: dict[str, str] = {}
     tuned: set[tuple[int, int]] = set()
+    recalled = 0
     for key, layers in small_m_groups(model).items():
         paths = small_m_paths(layers[0])
         if tuple(layers[0].weight.shape) not in tuned:  # groups may share a shape
             tuned.add(tuple(layers[0].weight.shape))
-            tune_gemv_launch(layers)
+            _launch_shape_for(layers, cache, cache_mode)
         if mode == "gemv":
             choice[key] = paths[-1]
-            use_small_m_path(layers, paths[-1])
-            continue
-        fns = _one_row_paths(layers[0])
-        weight = layers[0].weight
-        fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
-        built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
-        usable = ["cublas", *built]
-        runs = [lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable]  # noqa: B023
-        adds = "gemv+add" in usable
-        if adds:  # and the norm's launch after each layer, which the add path saves
-            runs.append(_norm_launches(layers))
-        times = graph_times(*runs)
-        timed = dict(zip(usable, times[: len(usable)], strict=True))
-        choice[key] = min(timed, key=timed.get)
-        if adds and timed["gemv+add"] < timed[choice[key]] + times[-1]:
-            # The add path leaves the norm after it nothing to launch (the next GEMV takes the
-            # row from this one's epilogue): timed alone it cannot show that, so it wins when
-            # it costs less than the fastest path and that norm's launch.
-            choice[key] = "gemv+add"
+        else:
+            kept = cache.path(cache_mode, key) if cache is not None else None
+            if kept in paths:
+                choice[key] = kept
+                recalled += 1
+            else:
+                choice[key] = _time_group(key, layers, paths)
+                if cache is not None:
+                    cache.put_path(cache_mode, key, choice[key])
         use_small_m_path(layers, choice[key])
+    if cache is not None:
+        if recalled < len(choice):
+            cache.save()
         log.info(
-            "one-row %s projections (%d layers): %s%s -> %s",
-            key,
-            len(layers),
-            ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
-            f"; the norm after it {times[-1] * 1e3 / len(layers):.1f} us" if adds else "",
-            choice[key],
-        )
+            "one-row kernel paths: %d layer groups from the compile cache (%s), %d timed",
+            recalled, cache.dir, len(choice) - recalled,
+        )  # fmt: skip
     return choice
+
+
+def _launch_shape_for(layers: list[LinearBase], cache: CompileCache | None, mode: str) -> None:
+    """The GEMV launch shape of this weight shape: the compile cache's, else timed (and kept)."""
+    from atom_kernels import gemv as gemv_kernels
+
+    n, k = layers[0].weight.shape
+    kept = cache.launch_shape(mode, n, k) if cache is not None else None
+    if kept is not None:
+        gemv_kernels.set_launch_shape(n, k, kept)
+        return
+    best = tune_gemv_launch(layers)
+    if cache is not None and best is not None:
+        cache.put_launch_shape(mode, n, k, best)
+
+
+def _time_group(key: str, layers: list[LinearBase], paths: list[str]) -> str:
+    """The fastest one-row path of a layer group (`choose_small_m_kernels`), logged."""
+    fns = _one_row_paths(layers[0])
+    weight = layers[0].weight
+    fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
+    built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
+    usable = ["cublas", *built]
+    runs = [lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable]  # noqa: B023
+    adds = "gemv+add" in usable
+    if adds:  # and the norm's launch after each layer, which the add path saves
+        runs.append(_norm_launches(layers))
+    times = graph_times(*runs)
+    timed = dict(zip(usable, times[: len(usable)], strict=True))
+    best = min(timed, key=timed.get)
+    if adds and timed["gemv+add"] < timed[best] + times[-1]:
+        # The add path leaves the norm after it nothing to launch (the next GEMV takes the
+        # row from this one's epilogue): timed alone it cannot show that, so it wins when
+        # it costs less than the fastest path and that norm's launch.
+        best = "gemv+add"
+    log.info(
+        "one-row %s projections (%d layers): %s%s -> %s",
+        key,
+        len(layers),
+        ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
+        f"; the norm after it {times[-1] * 1e3 / len(layers):.1f} us" if adds else "",
+        best,
+    )
+    return best
 
 
 def _that_build(candidates: list, build, what: str) -> list:
@@ -201,7 +246,7 @@ def _that_build(candidates: list, build, what: str) -> list:
     return usable
 
 
-def tune_gemv_launch(layers: list[LinearBase]) -> None:
+def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int] | None:
     """Time the Triton GEMV's launch shapes (`gemv.launch_candidates`) on a one-row product
     through every layer of a group (weights streaming from memory) and make the fastest the
     shape every later launch on that weight shape uses, fused paths included: the paths are
@@ -218,7 +263,7 @@ def tune_gemv_launch(layers: list[LinearBase]) -> None:
         candidates, lambda cfg: gemv_kernels.gemv(x, like, **cfg), f"one-row {n}x{k} GEMV launch"
     )
     if not usable:
-        return
+        return None
     times = graph_times(
         *(lambda cfg=cfg: [gemv_kernels.gemv(x, m.weight, **cfg) for m in layers] for cfg in usable)
     )
@@ -235,6 +280,7 @@ def tune_gemv_launch(layers: list[LinearBase]) -> None:
         ),
         f"n{best['block_n']}/k{best['block_k']}/w{best['num_warps']}",
     )
+    return best
 
 
 def refine_small_m_kernels(

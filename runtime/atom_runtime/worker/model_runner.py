@@ -41,9 +41,11 @@ from atom_runtime.state.checkpoint_spec import (
 )
 from atom_runtime.state.copy_plan import StateCopyPlan
 from atom_runtime.state.slot_pool import StateTensors
+from atom_runtime.system import startup
 from atom_runtime.system.device import resolve_device, resolve_dtype, to_device, to_device_many
 from atom_runtime.system.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.worker.cache_memory import CacheMemory
+from atom_runtime.worker.compile_cache import open_compile_cache
 from atom_runtime.worker.cuda_graphs import (
     DecodeGraphs,
     PrefillGraphs,
@@ -78,6 +80,13 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        # Triton's cache and the start-up kernel timings, kept per GPU and versions (GPU only:
+        # nothing is compiled or timed on CPU).
+        self.compile_cache = (
+            open_compile_cache(config.compile_cache_dir, self.device)
+            if self.device.type == "cuda"
+            else None
+        )
         torch.manual_seed(config.seed)
         self.model = build_model(
             model_path, model_config, config.load_format, self.dtype, self.device, config.seed
@@ -87,7 +96,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
         self.num_layers = len(attn)
-        self.dense_prefill = self._enable_dense_prefill(attn)
+        phases = startup.recorder()
+        with phases.phase("kernel_autotune", "attention plans"):
+            self.dense_prefill = self._enable_dense_prefill(attn)
         for layer in attn:  # MLA: up-project no more context rows a step than profiled
             if hasattr(layer, "max_upprojected_rows"):
                 layer.max_upprojected_rows = self.max_num_batched_tokens
@@ -96,17 +107,20 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
         self.num_state_slots = 0
         self._planned_slots = 0
-        # Every rank must hold the same block ids: the cache is as large as the smallest allows.
-        self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
-        self._allocate_kv_cache()
-        self.checkpoint_spec: PagedStateCheckpointSpec | None = None
-        self._copy_plan: StateCopyPlan | None = None
-        if self.state is not None:
-            self._allocate_state_slots()
-            self._plan_checkpoint_copies()
-        self.small_m_kernels = select_small_m_kernels(
-            self.model, self.device, self.num_blocks, self.block_size
-        )
+        with phases.phase("kv_cache"):
+            # Every rank must hold the same block ids: the cache is as large as the smallest
+            # allows.
+            self.num_blocks = all_reduce_min(self._decide_num_blocks(), self.device)
+            self._allocate_kv_cache()
+            self.checkpoint_spec: PagedStateCheckpointSpec | None = None
+            self._copy_plan: StateCopyPlan | None = None
+            if self.state is not None:
+                self._allocate_state_slots()
+                self._plan_checkpoint_copies()
+        with phases.phase("kernel_autotune", "batch-1 kernel timings"):
+            self.small_m_kernels = select_small_m_kernels(
+                self.model, self.device, self.num_blocks, self.block_size, self.compile_cache
+            )
         self.sampler = Sampler(self.device, model_config.vocab_size)
         # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
         # first logits row, rows), and where the sampling rows sit among the logits rows (None:
@@ -184,9 +198,15 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if self.device.type != "cuda":
             return
         max_blocks = -(-max_model_len // self.block_size)
-        self._warm_up_prefill_attention(max_blocks * self.block_size)
+        phases = startup.recorder()
+        with phases.phase("kernel_autotune", "prefill attention compiles"):
+            self._warm_up_prefill_attention(max_blocks * self.block_size)
         if self.config.enforce_eager:
             return
+        with phases.phase("graph_capture"):
+            self._capture_graphs(max_blocks)
+
+    def _capture_graphs(self, max_blocks: int) -> None:
         sizes = sorted(
             set(
                 self.config.cudagraph_capture_sizes

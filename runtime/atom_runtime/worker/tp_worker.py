@@ -99,7 +99,8 @@ def run_worker(spec: dict) -> None:
     except SystemExit:
         raise
     except BaseException as e:
-        log.exception("tensor-parallel rank %d failed", s.rank)
+        # Rank 0 reports this message in one line; the traceback only at --log-level debug.
+        log.debug("tensor-parallel rank %d failed", s.rank, exc_info=True)
         outbox.send(encode(WorkerFailed(s.rank, f"{type(e).__name__}: {e}")))
         code = 1
     finally:
@@ -131,10 +132,12 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         from atom_runtime.config import EngineConfig
         from atom_runtime.models.loader import load_model_config
+        from atom_runtime.system import startup
         from atom_runtime.system.distributed import init_tensor_parallel
         from atom_runtime.worker.model_runner import ModelRunner
 
         self.spec = spec
+        startup.restart(quiet=True)  # rank 0 logs the start-up phases
         init_tensor_parallel(spec.rank, spec.world_size, spec.dist_init_method, spec.backend)
         path = Path(spec.model_path)
         self.runner = ModelRunner(EngineConfig(**spec.engine_config), load_model_config(path), path)
