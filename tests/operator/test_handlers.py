@@ -315,8 +315,17 @@ async def test_router_opt_in_renders_the_router_and_opt_out_prunes_it(cluster, o
         assert cluster.get(SERVICES, "chat-decode")["spec"]["clusterIP"] == "None"
         # ModelReady joins once the operator has read the engine pods, a pass after creation.
         await eventually(
-            lambda: [c["type"] for c in cluster.atomd("chat")["status"]["conditions"]]
-            == ["SpecValid", "ModelReady", "DecodeReady", "RouterReady", "KVEventsWired", "Ready"]
+            lambda: (
+                [c["type"] for c in cluster.atomd("chat")["status"]["conditions"]]
+                == [
+                    "SpecValid",
+                    "ModelReady",
+                    "DecodeReady",
+                    "RouterReady",
+                    "KVEventsWired",
+                    "Ready",
+                ]
+            )
         )
         assert condition(cluster.atomd("chat"), "RouterReady")["reason"] == "RollingOut"
 
