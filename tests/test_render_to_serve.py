@@ -27,6 +27,14 @@ from atom_runtime.server import cli as serve_cli
 EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml"))
 
 
+@pytest.fixture(autouse=True)
+def transfer_key(monkeypatch):
+    """A pod with --kv-transfer-config starts only with the deployment's transfer key, which the
+    operator mounts (docs/security.md): the pods parsed here have one."""
+    monkeypatch.setenv("ATOM_TRANSFER_KEY", "1f" * 32)
+    monkeypatch.delenv("ATOM_TRANSFER_KEY_FILE", raising=False)
+
+
 def _containers(path: Path, command: str):
     for doc in yaml.safe_load_all(path.read_text()):
         doc.setdefault("metadata", {}).setdefault("uid", "uid-1")

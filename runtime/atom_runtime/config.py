@@ -97,7 +97,8 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             from atom_runtime.kv_transfer.config import KVTransferConfig
 
-            KVTransferConfig.from_cli(self.kv_transfer_config)  # raises naming the field
+            # Raises naming the field, or what to set when there is no transfer key.
+            KVTransferConfig.from_cli(self.kv_transfer_config).load_key()
         if self.state_checkpoint_interval_tokens < -1:
             raise ValueError(
                 "state_checkpoint_interval_tokens: must be -1, 0 or a positive token count, got "
