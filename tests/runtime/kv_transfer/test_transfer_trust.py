@@ -48,7 +48,7 @@ class _Peer:
         msg = Pull(
             params["remote_request_id"],
             fields.pop("block_ids", params["remote_block_ids"]),
-            fields.pop("layout", "any layout"),
+            fields.pop("layout"),
             PROTOCOL,
             **fields,
         )
@@ -96,7 +96,7 @@ def test_a_pull_without_the_secret_gets_no_bytes(agents, peers, transfer_key):
     params = _prefill(producer)
     port, data_port = params["remote_port"], producer.connector._data_port
     for key in (None, OTHER_KEY):  # no key at all, or another deployment's
-        reply = peers(port, key).pull(params, timeout_s=5.0)
+        reply = peers(port, key).pull(params, layout=producer.kv.layout, timeout_s=5.0)
         assert reply.ticket == "" and "not authenticated" in reply.error
     assert not producer.connector._tickets
     # Straight to the payload port with a made-up ticket: closed, not a byte.
@@ -104,7 +104,7 @@ def test_a_pull_without_the_secret_gets_no_bytes(agents, peers, transfer_key):
         conn.sendall(_hello("00" * 16, 0, None))
         assert _read_all(conn) == b""
     # A real ticket (seen on the wire, say) is useless without the key to seal the hello.
-    reply = peers(port, transfer_key).pull(params, timeout_s=5.0)
+    reply = peers(port, transfer_key).pull(params, layout=producer.kv.layout, timeout_s=5.0)
     assert reply.error is None and reply.ticket
     for key in (None, OTHER_KEY):
         with socket.create_connection(("127.0.0.1", data_port)) as conn:
