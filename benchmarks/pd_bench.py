@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import statistics
@@ -35,6 +36,10 @@ from pathlib import Path
 import httpx
 
 from atom_runtime.bench.processes import AtomProcess
+
+# One KV-transfer key for the whole run (docs/security.md): engines and routers read it from the
+# environment; the transfer benchmark's connectors too.
+KEY_ENV = {"ATOM_TRANSFER_KEY": secrets.token_hex(32)}
 
 
 def free_port() -> int:
@@ -54,6 +59,7 @@ def pct(values: list[float], p: float) -> float | None:
 
 
 def bench_transfer(args) -> dict:
+    os.environ.update(KEY_ENV)
     import torch
 
     from atom_runtime.kv_transfer.base import KVCacheAccess, RemoteBlocks
@@ -192,20 +198,21 @@ def prepare_model(src: Path, scratch: Path) -> Path:
 
 def engine(name, model: Path, args, scratch: Path, *extra: str) -> tuple[AtomProcess, str]:
     port, kv, replay = free_port(), free_port(), free_port()
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv}",
-              "replay_endpoint": f"tcp://*:{replay}", "topic": f"kv@{name}"}  # fmt: skip
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{kv}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": f"kv@{name}"}  # fmt: skip
     argv = ["--model", str(model), "--max-model-len", str(args.max_model_len),
             "--num-gpu-blocks-override", str(args.kv_blocks),
             "--kv-events-config", json.dumps(events), *args.engine_arg, *extra]  # fmt: skip
     if args.load_format:
         argv += ["--load-format", args.load_format]
-    p = AtomProcess("serve", port, argv, scratch / f"{name}.log")
+    p = AtomProcess("serve", port, argv, scratch / f"{name}.log", env=KEY_ENV)
     return p, f"{p.url},kv-events={kv},kv-replay={replay}"
 
 
 def router(name, scratch: Path, *args: str) -> AtomProcess:
     port = free_port()
-    return AtomProcess("router", port, ["--probe-interval", "0.5", *args], scratch / f"{name}.log")
+    argv = ["--probe-interval", "0.5", *args]
+    return AtomProcess("router", port, argv, scratch / f"{name}.log", env=KEY_ENV)
 
 
 def transfer_config(role: str) -> str:

@@ -92,6 +92,14 @@ def test_the_runtime_defines_every_rendered_flag():
         pytest.skip(f"the runtime does not define these yet: {', '.join(missing)}")
 
 
+@pytest.fixture(autouse=True)
+def transfer_key(monkeypatch):
+    """A pod with --kv-transfer-config starts only with the deployment's transfer key, which the
+    operator mounts (docs/security.md): the pods parsed here have one."""
+    monkeypatch.setenv("ATOM_TRANSFER_KEY", "1f" * 32)
+    monkeypatch.delenv("ATOM_TRANSFER_KEY_FILE", raising=False)
+
+
 def _containers(path: Path, command: str):
     for doc in yaml.safe_load_all(path.read_text()):
         doc.setdefault("metadata", {}).setdefault("uid", "uid-1")

@@ -92,7 +92,8 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             from atom_runtime.kv_transfer.config import KVTransferConfig
 
-            KVTransferConfig.from_cli(self.kv_transfer_config)  # raises naming the field
+            # Raises naming the field, or what to set when there is no transfer key.
+            KVTransferConfig.from_cli(self.kv_transfer_config).load_key()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -70,8 +70,27 @@ ENGINE_DEATH_EXIT_DELAY_S = EnvVar(
     "1",
     "Seconds the API server keeps answering 503 after its engine core died, before it exits 1.",
 )
+TRANSFER_KEY_FILE = EnvVar(
+    "ATOM_TRANSFER_KEY_FILE",
+    "",
+    "A file holding the deployment's KV-transfer key (64 hex digits): engines with "
+    "--kv-transfer-config and `atom router` sign and check transfers with it "
+    "(docs/security.md). The operator mounts it at /etc/atom/keys/transfer-key.",
+)
+TRANSFER_KEY = EnvVar(
+    "ATOM_TRANSFER_KEY",
+    "",
+    "The KV-transfer key itself (64 hex digits), when no ATOM_TRANSFER_KEY_FILE is given.",
+)
+ROUTER_API_KEY = EnvVar(
+    "ATOM_ROUTER_API_KEY",
+    "",
+    "The API key `atom router` requires on every route but /health: the default of its "
+    "--api-key, so the key stays out of the process list.",
+)
 KV_EVENTS_PREFIX = "ATOM_KV_EVENTS_"  # ATOM_KV_EVENTS_<FIELD>: a --kv-events-config field
 
 VARIABLES = (API_KEY, CPU_KVCACHE_SPACE, DENSE_PREFILL, SMALL_M_KERNELS, NORM_IN_PRODUCER,
              STATE_CHECKPOINT_DEMAND, TP_TIMEOUT_S, GC_FREEZE, GC_DEBUG,
-             ENGINE_DEATH_EXIT_DELAY_S)  # fmt: skip
+             ENGINE_DEATH_EXIT_DELAY_S, TRANSFER_KEY_FILE, TRANSFER_KEY,
+             ROUTER_API_KEY)  # fmt: skip

@@ -16,6 +16,12 @@ _INT64_MAX = 2**63 - 1  # integers travel as msgpack int64 to the engine core
 
 
 STRUCTURED_FIELD = "structured_outputs"
+# The largest constraint a request may ask for, in bytes of its source (a schema, regex or
+# grammar; a choice list counts each string plus CHOICE_OVERHEAD_BYTES). Compiling grows with it
+# (about a second for 8,000 short choices on one core); the engine compiles off its own thread,
+# and this bounds how long one request holds that worker.
+MAX_CONSTRAINT_BYTES = 128 << 10
+CHOICE_OVERHEAD_BYTES = 16
 
 
 class StructuredOutputs(
@@ -40,6 +46,12 @@ class StructuredOutputs(
             )
         if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
             raise ValueError(f"{STRUCTURED_FIELD}: choice must be a list of non-empty strings")
+        size = self.source_bytes()
+        if size > MAX_CONSTRAINT_BYTES:
+            raise ValueError(
+                f"{STRUCTURED_FIELD}: the constraint is {size} bytes, more than the "
+                f"{MAX_CONSTRAINT_BYTES} one request may ask for"
+            )
         if self.json is not None:
             try:
                 json.loads(self.json)
@@ -47,6 +59,15 @@ class StructuredOutputs(
                 raise ValueError(
                     f"{STRUCTURED_FIELD}: json is not a valid JSON schema ({e})"
                 ) from None
+
+    def source_bytes(self) -> int:
+        """How big the constraint is (what MAX_CONSTRAINT_BYTES bounds)."""
+        if self.choice is not None:
+            return sum(
+                len(c.encode("utf-8", "surrogatepass")) + CHOICE_OVERHEAD_BYTES for c in self.choice
+            )
+        text = self.json or self.regex or self.grammar or ""
+        return len(text.encode("utf-8", "surrogatepass"))
 
     def grammar_text(self) -> str:
         """The llguidance grammar for this request (not yet checked against a tokenizer)."""

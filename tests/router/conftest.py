@@ -11,7 +11,14 @@ import httpx
 import pytest
 
 from atom_runtime.bench.processes import AtomProcess
+from atom_runtime.kv_transfer.auth import TransferKey
 from tests.server.conftest import TINY_FLAGS, Launcher, ServerProcess, free_port
+
+# The deployment's KV-transfer key in these tests: given to every engine and router started here;
+# a test that plays the router signs with it.
+TRANSFER_KEY_HEX = "4b" * 32
+TRANSFER_KEY = TransferKey.from_text(TRANSFER_KEY_HEX, "test")
+KEY_ENV = {"ATOM_TRANSFER_KEY": TRANSFER_KEY_HEX}
 
 
 @dataclass
@@ -32,9 +39,9 @@ class Engine:
         return metric(self.url, name)
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, headers: dict | None = None) -> float:
     """One unlabelled (or first labelled) sample of `name` from url/metrics."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=10, headers=headers).text.splitlines():
         if line.startswith(name) and line[len(name)] in " {":
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
@@ -45,8 +52,8 @@ def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, 
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{kv_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
+        "endpoint": f"tcp://127.0.0.1:{kv_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
         "topic": f"kv@127.0.0.1:{kv_port}@tiny",
     }
     # The test stops it (ServerProcess.stop also kills what is left of its process group).
@@ -61,6 +68,7 @@ def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, 
         *extra,
         port=port,
         wait=wait,
+        env=KEY_ENV,
     )
     return Engine(server, kv_port, replay_port)
 
@@ -86,14 +94,17 @@ def prompt_ids(seed: int, n: int = 150) -> list[int]:
 class RouterProcess(AtomProcess):
     """An `atom router` child process (bench/processes.py) and what tests read from it."""
 
-    def __init__(self, port: int, args: tuple[str, ...], log_path: Path) -> None:
-        super().__init__("router", port, args, log_path)
+    def __init__(
+        self, port: int, args: tuple[str, ...], log_path: Path, env: dict | None = None
+    ) -> None:
+        super().__init__("router", port, args, log_path, env={**KEY_ENV, **(env or {})})
+        self.headers: dict | None = None  # sent to its admin and metrics routes (--api-key)
 
     def backends(self) -> dict:
-        return httpx.get(f"{self.url}/router/backends", timeout=10).json()
+        return httpx.get(f"{self.url}/router/backends", timeout=10, headers=self.headers).json()
 
     def metric(self, name: str) -> float:
-        return metric(self.url, name)
+        return metric(self.url, name, self.headers)
 
     def wait_backends(self, role: str, healthy: int, timeout: float = 60) -> None:
         """Until exactly `healthy` backends of `role` are in rotation."""
@@ -111,9 +122,13 @@ class RouterProcess(AtomProcess):
         return super().stop(timeout)
 
 
-def launch_router(tmp: Path, *args: str, timeout: float = 60) -> RouterProcess:
+def launch_router(
+    tmp: Path, *args: str, timeout: float = 60, env: dict | None = None
+) -> RouterProcess:
     port = free_port()
-    router = RouterProcess(port, ("--probe-interval", "0.3", *args), tmp / f"router-{port}.log")
+    router = RouterProcess(
+        port, ("--probe-interval", "0.3", *args), tmp / f"router-{port}.log", env
+    )
     try:
         router.wait_healthy(timeout)
     except RuntimeError:

@@ -16,7 +16,14 @@ import msgspec
 import pytest
 import zmq
 
-from tests.router.conftest import launch_engine, launch_router, prompt_ids, transfer_config
+from atom_runtime.kv_transfer.auth import TransferKey
+from tests.router.conftest import (
+    TRANSFER_KEY,
+    launch_engine,
+    launch_router,
+    prompt_ids,
+    transfer_config,
+)
 from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -172,7 +179,9 @@ def test_a_dropped_transfer_falls_back_to_local_prefill(pd, model_name):
     }
     # Hashes that do not match the prompt: nothing is pulled at all, and the answer is right.
     out = httpx.post(
-        f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60
+        f"{decode.url}/v1/completions",
+        json={**body, "kv_transfer_params": TRANSFER_KEY.sign_params(params)},
+        timeout=60,
     ).json()
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert decode.metric("atom:kv_transfer_fallbacks_total") == fb0
@@ -180,15 +189,13 @@ def test_a_dropped_transfer_falls_back_to_local_prefill(pd, model_name):
     # just prefilled the first one itself).
     body = {**body, "prompt": prompt_ids(12)}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
-    real = httpx.post(
-        f"{prefill.url}/v1/completions",
-        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-        timeout=60,
-    ).json()["kv_transfer_params"]
+    real = _hold(prefill, body)
     # The producer no longer knows the transfer (dropped on its side): it answers with an error.
     dropped = {**real, "remote_request_id": real["remote_request_id"] + "-dropped"}
     out = httpx.post(
-        f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": dropped}, timeout=60
+        f"{decode.url}/v1/completions",
+        json={**body, "kv_transfer_params": TRANSFER_KEY.sign_params(dropped)},
+        timeout=60,
     ).json()
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
     assert decode.metric("atom:kv_transfer_fallbacks_total") == fb0 + 1
@@ -203,15 +210,32 @@ def test_a_dropped_transfer_falls_back_to_local_prefill(pd, model_name):
     assert prefill.metric("atom:kv_cache_usage_ratio") == 0
 
 
+def _hold(prefill, body: dict) -> dict:
+    """What the router does first: the prompt on the prefill engine with signed
+    do_remote_decode; returns the producer's kv_transfer_params (where the blocks are held)."""
+    r = httpx.post(
+        f"{prefill.url}/v1/completions",
+        json={
+            **body,
+            "max_tokens": 1,
+            "kv_transfer_params": TRANSFER_KEY.sign_params({"do_remote_decode": True}),
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
 def test_malformed_transfer_params_are_a_400(pd, model_name):
     _, decode, _ = pd
+    bad = {"do_remote_prefill": True, "remote_block_ids": "x"}
     r = httpx.post(
         f"{decode.url}/v1/completions",
         json={
             "model": model_name,
             "prompt": prompt_ids(2),
             "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "x"},
+            "kv_transfer_params": TRANSFER_KEY.sign_params(bad),
         },
         timeout=60,
     )
@@ -227,17 +251,8 @@ def test_client_disconnect_during_a_pull_leaks_nothing(pd, model_name):
     fake = ctx.socket(zmq.ROUTER)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
     try:
-        real = httpx.post(
-            f"{prefill.url}/v1/completions",
-            json={
-                "model": model_name,
-                "prompt": prompt_ids(21),
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
-            timeout=60,
-        ).json()["kv_transfer_params"]
-        stuck = {**real, "remote_port": port}
+        real = _hold(prefill, {"model": model_name, "prompt": prompt_ids(21)})
+        stuck = TRANSFER_KEY.sign_params({**real, "remote_port": port})
         body = json.dumps(
             {
                 "model": model_name,
@@ -268,13 +283,96 @@ def test_client_disconnect_during_a_pull_leaks_nothing(pd, model_name):
         assert decode.metric("atom:kv_transfer_fallbacks_total") == fallbacks0
         assert fake.poll(10_000), "no release reached the producer"
         _ident, release = fake.recv_multipart()
-        assert msgspec.msgpack.decode(release) == {
-            "type": "Release",
-            "transfer_id": real["remote_request_id"],
-        }
+        release = msgspec.msgpack.decode(release)
+        assert (release["type"], release["transfer_id"]) == ("Release", real["remote_request_id"])
     finally:
         fake.close(0)
         ctx.term()
+
+
+@pytest.fixture
+def fake_producer():
+    """A port where a KV producer would listen, which the test owns: any connection to it is a
+    connection the engines made on a client's word."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    yield listener
+    listener.close()
+
+
+def _never_dialled(listener: socket.socket) -> bool:
+    try:
+        listener.accept()[0].close()
+    except BlockingIOError:
+        return True
+    return False
+
+
+def test_client_kv_transfer_params_are_dropped_by_the_router_and_refused_by_engines(
+    pd, model_name, fake_producer
+):
+    """The attack: a client's own kv_transfer_params naming its own producer, with the hashes
+    of a prompt it wants poisoned. The router drops them (the answer is the right one), the
+    engines refuse them unsigned, forged or tampered with (400 naming the field), and nothing
+    ever dials the fake producer; nor can a client make a producer hold its blocks."""
+    prefill, decode, router = pd
+    prompt = prompt_ids(41)
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
+    real = _hold(prefill, body)  # genuine hashes and block ids of this prompt
+    poison = {**real, "remote_port": fake_producer.getsockname()[1], "do_remote_prefill": True}
+    held0 = prefill.metric("atom:kv_transfer_held_blocks")
+
+    got = httpx.post(
+        f"{router.url}/v1/completions", json={**body, "kv_transfer_params": poison}, timeout=60
+    )
+    assert got.status_code == 200 and got.json()["choices"] == ref["choices"]
+    short = {**body, "prompt": prompt[:10], "kv_transfer_params": {"do_remote_decode": True}}
+    assert httpx.post(f"{router.url}/v1/completions", json=short, timeout=60).status_code == 200
+
+    other_key = TransferKey.from_text("99" * 32, "attacker")
+    for params in (
+        poison,  # unsigned
+        other_key.sign_params(poison),  # signed with another key
+        {**TRANSFER_KEY.sign_params(real), "remote_port": poison["remote_port"]},  # tampered
+    ):
+        for engine in (decode, prefill):
+            r = httpx.post(
+                f"{engine.url}/v1/completions", json={**body, "kv_transfer_params": params}
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "kv_transfer_params"
+    r = httpx.post(
+        f"{prefill.url}/v1/completions",
+        json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert _never_dialled(fake_producer)
+    assert prefill.metric("atom:kv_transfer_held_blocks") <= held0  # the client pinned nothing
+
+
+def test_answers_to_clients_carry_no_internal_address_or_transfer_id(pd, model_name):
+    prefill, decode, router = pd
+    remote0 = router.metric('atom:router_decisions_total{path="remote_prefill"}')
+    body = {"model": model_name, "prompt": prompt_ids(43), "max_tokens": 3, "temperature": 0}
+    answers = [httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).text]
+    streamed = {**body, "prompt": prompt_ids(44), "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=streamed, timeout=60) as r:
+        answers.append(r.read().decode())
+    assert "data: [DONE]" in answers[-1]
+    assert router.metric('atom:router_decisions_total{path="remote_prefill"}') == remote0 + 2
+    # The decode engine itself, asked as the router asks: it echoes nothing it was given.
+    params = TRANSFER_KEY.sign_params(_hold(prefill, {**body, "prompt": prompt_ids(45)}))
+    direct = httpx.post(
+        f"{decode.url}/v1/completions",
+        json={**body, "prompt": prompt_ids(45), "kv_transfer_params": params},
+        timeout=60,
+    )
+    assert direct.status_code == 200
+    answers.append(direct.text)
+    for text in answers:
+        for secret in ("kv_transfer_params", "remote_", "127.0.0.1", params["remote_request_id"]):
+            assert secret not in text, (secret, text[:300])
 
 
 def test_prefill_engine_killed_before_the_pull_is_answered_by_fallback(pd, model_name):
@@ -283,11 +381,7 @@ def test_prefill_engine_killed_before_the_pull_is_answered_by_fallback(pd, model
     prefill, decode, router = pd
     body = {"model": model_name, "prompt": prompt_ids(31), "max_tokens": 4, "temperature": 0}
     ref = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()
-    params = httpx.post(
-        f"{prefill.url}/v1/completions",
-        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-        timeout=60,
-    ).json()["kv_transfer_params"]
+    params = TRANSFER_KEY.sign_params(_hold(prefill, body))
     # After handing out its blocks, before the pull: the engine core (which serves pulls) first,
     # then its API server.
     os.kill(prefill.server.engine_pid(), signal.SIGKILL)

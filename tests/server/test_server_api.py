@@ -363,24 +363,6 @@ def test_vllm_prompt_logprobs(client, model_name, server):
     assert top[0] is None and all(len(e) == 1 for e in top[1:])
 
 
-def test_kv_transfer_params_are_passed_through(client, model_name):
-    params = {"do_remote_decode": False, "remote_host": None, "remote_block_ids": [3, 4]}
-    out = client.completions.create(
-        model=model_name, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
-    )
-    assert out.usage.completion_tokens == 2
-    assert out.model_extra["kv_transfer_params"] == params
-    chat = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=2,
-        extra_body={"kv_transfer_params": params},
-    )
-    assert chat.model_extra["kv_transfer_params"] == params
-    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2)
-    assert "kv_transfer_params" not in (plain.model_extra or {})
-
-
 def test_64_concurrent_streams(server, model_name, record_property):
     async def one(client: AsyncOpenAI, i: int) -> tuple[str, int, float]:
         start = time.perf_counter()

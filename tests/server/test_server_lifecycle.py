@@ -400,7 +400,10 @@ def test_serving_takes_its_own_step_budget_unless_given_one(server, tiny_models,
 def test_the_serving_step_budget_leaves_given_budgets_and_prefill_only_instances_alone():
     assert EngineConfig().for_serving().max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
     assert EngineConfig(max_num_batched_tokens=9000).for_serving().max_num_batched_tokens == 9000
-    producer = '{"kv_connector": "AtomPortableConnector", "kv_role": "kv_producer"}'
+    producer = (
+        '{"kv_connector": "AtomPortableConnector", "kv_role": "kv_producer", '
+        '"kv_connector_extra_config": {"insecure": true}}'
+    )
     prefill = EngineConfig(kv_transfer_config=producer).for_serving()
     assert prefill.max_num_batched_tokens is None  # the offline budget: no decodes to delay
     consumer = producer.replace("kv_producer", "kv_consumer")

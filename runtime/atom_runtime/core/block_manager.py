@@ -41,9 +41,11 @@ class BlockManager:
         # new prompt that starts with the same tokens (a shared system prompt, W3's prefix)
         # reuses those digests instead of rehashing: a digest is a function of the tokens from
         # the start of the prompt, so equal leading tokens give equal digests (contract 1).
-        # Lookups still compare each hit block's tokens (contract 2).
+        # Lookups still compare each hit block's tokens (contract 2). Only a prompt of the same
+        # cache_salt (the same chain root) shares them.
         self._recent_tokens = np.zeros(0, dtype=np.int32)
         self._recent_hashes: list[int] = []
+        self._recent_root: int | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -198,15 +200,16 @@ class BlockManager:
             return
         bs = self.block_size
         fresh = have == 0
-        if fresh and self._recent_hashes:
+        if fresh and self._recent_hashes and self._recent_root == seq.hash_root:
             have = self._shared_blocks(seq, num_blocks)
             hashes.extend(self._recent_hashes[:have])
         if have < num_blocks:
             tokens = seq.token_ids[have * bs : num_blocks * bs]
-            hashes.extend(hash_token_blocks(tokens, bs, hashes[-1] if have else None))
+            hashes.extend(hash_token_blocks(tokens, bs, hashes[-1] if have else seq.hash_root))
         if fresh:
             self._recent_tokens = np.array(seq.token_ids[: num_blocks * bs], dtype=np.int32)
             self._recent_hashes = list(hashes)
+            self._recent_root = seq.hash_root
 
     def _shared_blocks(self, seq: Sequence, num_blocks: int) -> int:
         """How many leading full blocks seq's tokens share with the last prompt hashed."""

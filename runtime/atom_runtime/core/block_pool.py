@@ -57,7 +57,12 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockPool:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_events: bool = False, medium: str = "GPU"
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_events: bool = False,
+        event_token_ids: bool = True,
+        medium: str = "GPU",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
@@ -77,6 +82,8 @@ class BlockPool:
         # Blocks lent to non-sequence owners (state checkpoints): block id -> owner tag.
         self.lent: dict[int, str] = {}
         self.enable_events = enable_events
+        # False: BlockStored events carry hashes only (--kv-events-config include_token_ids).
+        self.event_token_ids = event_token_ids
         self._events: list = []
 
     # -- counts --------------------------------------------------------------------------------
@@ -219,7 +226,8 @@ class BlockPool:
                 if not run_hashes:
                     run_parent = prev
                 run_hashes.append(block_hash)
-                run_tokens.extend(block_tokens)
+                if self.event_token_ids:
+                    run_tokens.extend(block_tokens)
             else:
                 self._emit_stored(run_hashes, run_parent, run_tokens)
                 run_hashes, run_tokens = [], []

@@ -66,7 +66,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids  # the engine's list: stop tokens unless ignore_eos
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         # Called with each sequence a step finishes, before its blocks are freed and its output
-        # is built (a KV-transfer producer holds the prompt's blocks and sets kv_transfer_params).
+        # is built (a KV-transfer producer holds the prompt's blocks and sets kv_transfer_reply).
         self.on_finish: Callable[[Sequence], None] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -450,7 +450,7 @@ def request_update(seq: Sequence, with_token: bool) -> RequestUpdate:
         first_scheduled_time=seq.first_scheduled_time,
         first_token_time=seq.first_token_time,
         num_preemptions=seq.num_preemptions,
-        kv_transfer_params=seq.kv_transfer_params if seq.finish_reason else None,
+        kv_transfer_params=seq.kv_transfer_reply if seq.finish_reason else None,
     )
     if seq.sampling_params.prompt_logprobs is not None and with_token and not seq.prompt_lp_sent:
         seq.prompt_lp_sent = True

@@ -65,8 +65,14 @@ class Sequence:
         self.block_hashes: list[int] = []
         # Leading blocks of block_table that carry their hash (prefix hits or published blocks).
         self.num_hashed_blocks = 0
+        # The first block's hash parent: None, or the request's cache_salt mixed in
+        # (protocol/block_hash.py), so salted and unsalted prompts never share a block.
+        self.hash_root: int | None = None
         self.num_preemptions = 0
+        # kv_transfer_params as the engine acts on them (router-signed, checked); and what a
+        # KV-transfer producer answers when the request finishes (where its blocks are held).
         self.kv_transfer_params: dict | None = None
+        self.kv_transfer_reply: dict | None = None
         # Async scheduling: trailing PENDING_TOKEN entries (sampled, not yet read back), and
         # whether the first of them is known to end the sequence by length, so it needs no
         # further step.

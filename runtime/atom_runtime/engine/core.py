@@ -37,6 +37,7 @@ from atom_runtime.core.sequence import Sequence
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.kv_transfer import make_transfer_agent
 from atom_runtime.models.preflight import preflight
+from atom_runtime.protocol.block_hash import salt_root
 from atom_runtime.protocol.engine_core import (
     EngineRequest,
     EngineStats,
@@ -57,7 +58,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, prebuild_guides: bool = False) -> None:
+        """`prebuild_guides`: build the structured-outputs tokenizer while the model loads (the
+        engine-core process does; its build holds the GIL for a second or more, which would
+        otherwise stall every stream when the first guided request arrives)."""
         self.config = config
         self.startup = startup.restart()
         with self.startup.phase("config"):
@@ -66,17 +70,20 @@ class EngineCore:
             self.model_path, self.model_config = checked.path, checked.config
             configure_cpu_threads(config.cpu_threads, config.tensor_parallel_size)
             self.kv_events_config = KVEventsConfig.from_cli(config.kv_events_config)
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
+        self.guides = Guides(str(self.model_path), self.model_config.vocab_size, self.eos_token_ids)
+        if prebuild_guides:
+            self.guides.start_building()
         self.executor = make_executor(config, self.model_config, self.model_path)
         try:
             self._finish_init(config)
         except BaseException:
             self.executor.shutdown()  # tensor-parallel workers must not outlive a failed start
             raise
+        self.guides.wait()  # built before the first request can run
 
     def _finish_init(self, config: EngineConfig) -> None:
-        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config.eos_token_ids)
         self.executor.eos_token_ids = self.eos_token_ids
-        self.guides = Guides(str(self.model_path), self.model_config.vocab_size, self.eos_token_ids)
         self.block_size = config.block_size
         self.max_model_len = self._decide_max_model_len()
         self.executor.capture_cudagraphs(self.max_model_len)
@@ -86,6 +93,7 @@ class EngineCore:
             config.block_size,
             enable_events=self.kv_events_config.enable_kv_cache_events,
             medium="CPU" if self.executor.device.type == "cpu" else "GPU",
+            event_token_ids=self.kv_events_config.include_token_ids,
         )
         hybrid = self.model_config.is_hybrid
         self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
@@ -181,12 +189,14 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
-        """Validate and queue a request. Bad input raises ValueError naming the field; nothing
-        is queued then."""
-        if request.request_id in self.scheduler.requests or (
-            self.kv_transfer is not None and self.kv_transfer.is_parked(request.request_id)
-        ):
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        """Validate and queue a request, its grammar compiled on this thread (`LLM`, warm-up);
+        the engine-core process compiles off its loop instead (engine/grammar_compiler.py).
+        Bad input raises ValueError naming the field; nothing is queued then."""
+        self.admit(self.prepare(request), self.compile_grammar(request))
+
+    def prepare(self, request: EngineRequest) -> Sequence:
+        """Every check of a request but its grammar's, and its Sequence; changes nothing."""
+        self._check_new_id(request.request_id)
         if not request.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -211,22 +221,45 @@ class EngineCore:
                 f"max_tokens: {params.max_tokens} + {len(prompt)} prompt tokens exceed the "
                 f"context length of {self.max_model_len} tokens"
             )
-        matcher = (
-            self.guides.matcher(params.structured_outputs) if params.structured_outputs else None
-        )
         seq = Sequence(request.request_id, prompt, params, request.arrival_time or None)
-        seq.kv_transfer_params = request.kv_transfer_params
+        if request.cache_salt is not None:
+            if not isinstance(request.cache_salt, str) or not request.cache_salt:
+                raise ValueError("cache_salt: must be a non-empty string")
+            seq.hash_root = salt_root(request.cache_salt)
+        if request.kv_transfer_params is not None:
+            if self.kv_transfer is None:
+                raise ValueError(
+                    "kv_transfer_params: this engine transfers no KV (no --kv-transfer-config)"
+                )
+            seq.kv_transfer_params = self.kv_transfer.open_params(request.kv_transfer_params)
+        return seq
+
+    def compile_grammar(self, request: EngineRequest):
+        """The request's grammar matcher (None when unguided); slow for a big grammar, and safe
+        on any thread. Raises ValueError naming the field when it does not compile."""
+        spec = request.sampling_params.structured_outputs
+        return self.guides.matcher(spec) if spec is not None else None
+
+    def admit(self, seq: Sequence, matcher) -> None:
+        """Queue a prepared request: parked for its KV pull, or to the scheduler."""
+        self._check_new_id(seq.request_id)  # it may have arrived while this one compiled
         seq.matcher = matcher
         if self.checkpoints is not None:
             self.checkpoints.placement.schedulability_warning(
                 seq.request_id,
-                len(prompt) + (params.max_tokens or 0),
+                seq.num_prompt_tokens + (seq.sampling_params.max_tokens or 0),
                 self.pool.num_blocks,
                 self.checkpoints.spec.units_per_image,
             )
         parked = self.kv_transfer is not None and self.kv_transfer.park(seq)
         if not parked:  # a parked request enters the scheduler once its KV pull is over
             self.scheduler.add(seq)
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests or (
+            self.kv_transfer is not None and self.kv_transfer.is_parked(request_id)
+        ):
+            raise ValueError(f"request_id: {request_id!r} is already running")
 
     def abort_requests(self, request_ids) -> list[RequestUpdate]:
         ids = set(request_ids)

@@ -254,6 +254,7 @@ class EngineCoreClient:
         prompt_token_ids: list[int],
         params,
         kv_transfer_params: dict | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit one API request (fanned out to n engine requests). Raises ValueError
         ("field: message") when the engine refuses it, EngineDeadError when it is gone."""
@@ -262,14 +263,16 @@ class EngineCoreClient:
         # Refused here too, not only in the engine: an id past int64 cannot even be sent.
         check_token_ids("prompt", prompt_token_ids, self.ready.vocab_size)
         reqs: list[EngineRequest] = self.processor.add_request(
-            request_id, prompt, prompt_token_ids, params, kv_transfer_params
+            request_id, prompt, prompt_token_ids, params, kv_transfer_params, cache_salt
         )
         stream = RequestStream(self.processor.requests[request_id])
         self.streams[request_id] = stream
         try:
             result: AddResult = await self._call(AddRequests(0, reqs))
         except BaseException:
-            self._forget(request_id)
+            # Cancelled (the client left) while the engine may still be admitting it, say
+            # compiling its grammar: the engine must drop it, not run it for nobody.
+            self.abort(request_id)
             raise
         if result.error is not None:
             self._forget(request_id)

@@ -11,7 +11,9 @@ pickle: `ClientMessage` in, `EngineMessage` out (protocol/engine_core.py).
 
 Startup: load the engine (each phase logged with its seconds, system/startup.py), apply the GC
 policy, then send `EngineReady` with those seconds (or `StartupFailed` with the reason in one
-line, and exit 1; the traceback is logged only at --log-level debug). While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
+line, and exit 1; the traceback is logged only at --log-level debug). A guided request's grammar
+compiles on a worker thread (engine/grammar_compiler.py): its `AddResult` comes once it is
+compiled and admitted, while the loop keeps stepping everyone else. While idle the loop sends a stats-only `Outputs` every HEARTBEAT_S, and exits
 if its parent died. `Shutdown` aborts what is left, shuts the engine down and exits 0.
 """
 
@@ -23,6 +25,7 @@ import signal
 import time
 from typing import Any
 
+from atom_runtime.engine.grammar_compiler import GrammarCompiler
 from atom_runtime.protocol.codec import decoder, encoder, receive_waiting
 from atom_runtime.protocol.engine_core import (
     AbortRequests,
@@ -132,7 +135,7 @@ def _build_engine(config: dict):
     from atom_runtime.config import EngineConfig
     from atom_runtime.engine.core import EngineCore
 
-    return EngineCore(EngineConfig(**config))
+    return EngineCore(EngineConfig(**config), prebuild_guides=True)
 
 
 class EngineLoop:
@@ -149,6 +152,8 @@ class EngineLoop:
         self.encoder = encoder()
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
+        self.grammars = GrammarCompiler(engine.compile_grammar)
+        self.poller.register(self.grammars, zmq.POLLIN)
         self.running = True
 
     def run(self) -> None:
@@ -159,6 +164,8 @@ class EngineLoop:
             aborted: list[RequestUpdate] = []
             if self.poller.poll(timeout_ms):
                 aborted = self._drain_inbox()
+                for job in self.grammars.finished():
+                    self._send(self._admit(job.call_id, job.seqs, job.matchers, job.error))
             if not self.running:
                 break
             pending = self.engine.step() if self.engine.has_unfinished_requests() else StepOutputs()
@@ -172,13 +179,17 @@ class EngineLoop:
                     log.error("the API server (pid %d) is gone; exiting", self.parent_pid)
                     break
         self._abort_all()
+        self.grammars.close()
 
     def _drain_inbox(self) -> list[RequestUpdate]:
         aborted: list[RequestUpdate] = []
         for msg in receive_waiting(self.inbox, self.decoder):
             if isinstance(msg, AddRequests):
-                self._send(self._add(msg))
+                result = self._add(msg)
+                if result is not None:
+                    self._send(result)
             elif isinstance(msg, AbortRequests):
+                self.grammars.abort(set(msg.request_ids))
                 aborted += self.engine.abort_requests(msg.request_ids)
             elif isinstance(msg, UtilityCall):
                 self._send(self._utility(msg))
@@ -187,16 +198,35 @@ class EngineLoop:
                 break
         return aborted
 
-    def _add(self, msg: AddRequests) -> AddResult:
+    def _add(self, msg: AddRequests) -> AddResult | None:
+        """Check and queue a message's requests, all or none; None while their grammars compile
+        (the AddResult is sent once they are admitted)."""
+        compiling = self.grammars.request_ids()
+        try:
+            seqs = [self.engine.prepare(req) for req in msg.requests]
+            for seq in seqs:
+                if seq.request_id in compiling:
+                    raise ValueError(f"request_id: {seq.request_id!r} is already running")
+        except ValueError as e:
+            return AddResult(msg.call_id, str(e))
+        if any(req.sampling_params.structured_outputs is not None for req in msg.requests):
+            self.grammars.submit(msg.call_id, msg.requests, seqs)
+            return None
+        return self._admit(msg.call_id, seqs, [None] * len(seqs))
+
+    def _admit(self, call_id: int, seqs, matchers: list, error: str | None = None) -> AddResult:
         added: list[str] = []
-        for req in msg.requests:
-            try:
-                self.engine.add_request(req)
-            except ValueError as e:
-                self.engine.abort_requests(added)
-                return AddResult(msg.call_id, str(e))
-            added.append(req.request_id)
-        return AddResult(msg.call_id)
+        if error is None:
+            for seq, matcher in zip(seqs, matchers, strict=True):
+                try:
+                    self.engine.admit(seq, matcher)
+                except ValueError as e:
+                    error = str(e)
+                    break
+                added.append(seq.request_id)
+        if error is not None:
+            self.engine.abort_requests(added)
+        return AddResult(call_id, error)
 
     def _utility(self, msg: UtilityCall) -> UtilityResult:
         if msg.method not in UTILITY_METHODS:

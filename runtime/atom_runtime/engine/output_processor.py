@@ -250,6 +250,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         kv_transfer_params: dict | None = None,
+        cache_salt: str | None = None,
     ) -> list[EngineRequest]:
         """Track a request; returns the engine requests to submit (n of them for n > 1; seeded
         children get seed + index so their samples differ but stay reproducible)."""
@@ -271,6 +272,7 @@ class OutputProcessor:
                     child_params,
                     state.metrics.arrival_time,
                     kv_transfer_params,
+                    cache_salt,
                 )
             )
         return out

@@ -1,4 +1,5 @@
-"""`atom kv-events listen ENDPOINT`: print a pod's KV events as they arrive (a debugging tool)."""
+"""`atom kv-events listen ENDPOINT`: print a pod's KV events as they arrive (a debugging tool).
+`atom kv-events keygen DIR`: make the CurveZMQ keys of kv_events/curve.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from atom_runtime.kv_events.curve import CurveKeys, write_keys
 from atom_runtime.kv_events.events import BlockStored, EventBatch, KVCacheEvent
 from atom_runtime.kv_events.subscriber import KVEventSubscriber
 
@@ -36,6 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen.add_argument(
         "--bind", action="store_true", help="bind the endpoint (publishers connect to us)"
     )
+    listen.add_argument(
+        "--curve-dir",
+        metavar="DIR",
+        help="CurveZMQ key directory of engines run with curve_keys_dir (the client keypair and "
+        "the server public key)",
+    )
+    keygen = commands.add_parser(
+        "keygen",
+        help="make CurveZMQ keys for the KV-event sockets",
+        description="Write a server and a client keypair (Z85 text) into DIR: engines take "
+        "the directory as --kv-events-config '{\"curve_keys_dir\": DIR}', the router as "
+        "--kv-events-curve-dir DIR.",
+    )
+    keygen.add_argument("directory", metavar="DIR")
 
 
 def event_to_dict(event: KVCacheEvent) -> dict[str, Any]:
@@ -67,14 +83,25 @@ def format_batch(seq: int, batch: EventBatch) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kv_events_command == "keygen":
+        write_keys(args.directory)
+        print(f"CurveZMQ keys for KV events written to {args.directory}")
+        return 0
     if args.kv_events_command != "listen":
         raise ValueError(f"unknown kv-events command {args.kv_events_command!r}")
     if args.count < 0:
         print("atom kv-events listen: --count must be >= 0", file=sys.stderr)
         return 2
     try:
+        curve = None
+        if args.curve_dir is not None:
+            curve = CurveKeys.for_subscriber(args.curve_dir, "--curve-dir")
         subscriber = KVEventSubscriber(
-            args.endpoint, args.replay, topic=args.topic, bind=True if args.bind else None
+            args.endpoint,
+            args.replay,
+            topic=args.topic,
+            bind=True if args.bind else None,
+            curve=curve,
         )
     except ValueError as exc:
         print(f"atom kv-events listen: {exc}", file=sys.stderr)

@@ -8,14 +8,17 @@ message that says what to fix.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
 ENV_PREFIX = "ATOM_KV_EVENTS_"
 PUBLISHERS = ("zmq", "null")
 SCHEMES = ("tcp", "ipc", "inproc")
+DEFAULT_PORT = 5557
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -33,12 +36,17 @@ class KVEventsConfig:
     enable_kv_cache_events: bool = False
     # None means "not chosen": like vLLM, it becomes "zmq" when events are enabled, else "null".
     publisher: str | None = None
-    endpoint: str = "tcp://*:5557"
+    # None: tcp://<the pod's address>:5557 ($POD_IP, else 127.0.0.1), bound. `*` only if given.
+    endpoint: str | None = None
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    # ATOM's own: BlockStored without token ids (hashes only: a router re-derives them from its
+    # prompts, ATOM's PrefixIndex does), and CurveZMQ keys (kv_events/curve.py).
+    include_token_ids: bool = True
+    curve_keys_dir: str | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -49,7 +57,16 @@ class KVEventsConfig:
             raise KVEventsConfigError(
                 "publisher", f"must be one of {', '.join(PUBLISHERS)}, got {self.publisher!r}"
             )
-        parse_endpoint("endpoint", self.endpoint)
+        if self.endpoint is not None:
+            parse_endpoint("endpoint", self.endpoint)
+        if self.curve_keys_dir is not None and self.enabled:
+            from atom_runtime.kv_events.curve import CurveKeys
+
+            try:
+                CurveKeys.for_publisher(self.curve_keys_dir, "curve_keys_dir")
+            except ValueError as e:
+                message = str(e).removeprefix("curve_keys_dir: ")
+                raise KVEventsConfigError("curve_keys_dir", message) from None
         if self.replay_endpoint is not None:
             parse_endpoint("replay_endpoint", self.replay_endpoint)
         for name, least in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
@@ -94,7 +111,11 @@ class KVEventsConfig:
 
     def publish_endpoint(self, data_parallel_rank: int = 0) -> str:
         """The PUB endpoint for one data-parallel rank (tcp port + rank)."""
-        return offset_endpoint(self.endpoint, data_parallel_rank)
+        endpoint = self.endpoint
+        if endpoint is None:
+            host = os.environ.get("POD_IP") or "127.0.0.1"
+            endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{DEFAULT_PORT}"
+        return offset_endpoint(endpoint, data_parallel_rank)
 
     def replay_publish_endpoint(self, data_parallel_rank: int = 0) -> str | None:
         """The replay ROUTER endpoint for one data-parallel rank, or None when replay is off."""
@@ -106,12 +127,14 @@ class KVEventsConfig:
 _TYPES: dict[str, tuple[type, ...]] = {
     "enable_kv_cache_events": (bool,),
     "publisher": (str, type(None)),
-    "endpoint": (str,),
+    "endpoint": (str, type(None)),
     "replay_endpoint": (str, type(None)),
     "buffer_steps": (int,),
     "hwm": (int,),
     "max_queue_size": (int,),
     "topic": (str,),
+    "include_token_ids": (bool,),
+    "curve_keys_dir": (str, type(None)),
 }
 
 
@@ -158,9 +181,31 @@ def parse_endpoint(field: str, endpoint: str) -> tuple[str, str, int | None]:
 
 
 def endpoint_binds(endpoint: str) -> bool:
-    """Bind a wildcard host (`tcp://*:5557`) and ipc/inproc paths; connect to anything else."""
+    """Bind ipc/inproc paths, a wildcard host (`tcp://*:5557`) and an address of this host
+    (the pod's own, 127.0.0.1, localhost); connect to anything else (`tcp://indexer:5557`, for a
+    router that binds one socket every engine connects to)."""
     scheme, host, _ = parse_endpoint("endpoint", endpoint)
-    return scheme != "tcp" or host == "*"
+    return scheme != "tcp" or host == "*" or is_local_address(host)
+
+
+def is_local_address(host: str) -> bool:
+    """Whether `host` (a name is not resolved, except localhost) is an address of this host."""
+    if host == "localhost":
+        return True
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))  # only an address of one of this host's interfaces binds
+        except OSError:
+            return False
+    return True
 
 
 def offset_endpoint(endpoint: str, data_parallel_rank: int) -> str:

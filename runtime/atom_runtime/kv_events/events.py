@@ -83,7 +83,8 @@ class BlockStored(KVCacheEvent):
             raise ValueError(
                 f"BlockStored.block_size must be a positive int, got {self.block_size!r}"
             )
-        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
+        # Empty: an engine publishing hashes only (include_token_ids false).
+        if self.token_ids and len(self.token_ids) != len(self.block_hashes) * self.block_size:
             raise ValueError(
                 f"BlockStored.token_ids has {len(self.token_ids)} tokens; "
                 f"{len(self.block_hashes)} blocks of {self.block_size} need "

@@ -14,14 +14,17 @@ from collections.abc import Iterator, Sequence
 from atom_runtime.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 
-def _block_hashes(token_ids: Sequence[int] | array, block_size: int) -> Iterator[int]:
-    """Chained hashes of the full blocks of `token_ids`, computed one block at a time."""
+def _block_hashes(
+    token_ids: Sequence[int] | array, block_size: int, cache_salt: str | None = None
+) -> Iterator[int]:
+    """Chained hashes of the full blocks of `token_ids` (from `cache_salt`'s root, as the engine
+    hashes a salted prompt), computed one block at a time."""
     if type(block_size) is not int or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     # The engine owns the hash function; one definition keeps routers and engine in step.
-    from atom_runtime.protocol.block_hash import hash_block_tokens
+    from atom_runtime.protocol.block_hash import hash_block_tokens, salt_root
 
-    parent: int | None = None
+    parent: int | None = salt_root(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         yield parent
@@ -83,23 +86,33 @@ class PrefixIndex:
         with self._lock:
             return set(self._pods_by_hash.get(block_hash, ()))
 
-    def match_prefix(self, pod: str, token_ids: Sequence[int] | array, block_size: int) -> int:
-        """How many leading full blocks of `token_ids` `pod` holds."""
+    def match_prefix(
+        self,
+        pod: str,
+        token_ids: Sequence[int] | array,
+        block_size: int,
+        cache_salt: str | None = None,
+    ) -> int:
+        """How many leading full blocks of `token_ids` (under `cache_salt`) `pod` holds."""
         matched = 0
         with self._lock:
             held = self._hashes_by_pod.get(pod, set())
-            for h in _block_hashes(token_ids, block_size):
+            for h in _block_hashes(token_ids, block_size, cache_salt):
                 if h not in held:
                     break
                 matched += 1
         return matched
 
-    def best_pods(self, token_ids: Sequence[int] | array, block_size: int) -> list[tuple[str, int]]:
-        """Every known pod with its matched leading blocks, most blocks first (ties by name)."""
+    def best_pods(
+        self, token_ids: Sequence[int] | array, block_size: int, cache_salt: str | None = None
+    ) -> list[tuple[str, int]]:
+        """Every known pod with its matched leading blocks (of `token_ids` under `cache_salt`),
+        most blocks first (ties by name)."""
         with self._lock:
             matched = dict.fromkeys(self._hashes_by_pod, 0)
             still: set[str] | None = None
-            for depth, h in enumerate(_block_hashes(token_ids, block_size), start=1):
+            blocks = _block_hashes(token_ids, block_size, cache_salt)
+            for depth, h in enumerate(blocks, start=1):
                 holders = self._pods_by_hash.get(h, set())
                 still = set(holders) if still is None else still & holders
                 if not still:

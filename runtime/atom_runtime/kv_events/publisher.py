@@ -28,7 +28,9 @@ import msgspec
 import zmq
 
 from atom_runtime.kv_events.config import KVEventsConfig, endpoint_binds
+from atom_runtime.kv_events.curve import CurveKeys, start_authenticator
 from atom_runtime.kv_events.events import EventBatch, KVCacheEvent
+from atom_runtime.system.log_limit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +44,6 @@ REPLAY_MAX_FRAME_BYTES = 256
 _REPLAY_MAX_FRAMES = 3
 # Malformed replay requests are counted one by one but logged at most once per this many seconds.
 REPLAY_WARNING_INTERVAL_S = 10.0
-
-
-class _RateLimitedWarning:
-    """A WARNING at most once per `interval` seconds; the next one says how many were held back."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last: float | None = None
-        self._held = 0
-
-    def __call__(self, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if self._last is not None and now - self._last < self.interval:
-            self._held += 1
-            return
-        if self._held:
-            message += " (%d more like it since the last warning)"
-            args = (*args, self._held)
-        self._last, self._held = now, 0
-        logger.warning(message, *args)
 
 
 class KVEventPublisherError(RuntimeError):
@@ -122,6 +104,13 @@ class ZmqEventPublisher:
         self._replay_endpoint = config.replay_publish_endpoint(data_parallel_rank)
         self._hwm = config.hwm
         self._topic = config.topic.encode("utf-8")
+        self._curve: CurveKeys | None = None
+        self._auth = None
+        if config.curve_keys_dir is not None:
+            self._curve = CurveKeys.for_publisher(config.curve_keys_dir, "curve_keys_dir")
+            # A ZAP authenticator takes its context's one ZAP endpoint: a context of our own.
+            context = zmq.Context()
+        self._own_context = config.curve_keys_dir is not None
         self._ctx = context if context is not None else zmq.Context.instance()
 
         # Shared with the sender thread, guarded by _lock.
@@ -138,7 +127,7 @@ class ZmqEventPublisher:
         # Written by the sender thread only.
         self._published = 0
         self._replay_errors = 0
-        self._warn_replay = _RateLimitedWarning(REPLAY_WARNING_INTERVAL_S)
+        self._warn_replay = RateLimitedLog(logger, REPLAY_WARNING_INTERVAL_S)
         self._failure: BaseException | None = None
         self._ring: collections.deque[tuple[int, bytes]] = collections.deque(
             maxlen=config.buffer_steps
@@ -233,8 +222,12 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         pub = replay = None
         try:
+            if self._curve is not None:
+                self._auth = start_authenticator(self._ctx, self._curve.client_public)
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
+            if self._curve is not None:
+                self._curve.make_server(pub)
             if endpoint_binds(self._endpoint):
                 pub.bind(self._endpoint)
                 self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -246,6 +239,8 @@ class ZmqEventPublisher:
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 replay.setsockopt(zmq.SNDHWM, 2 * (self._ring.maxlen or 0) + 16)
                 replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME_BYTES)
+                if self._curve is not None:
+                    self._curve.make_server(replay)
                 replay.bind(self._replay_endpoint)  # the ROUTER is the server: always bound
                 self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as exc:
@@ -253,6 +248,7 @@ class ZmqEventPublisher:
             for sock in (pub, replay):
                 if sock is not None:
                     sock.close(linger=0)
+            self._close_context()
             self._ready.set()
             return
         self._ready.set()
@@ -285,6 +281,14 @@ class ZmqEventPublisher:
             pub.close(linger=0 if self._failure is not None else 1000)
             if replay is not None:
                 replay.close(linger=0)
+            self._close_context()
+
+    def _close_context(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context:
+            self._ctx.term()
 
     def _take(self, limit: int) -> tuple[list[tuple[int, EventBatch]], bool]:
         """Up to `limit` queued batches, and whether the thread should stop after sending them."""

@@ -18,6 +18,7 @@ import threading
 import zmq
 
 from atom_runtime.kv_events.config import parse_endpoint
+from atom_runtime.kv_events.curve import CurveKeys
 from atom_runtime.kv_events.events import EventBatch, KVEventDecodeError, decode_batch
 from atom_runtime.kv_events.index import PrefixIndex
 
@@ -39,12 +40,14 @@ class KVEventSubscriber:
         replay_timeout_ms: int = 2000,
         rcvhwm: int | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         """`bind=None` binds when the endpoint host is `*` (publishers connect to us), else connects.
 
         `pod` names this publisher in the index (default: the endpoint). `rcvhwm` bounds the
         messages queued for a slow reader (ZMQ's default 1000); beyond it ZMQ drops, and the
-        drops come back through replay as a gap.
+        drops come back through replay as a gap. `curve`: the router's CurveZMQ keys, for
+        publishers that admit only them (kv_events/curve.py).
         """
         scheme, host, _ = parse_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
@@ -59,6 +62,7 @@ class KVEventSubscriber:
         self._bind = (scheme == "tcp" and host == "*") if bind is None else bind
         self._replay_timeout_ms = replay_timeout_ms
         self._rcvhwm = rcvhwm
+        self._curve = curve
         self._ctx = context if context is not None else zmq.Context.instance()
 
         self.last_seq = -1  # the newest batch applied; -1 before the first
@@ -91,6 +95,8 @@ class KVEventSubscriber:
             if self._rcvhwm is not None:
                 sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
+            if self._curve is not None:
+                self._curve.make_client(sub)
             if self._bind:
                 sub.bind(self.endpoint)
             else:
@@ -102,6 +108,8 @@ class KVEventSubscriber:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.make_client(dealer)
             dealer.connect(self.replay_endpoint)
             self._dealer = dealer
         return self._dealer

@@ -1,7 +1,9 @@
 """KV transfer between engines for prefill/decode disaggregation (docs/disaggregation.md).
 
-config.py (--kv-transfer-config), base.py (the connector seam, the KV cache as bytes), tcp.py (the
-portable transport), agent.py (holds and pulls in the engine), stats.py (counters).
+config.py (--kv-transfer-config), auth.py (the deployment's transfer key: router-signed params,
+sealed wire messages; every connector's), base.py (the connector seam, the KV cache as bytes),
+tcp.py with wire.py, producer.py, consumer.py and payload.py (the portable transport), agent.py
+(holds and pulls in the engine).
 """
 
 from __future__ import annotations

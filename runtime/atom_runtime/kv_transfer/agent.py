@@ -17,6 +17,11 @@ prompt's last block. On failure or timeout the blocks are freed and the request 
 locally (counted). An aborted pull's blocks are freed once the transport has stopped writing them.
 The scheduler needs no change.
 
+Trust: with the deployment's key (kv_transfer/auth.py) the agent acts on no kv_transfer_params
+the router did not sign (`open_params`), so only the router can make a producer hold blocks or
+tell a consumer whom to dial. A producer holds at most `max_held_fraction` of its pool at once;
+a prompt finishing beyond that is answered with no blocks (the decode pod prefills it).
+
 Contract 2 holds on both sides: the consumer never takes the prompt's last block remotely.
 Hybrid models (recurrent state) would also need the state image at the prompt end; the seam for it
 is here (a transfer carries blocks only today, and hybrid models are refused at startup by
@@ -26,19 +31,20 @@ is here (a transfer carries blocks only today, and hybrid models are refused at 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
-from array import array
 from dataclasses import dataclass
 
 import msgspec
 
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.sequence import FinishReason, Sequence
+from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.kv_transfer.base import KVCacheAccess, KVConnector, RemoteBlocks
 from atom_runtime.kv_transfer.config import KVTransferConfig
-from atom_runtime.protocol.block_hash import hash_block_tokens
+from atom_runtime.protocol.block_hash import hash_token_blocks
 from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
+from atom_runtime.system.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +66,10 @@ class _Pull:
     start: int  # index of the first pulled block in the prompt
 
 
-def _chain_hashes(token_ids: array, block_size: int, num_blocks: int) -> list[int]:
-    out: list[int] = []
-    parent = None
-    for i in range(num_blocks):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+def _chain_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[int]:
+    """The chained hashes of seq's first num_blocks blocks (from its cache_salt's root)."""
+    tokens = seq.token_ids[: num_blocks * block_size]
+    return hash_token_blocks(tokens, block_size, seq.hash_root)
 
 
 def _remote_params(params: dict) -> tuple[RemoteBlocks, list[int]]:
@@ -80,6 +83,8 @@ def _remote_params(params: dict) -> tuple[RemoteBlocks, list[int]]:
     )
     if not isinstance(ids, list) or not all(type(b) is int and b >= 0 for b in ids):
         raise ValueError("kv_transfer_params.remote_block_ids: must be a list of block ids")
+    if len(set(ids)) != len(ids):
+        raise ValueError("kv_transfer_params.remote_block_ids: a block id appears twice")
     if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
         raise ValueError("kv_transfer_params.remote_block_hashes: must be a list of ints")
     if not isinstance(host, str) or not host:
@@ -104,15 +109,34 @@ class TransferAgent:
         self.pool = block_manager.pool
         self.block_size = block_manager.block_size
         self.kv = kv
+        self.key: TransferKey | None = config.load_key()
+        if self.key is None:
+            log.warning(
+                "KV transfer runs without a key (kv_connector_extra_config.insecure): any "
+                "client may ask for transfers and read or write KV blocks; never in production"
+            )
         if connector is None:
             from atom_runtime.kv_transfer.tcp import TCPConnector
 
             connector = TCPConnector(config, kv)
         self.connector = connector
+        self.max_held = max(1, int(config.max_held_fraction * self.pool.num_blocks))
+        self._warn_full = RateLimitedLog(log, 10.0)
         self.holds: dict[str, _Hold] = {}
         self.pulls: dict[str, _Pull] = {}  # by transfer id
         self.draining: dict[str, _Pull] = {}  # aborted; freed once the transport lets go
         self.stats = KVTransferStats()
+
+    def open_params(self, params: dict) -> dict:
+        """The kv_transfer_params a request may act on: the router's signature checked and taken
+        off (with a key), the role checked. ValueError naming the field otherwise."""
+        if self.key is not None:
+            params = self.key.open_params(params)
+        if params.get("do_remote_decode") and not self.config.is_producer:
+            raise ValueError("kv_transfer_params.do_remote_decode: this engine is not a producer")
+        if params.get("do_remote_prefill") and not self.config.is_consumer:
+            raise ValueError("kv_transfer_params.do_remote_prefill: this engine is not a consumer")
+        return params
 
     # -- producer --------------------------------------------------------------------------------
 
@@ -126,8 +150,18 @@ class TransferAgent:
             return
         n = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
         n = min(n, len(seq.block_table))
+        if n and self.stats.held_blocks + n > self.max_held:
+            self._warn_full(
+                "KV holds are full (%d blocks held, at most %d): %s is not held; its decode pod "
+                "prefills it",
+                self.stats.held_blocks,
+                self.max_held,
+                seq.request_id,
+            )
+            self.stats.holds_refused += 1
+            n = 0
         block_ids = list(seq.block_table[:n])
-        tid = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
+        tid = secrets.token_hex(16)
         if block_ids:
             for block_id in block_ids:
                 self.pool.claim(block_id)
@@ -135,7 +169,7 @@ class TransferAgent:
             self.connector.offer(tid, block_ids)
             self.stats.held_blocks += n
         host, port = self.connector.address()
-        seq.kv_transfer_params = {
+        seq.kv_transfer_reply = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.connector.engine_id,
@@ -143,7 +177,7 @@ class TransferAgent:
             "remote_port": port,
             "remote_request_id": tid,
             "remote_block_ids": block_ids,
-            "remote_block_hashes": _chain_hashes(seq.token_ids, self.block_size, n),
+            "remote_block_hashes": _chain_hashes(seq, self.block_size, n),
             "remote_num_tokens": seq.num_prompt_tokens,
         }
 
@@ -181,7 +215,7 @@ class TransferAgent:
         bs = self.block_size
         # Contract 2: the prompt's last block is always computed here.
         usable = min(len(remote.block_ids), len(remote_hashes), (seq.num_prompt_tokens - 1) // bs)
-        own = _chain_hashes(seq.token_ids, bs, usable)
+        own = _chain_hashes(seq, bs, usable)
         same = next((i for i in range(usable) if own[i] != remote_hashes[i]), usable)
         usable = same
         prefix_ok = (

@@ -1,13 +1,24 @@
 """`--kv-transfer-config`: vLLM's KVTransferConfig field names, checked at startup.
 
 {"kv_connector": "AtomPortableConnector", "kv_role": "kv_producer"|"kv_consumer"|"kv_both",
- "kv_ip": "0.0.0.0", "kv_port": 14579, "kv_connector_extra_config": {...}}
+ "kv_ip": HOST, "kv_port": 14579, "kv_connector_extra_config": {...}}
+
+kv_ip is where a producer listens: by default the pod's own address ($POD_IP), else 127.0.0.1;
+a wildcard (0.0.0.0, ::) only when given.
 
 Extra config understood by the portable connector (all optional):
+  key_file         the transfer key's file (default: $ATOM_TRANSFER_KEY_FILE, else
+                   $ATOM_TRANSFER_KEY; kv_transfer/auth.py); without any, start-up fails
+  insecure         true: run without a key (unsigned params, unauthenticated wire), with a
+                   WARNING; for local experiments only
   advertise_host   the address consumers dial (default: $POD_IP, else kv_ip unless it is a
                    wildcard, else this host's primary address)
-  hold_timeout_s   how long a producer keeps a finished prompt's blocks for a pull (default 60)
-  pull_timeout_s   how long a consumer waits for a pull before prefilling locally (default 30)
+  hold_timeout_s   how long a producer keeps a finished prompt's blocks for a pull (default 60,
+                   at most 600)
+  pull_timeout_s   how long a consumer waits for a pull before prefilling locally (default 30,
+                   at most 300)
+  max_held_fraction  the largest share of the producer's KV blocks held for pulls at once
+                   (default 0.5); a prompt finishing beyond it is not held (local prefill)
   streams          TCP connections one pull's payload is split over, in contiguous stripes; on a
                    producer, how many stripes it sends at once (default 4)
   data_port        the producer's payload port (default 0: any free port, told to consumers in
@@ -24,6 +35,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from atom_runtime import envs
+from atom_runtime.kv_transfer.auth import TransferKey, TransferKeyError, check_timeout
+
 # The connectors this runtime has. The RDMA transports are named so their refusal is specific:
 # they plug in behind atom_runtime.kv_transfer.base.KVConnector when they land.
 PORTABLE = ("AtomPortableConnector", "TCPConnector")
@@ -32,13 +46,16 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_PORT = 14579  # vLLM's default kv_port
 DEFAULT_STREAMS = 4
 MAX_STREAMS = 64
+MAX_HOLD_TIMEOUT_S = 600.0
+MAX_PULL_TIMEOUT_S = 300.0  # also the longest a producer keeps a ticket for one pull
+WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_connector: str
     kv_role: str
-    kv_ip: str = "0.0.0.0"
+    kv_ip: str | None = None  # None: the pod's address ($POD_IP), else 127.0.0.1
     kv_port: int = DEFAULT_PORT
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +76,37 @@ class KVTransferConfig:
         return float(self.kv_connector_extra_config.get("pull_timeout_s", 30.0))
 
     @property
+    def max_held_fraction(self) -> float:
+        return float(self.kv_connector_extra_config.get("max_held_fraction", 0.5))
+
+    @property
+    def insecure(self) -> bool:
+        return self.kv_connector_extra_config.get("insecure") is True
+
+    @property
+    def key_file(self) -> str | None:
+        return self.kv_connector_extra_config.get("key_file")
+
+    def bind_host(self) -> str:
+        """Where the producer's sockets listen: kv_ip when given, else the pod's address."""
+        if self.kv_ip is not None:
+            return self.kv_ip
+        return os.environ.get("POD_IP") or "127.0.0.1"
+
+    def load_key(self) -> TransferKey | None:
+        """The deployment's transfer key; None only with `insecure: true`. Raises ValueError
+        naming what to set when there is none."""
+        key = TransferKey.load(self.key_file)
+        if key is None and not self.insecure:
+            raise TransferKeyError(
+                f"kv_transfer_config: no KV-transfer key; set {envs.TRANSFER_KEY_FILE.name} "
+                f"(a file of 64 hex digits) or {envs.TRANSFER_KEY.name}, the same for the router "
+                "and every engine of the deployment (kv_connector_extra_config.insecure: true "
+                "runs without one, for local experiments only)"
+            )
+        return key
+
+    @property
     def streams(self) -> int:
         return int(self.kv_connector_extra_config.get("streams", DEFAULT_STREAMS))
 
@@ -74,8 +122,9 @@ class KVTransferConfig:
         host = self.kv_connector_extra_config.get("advertise_host") or os.environ.get("POD_IP")
         if host:
             return str(host)
-        if self.kv_ip not in ("0.0.0.0", "::", "*", ""):
-            return self.kv_ip
+        bind = self.bind_host()
+        if bind not in WILDCARDS:
+            return bind
         try:
             return socket.gethostbyname(socket.gethostname())
         except OSError:
@@ -115,30 +164,40 @@ class KVTransferConfig:
         port = raw.get("kv_port", DEFAULT_PORT)
         if type(port) is not int or not 0 < port < 65536:
             raise ValueError(f"kv_transfer_config.kv_port: must be in 1..65535, got {port!r}")
-        ip = raw.get("kv_ip", "0.0.0.0")
-        if not isinstance(ip, str) or not ip:
+        ip = raw.get("kv_ip")
+        if ip is not None and (not isinstance(ip, str) or not ip):
             raise ValueError(f"kv_transfer_config.kv_ip: must be an address, got {ip!r}")
         extra = raw.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config.kv_connector_extra_config: must be an object")
-        for key in ("hold_timeout_s", "pull_timeout_s"):
-            value = extra.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
-            ):
-                raise ValueError(
-                    f"kv_transfer_config.kv_connector_extra_config.{key}: must be a number > 0, "
-                    f"got {value!r}"
-                )
-        for key, low, high in (
-            ("streams", 1, MAX_STREAMS),
-            ("data_port", 0, 65535),
-            ("socket_buffer_bytes", 0, 1 << 30),
-        ):
-            value = extra.get(key)
-            if value is not None and (type(value) is not int or not low <= value <= high):
-                raise ValueError(
-                    f"kv_transfer_config.kv_connector_extra_config.{key}: must be an integer in "
-                    f"{low}..{high}, got {value!r}"
-                )
+        _check_extra(extra)
         return cls(connector, role, ip, port, dict(extra))
+
+
+def _check_extra(extra: dict) -> None:
+    """Check the portable connector's kv_connector_extra_config; ValueError naming the field."""
+    where = "kv_transfer_config.kv_connector_extra_config"
+    for key, limit in (
+        ("hold_timeout_s", MAX_HOLD_TIMEOUT_S),
+        ("pull_timeout_s", MAX_PULL_TIMEOUT_S),
+    ):
+        if extra.get(key) is not None:
+            check_timeout(extra[key], f"{where}.{key}", limit)
+    fraction = extra.get("max_held_fraction")
+    if fraction is not None and (
+        isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1
+    ):
+        raise ValueError(f"{where}.max_held_fraction: must be in (0, 1], got {fraction!r}")
+    if "insecure" in extra and not isinstance(extra["insecure"], bool):
+        raise ValueError(f"{where}.insecure: must be true or false, got {extra['insecure']!r}")
+    key_file = extra.get("key_file")
+    if key_file is not None and (not isinstance(key_file, str) or not key_file):
+        raise ValueError(f"{where}.key_file: must be a file path, got {key_file!r}")
+    for key, low, high in (
+        ("streams", 1, MAX_STREAMS),
+        ("data_port", 0, 65535),
+        ("socket_buffer_bytes", 0, 1 << 30),
+    ):
+        value = extra.get(key)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise ValueError(f"{where}.{key}: must be an integer in {low}..{high}, got {value!r}")

@@ -4,6 +4,11 @@ A block's hash is xxh64 over [the parent block's digest as 8 bytes little-endian
 parent] followed by the block's token ids as int64 little-endian; the digest is an unsigned 64-bit
 int. The bytes are the same whether the tokens arrive as a list or an `array("i")`, so the hash is
 too: routers re-derive these keys from the token ids published in KV events.
+
+A request's `cache_salt` (vLLM's field) makes its chain start from `salt_root(salt)` instead of
+from nothing: the first block is hashed with that root as its parent, so a salted prompt and an
+unsalted one (or one of another salt) never share a block, and the unsalted hash stays exactly
+the one above. The root is not a block: KV events name no parent for a salted first block.
 """
 
 from __future__ import annotations
@@ -13,6 +18,16 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+_SALT_LABEL = b"atom-cache-salt\x00"
+
+
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent the first block of a prompt with this cache_salt is hashed under (None:
+    unsalted)."""
+    if cache_salt is None:
+        return None
+    return xxhash.xxh64_intdigest(_SALT_LABEL + cache_salt.encode("utf-8"))
 
 
 def hash_block_tokens(parent: int | None, tokens: Sequence[int] | array) -> int:

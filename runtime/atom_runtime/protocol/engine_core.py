@@ -39,6 +39,7 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     kv_transfer_params: dict | None = None
+    cache_salt: str | None = None  # vLLM's: the prompt's prefix-cache entries are this tenant's
 
 
 class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -55,9 +56,9 @@ class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # The request's kv_transfer_params, returned with its finish: a KV-transfer producer's say
-    # where the prompt's blocks wait for a pull (kv_transfer/agent.py); otherwise the engine
-    # hands back what it was given, so a P/D proxy's bookkeeping survives the round trip.
+    # Returned with its finish by a KV-transfer producer only: where the prompt's blocks wait
+    # for a pull (kv_transfer/agent.py), for the router that asked. The engine never echoes the
+    # params it was given (they name internal addresses and a signature).
     kv_transfer_params: dict | None = None
     # prompt_logprobs, with the first token: per prompt token from the second on.
     prompt_logprobs: list[float] | None = None

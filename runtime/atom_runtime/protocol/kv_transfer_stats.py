@@ -17,3 +17,4 @@ class KVTransferStats(msgspec.Struct, array_like=True):
     bytes_received: int = 0
     blocks_local_hit: int = 0  # consumer: blocks it already had (not pulled)
     fallbacks: int = 0  # consumer: requests prefilled locally after a failed/timed-out pull
+    holds_refused: int = 0  # producer: finished prompts not held (holds at max_held_fraction)

@@ -8,9 +8,13 @@ prompt on a prefill pod with max_tokens=1 and hand its `kv_transfer_params` to t
 relay the decode pod's answer byte for byte (SSE included). A pod that fails before the first
 byte is ejected and the request goes to the next one; after the first byte nothing is retried.
 
+Trust (docs/security.md): kv_transfer_params a client sends are dropped; the router signs the
+ones it sends with the deployment's transfer key (kv_transfer/auth.py), and strips them from what
+it answers. With --api-key, the `x-atom-cache-salt` header sets the request's cache_salt.
+
 This module holds the `Router` (discovery and probes, the queue, the choice of pod, remote
-prefill) and the FastAPI app; the relay with retry is router/relay.py, the settings
-router/config.py.
+prefill); the FastAPI app is router/routes.py, the relay with retry router/relay.py, the
+settings router/config.py.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from collections.abc import Sequence
 from itertools import count
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 
+from atom_runtime import envs
+from atom_runtime.kv_events.curve import CurveKeys
+from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.router.backends import Backend, BackendAddress, BackendPool
 from atom_runtime.router.config import RouterConfig, RouterError
 from atom_runtime.router.discovery import (
@@ -35,14 +42,14 @@ from atom_runtime.router.discovery import (
     in_cluster_config_loaded,
     resolve_dns,
 )
-from atom_runtime.router.metrics import CONTENT_TYPE, RouterMetrics
+from atom_runtime.router.metrics import RouterMetrics
 from atom_runtime.router.relay import FORWARDED_HEADERS, RETRYABLE_STATUS, BackendRelay
-from atom_runtime.web.request_io import wait_disconnect
 
 log = logging.getLogger(__name__)
 
-# Counted for a client that left before its answer began (nginx's code; nothing is sent).
-CLIENT_CLOSED_REQUEST = 499
+# The header a gateway in front sets per tenant: the request's cache_salt (honoured only with
+# --api-key, so only a caller holding the key can pick a salt this way).
+CACHE_SALT_HEADER = "x-atom-cache-salt"
 
 
 def rank_backends(
@@ -65,8 +72,21 @@ def rank_backends(
 
 class Router(BackendRelay):
     def __init__(self, config: RouterConfig) -> None:
+        """Raises ValueError naming what is missing: the transfer key of a disaggregated
+        router, an unusable CurveZMQ key directory."""
         self.config = config
-        self.pool = BackendPool()
+        self.transfer_key = TransferKey.load()
+        if config.disaggregated and self.transfer_key is None and not config.kv_transfer_insecure:
+            raise ValueError(
+                "disaggregated routing (--prefill-backend / --prefill-service) signs every KV "
+                f"transfer with the deployment's key: set {envs.TRANSFER_KEY_FILE.name} or "
+                f"{envs.TRANSFER_KEY.name}, the same the engines read (--kv-transfer-insecure "
+                "sends unsigned params to engines run with insecure: true, for local experiments)"
+            )
+        curve = None
+        if config.kv_events_curve_dir is not None:
+            curve = CurveKeys.for_subscriber(config.kv_events_curve_dir, "--kv-events-curve-dir")
+        self.pool = BackendPool(curve=curve)
         self.metrics = RouterMetrics(self.pool)
         self.pool.on_eject = lambda role: self.metrics.ejections.labels(role).inc()
         self.client = httpx.AsyncClient(
@@ -184,11 +204,14 @@ class Router(BackendRelay):
         k = next(self._rotation) % len(backends)
         return backends[k:] + backends[:k]
 
-    def matched_tokens(self, backends: Sequence[Backend], tokens: list[int]) -> dict[str, int]:
+    def matched_tokens(
+        self, backends: Sequence[Backend], tokens: list[int], cache_salt: str | None = None
+    ) -> dict[str, int]:
+        """Prompt tokens each pod caches (under the request's cache_salt, as the engines hash)."""
         sizes = {b.block_size for b in backends if b.block_size}
         out: dict[str, int] = {}
         for size in sizes:
-            for pod, blocks in self.pool.index.best_pods(tokens, size):
+            for pod, blocks in self.pool.index.best_pods(tokens, size, cache_salt):
                 out[pod] = blocks * size
         return out
 
@@ -224,21 +247,16 @@ class Router(BackendRelay):
     # -- the request path ------------------------------------------------------------------------
 
     async def handle(self, request: Request, path: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RouterError(400, f"body: not valid JSON ({e})", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise RouterError(400, "body: must be a JSON object", "invalid_request_error")
+        body, raw = self.request_body(request, await request.body())
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         decode = await self.acquire("decode")
         c = self.config
-        single = body.get("n") in (None, 1) and body.get("kv_transfer_params") is None
+        single = body.get("n") in (None, 1)
+        salt = body.get("cache_salt")
         tokens: list[int] = []
         if c.policy == "kv-aware" and (len(decode) > 1 or (c.disaggregated and single)):
             tokens = await self.prompt_tokens(path, body, decode, headers)
-        matched = self.matched_tokens(decode, tokens) if tokens else {}
+        matched = self.matched_tokens(decode, tokens, salt) if tokens else {}
         order = self._rotate(decode)
         if c.policy == "kv-aware":
             order = rank_backends(order, matched, len(tokens), c.load_weight)
@@ -262,18 +280,41 @@ class Router(BackendRelay):
             params = await self._remote_prefill(path, body, headers)
             if params is not None:
                 self.metrics.decisions.labels("remote_prefill").inc()
-                body = {**body, "kv_transfer_params": params}
-                raw = json.dumps(body).encode()
+                raw = json.dumps({**body, "kv_transfer_params": params}).encode()
                 return await self._relay_first_that_answers("decode", order, path, raw, headers)
         self.metrics.decisions.labels("local_prefill").inc()
         return await self._relay_first_that_answers("decode", order, path, raw, headers)
+
+    def request_body(self, request: Request, raw: bytes) -> tuple[dict, bytes]:
+        """The client's JSON object and the bytes to send on: any kv_transfer_params it sent
+        dropped (only the router asks for transfers), its cache_salt as the authenticated
+        header says. The client's own bytes when nothing changed."""
+        body = parse_json_object(raw)
+        changed = "kv_transfer_params" in body
+        body.pop("kv_transfer_params", None)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise RouterError(
+                400, "cache_salt: must be a non-empty string", "invalid_request_error"
+            )
+        tenant = request.headers.get(CACHE_SALT_HEADER)
+        if tenant and self.config.api_key is not None:  # the guard checked the key already
+            body["cache_salt"] = tenant if salt is None else f"{tenant}\n{salt}"
+            changed = True
+        return body, json.dumps(body).encode() if changed else raw
+
+    def sign(self, params: dict) -> dict:
+        """kv_transfer_params as engines act on them: signed with the transfer key."""
+        if self.transfer_key is None:  # --kv-transfer-insecure
+            return dict(params)
+        return self.transfer_key.sign_params(params)
 
     async def _remote_prefill(self, path: str, body: dict, headers: dict) -> dict | None:
         """Prefill on a prefill pod; its kv_transfer_params, or None to prefill locally."""
         prefill = sorted(self._rotate(self.pool.ready("prefill")), key=lambda b: b.load)
         req = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
         req.pop("max_completion_tokens", None)
-        req.update(max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
+        req.update(max_tokens=1, n=1, kv_transfer_params=self.sign({"do_remote_decode": True}))
         payload = json.dumps(req).encode()
         for backend in prefill[: self.config.max_attempts]:
             backend.in_flight += 1
@@ -281,7 +322,7 @@ class Router(BackendRelay):
             try:
                 r = await self.client.post(backend.url + path, content=payload, headers=headers)
             except httpx.HTTPError as e:
-                self.pool.eject(backend, f"{type(e).__name__}: {e}")
+                await self.backend_failed(backend, e)
                 continue
             finally:
                 backend.in_flight -= 1
@@ -291,10 +332,13 @@ class Router(BackendRelay):
                 continue
             if r.status_code != 200:
                 break  # the request itself is refused: the decode pod will say why
-            params = r.json().get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("remote_block_ids") is not None:
-                return {**params, "do_remote_prefill": True}
-            break
+            try:
+                params = r.json().get("kv_transfer_params")
+            except ValueError:
+                break
+            if isinstance(params, dict) and params.get("remote_block_ids"):
+                return self.sign({**params, "do_remote_prefill": True})
+            break  # nothing held (the producer's holds are full): the decode pod prefills
         self.metrics.fallbacks.labels("prefill_failed").inc()
         return None
 
@@ -318,85 +362,14 @@ class Router(BackendRelay):
         }
 
 
-def build_app(router: Router) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    app = FastAPI(title="atom router", lifespan=lifespan)
-
-    async def routed(request: Request, route: str) -> Response:
-        # Until the first byte is relayed nothing else notices a client that leaves (a remote
-        # prefill, a pull, a whole non-streamed answer may be under way): watch for it, and
-        # cancel the work, which closes the pods' requests so that they abort too.
-        await request.body()  # read first: the watch takes the rest of the receive channel
-        work = asyncio.ensure_future(router.handle(request, route))
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.wait((work,))
-        if work.cancelled():
-            response = Response(status_code=CLIENT_CLOSED_REQUEST)
-        else:
-            try:
-                response = work.result()
-            except RouterError as e:
-                response = e.response()
-        router.metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await routed(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await routed(request, "/v1/chat/completions")
-
-    async def passthrough(request: Request, method: str, path: str) -> Response:
-        try:
-            return await router.passthrough(request, method, path)
-        except RouterError as e:
-            return e.response()
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await passthrough(request, "GET", "/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await passthrough(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await passthrough(request, "POST", "/detokenize")
-
-    @app.get("/health")
-    async def health() -> Response:
-        # Always 200 while the process runs: with a role scaled to zero the router must stay in
-        # its Service, so requests reach the queue that makes the operator scale the role up.
-        ready = {role: len(router.pool.ready(role)) for role in router.pool.backends}
-        return Response(
-            json.dumps({"status": "ok", "ready_backends": ready}), media_type="application/json"
-        )
-
-    @app.get("/router/backends")
-    async def backends() -> Response:
-        return Response(json.dumps(router.describe()), media_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await router.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object; RouterError 400 for anything else, however deep."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RouterError(400, f"body: not valid JSON ({e})", "invalid_request_error") from None
+    except RecursionError:
+        raise RouterError(400, "body: JSON nested too deeply", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "body: must be a JSON object", "invalid_request_error")
+    return body

@@ -6,7 +6,9 @@ set of URLs for a role (`set_role_urls`), the prober marks backends healthy or n
 `/health` + `/metrics` scrape, and the proxy ejects a backend the moment a request to it fails.
 
 Decode backends feed a shared `PrefixIndex` through one `KVEventSubscriber` each (a background
-thread), so the scorer can ask how many leading blocks of a prompt each pod holds.
+thread), so the scorer can ask how many leading blocks of a prompt each pod holds. A pod is
+subscribed to once it first answers its health probe: an engine still loading has no KV-event
+sockets yet, and asking its replay socket then would only time out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from atom_runtime.kv_events import KVEventSubscriber, PrefixIndex
+from atom_runtime.kv_events.curve import CurveKeys
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +115,11 @@ def parse_engine_metrics(text: str) -> dict[str, float | int]:
 class BackendPool:
     """Every known backend by role; readiness waiters; the prefix index of the decode pods."""
 
-    def __init__(self, *, subscribe_kv_events: bool = True) -> None:
+    def __init__(self, *, subscribe_kv_events: bool = True, curve: CurveKeys | None = None):
         self.backends: dict[str, dict[str, Backend]] = {role: {} for role in ROLES}
         self.index = PrefixIndex()
         self.subscribe_kv_events = subscribe_kv_events
+        self.curve = curve  # the router's CurveZMQ keys for the pods' KV-event sockets
         self._ready_changed: dict[str, asyncio.Event] = {role: asyncio.Event() for role in ROLES}
         self.on_eject: Callable[[str], None] | None = None  # called with the role
 
@@ -136,7 +140,6 @@ class BackendPool:
                 self._forget(known)
             current[url] = Backend(address, role)
             log.info("%s backend %s joined (waiting for its first health probe)", role, url)
-            self._subscribe(current[url])
         self._ready_changed[role].set()
 
     def _subscribe(self, backend: Backend) -> None:
@@ -144,10 +147,17 @@ class BackendPool:
         if backend.role != "decode" or not self.subscribe_kv_events or address.kv_events is None:
             return
         sub = KVEventSubscriber(
-            address.kv_events, address.kv_replay, pod=backend.url, index=self.index
+            address.kv_events,
+            address.kv_replay,
+            pod=backend.url,
+            index=self.index,
+            curve=self.curve,
         )
         sub.start()
         backend.subscriber = sub
+
+    def _is_member(self, backend: Backend) -> bool:
+        return self.backends[backend.role].get(backend.url) is backend
 
     def _forget(self, backend: Backend) -> None:
         if backend.subscriber is not None:
@@ -181,6 +191,8 @@ class BackendPool:
     def admit(self, backend: Backend) -> None:
         if not backend.healthy:
             log.info("%s backend %s is healthy", backend.role, backend.url)
+        if backend.subscriber is None and self._is_member(backend):
+            self._subscribe(backend)
         backend.healthy = True
         backend.ejected_reason = None
         self._ready_changed[backend.role].set()
@@ -201,8 +213,10 @@ class BackendPool:
         return True
 
     async def probe(self, client: httpx.AsyncClient, backend: Backend, timeout: float) -> None:
-        """/health decides admission; /metrics refreshes load and block size."""
+        """/health decides admission; /metrics refreshes load and block size (logged at DEBUG:
+        they come every --probe-interval)."""
         backend.last_probe = time.monotonic()
+        log.debug("probing %s backend %s", backend.role, backend.url)
         try:
             health = await client.get(f"{backend.url}/health", timeout=timeout)
             if health.status_code != 200:

@@ -14,8 +14,10 @@ import signal
 import socket
 import sys
 
-from atom_runtime.router.app import Router, build_app
+from atom_runtime import envs
+from atom_runtime.router.app import CACHE_SALT_HEADER, Router
 from atom_runtime.router.config import POLICIES, RouterConfig
+from atom_runtime.router.routes import build_app
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -26,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    _add_backend_arguments(parser, d)
+    _add_routing_arguments(parser, d)
+    _add_security_arguments(parser, d)
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
     b = parser.add_argument_group("backends")
     b.add_argument(
         "--decode-service",
@@ -76,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "endpointslices), DNS, or auto (the watch in a cluster, DNS otherwise or when refused)",
     )
     b.add_argument("--discovery-interval", type=float, default=d.discovery_interval)
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
     r = parser.add_argument_group("routing")
     r.add_argument("--policy", choices=POLICIES, default=d.policy)
     r.add_argument(
@@ -110,6 +121,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_security_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    s = parser.add_argument_group("access and limits (docs/security.md)")
+    s.add_argument(
+        "--api-key",
+        default=envs.ROUTER_API_KEY.value() or None,
+        help="require `Authorization: Bearer <key>` on every route but /health (admin routes "
+        f"and /metrics included); enables the {CACHE_SALT_HEADER} header "
+        f"(default: ${envs.ROUTER_API_KEY.name})",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=d.max_request_body_bytes,
+        help="largest request body accepted; a bigger one is answered 413 before it is read "
+        "(default 8 MiB)",
+    )
+    s.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=d.request_header_timeout,
+        help="seconds a client has to send a request's headers before the connection is closed",
+    )
+    s.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=d.request_body_timeout,
+        help="seconds a client has to send a request's body after its headers (then 408)",
+    )
+    s.add_argument(
+        "--kv-events-curve-dir",
+        metavar="DIR",
+        help="CurveZMQ keys for the engines' KV-event sockets (engines run with "
+        "curve_keys_dir; `atom kv-events keygen DIR` makes them)",
+    )
+    s.add_argument(
+        "--kv-transfer-insecure",
+        action="store_true",
+        help="disaggregated without a transfer key: send kv_transfer_params unsigned (the "
+        'engines must run with "insecure": true); local experiments only',
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         decode_services=args.decode_service,
@@ -129,7 +182,24 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         probe_timeout=args.probe_timeout,
         connect_timeout=args.connect_timeout,
         max_attempts=args.max_attempts,
+        api_key=args.api_key or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_header_timeout=args.request_header_timeout,
+        request_body_timeout=args.request_body_timeout,
+        kv_events_curve_dir=args.kv_events_curve_dir,
+        kv_transfer_insecure=args.kv_transfer_insecure,
     )
+
+
+def _check_backends(config: RouterConfig) -> None:
+    """Parse every static backend now: a typo is a startup error, not a dead backend later."""
+    from atom_runtime.router.backends import BackendAddress
+    from atom_runtime.router.discovery import ServiceTarget
+
+    for url in config.backends + config.prefill_backends:
+        BackendAddress.parse(url, config.kv_events_port, config.kv_replay_port)
+    for url in config.decode_services + config.prefill_services:
+        ServiceTarget.parse(url)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,21 +211,18 @@ def run(args: argparse.Namespace) -> int:
         release_gc_policy,
         set_process_title,
     )
+    from atom_runtime.web.header_timeout import header_timeout_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    # httpx logs every request at INFO: with probes every two seconds per pod, noise.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if not 0 < args.port < 65536:
         print(f"atom router: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
     try:
         config = config_from_args(args)
-        # Parse every static backend now: a typo is a startup error, not a dead backend later.
-        from atom_runtime.router.backends import BackendAddress
-        from atom_runtime.router.discovery import ServiceTarget
-
-        for url in config.backends + config.prefill_backends:
-            BackendAddress.parse(url, config.kv_events_port, config.kv_replay_port)
-        for url in config.decode_services + config.prefill_services:
-            ServiceTarget.parse(url)
+        _check_backends(config)
+        router = Router(config)  # loads the transfer key and the CurveZMQ keys
     except ValueError as e:
         print(f"atom router: error: {e}", file=sys.stderr)
         return 2
@@ -169,11 +236,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(Router(config)),
+            build_app(router),
             log_level=args.log_level,
             log_config=None,
             access_log=False,
             lifespan="on",
+            http=header_timeout_protocol(config.request_header_timeout),
         )
     )
     for sig in (signal.SIGTERM, signal.SIGINT):

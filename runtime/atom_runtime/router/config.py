@@ -32,6 +32,13 @@ class RouterConfig:
     probe_timeout: float = 2.0
     connect_timeout: float = 5.0
     max_attempts: int = 3
+    # Trust boundaries (docs/security.md).
+    api_key: str | None = None  # every route but /health needs it
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    request_header_timeout: float = 10.0
+    request_body_timeout: float = 60.0
+    kv_events_curve_dir: str | None = None  # CurveZMQ keys for the engines' KV-event sockets
+    kv_transfer_insecure: bool = False  # sign nothing (engines run with insecure: true)
 
     def __post_init__(self) -> None:
         if not (self.decode_services or self.backends):
@@ -43,7 +50,20 @@ class RouterConfig:
         for name in ("queue_size", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("queue_timeout", "probe_interval", "probe_timeout", "connect_timeout"):
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must not be empty")
+        for name in (
+            "queue_timeout",
+            "probe_interval",
+            "probe_timeout",
+            "connect_timeout",
+            "request_header_timeout",
+            "request_body_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.remote_prefill_threshold < 0 or self.load_weight < 0:

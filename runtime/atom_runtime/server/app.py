@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -28,9 +27,15 @@ from atom_runtime.server.routes.probes import probe_routes
 from atom_runtime.server.routes.tokens import token_routes
 from atom_runtime.server.state import ServerState
 from atom_runtime.system.process import release_gc_policy
+from atom_runtime.web.api_key import bearer_matches
 from atom_runtime.web.body_limit import BodyLimit
 from atom_runtime.web.errors import APIError, error_body, invalid_api_key
 from atom_runtime.web.request_io import ClientGone, json_response
+
+# An oversized body up to this size is read and dropped after its 413, so the router in front
+# (whose own limit may be larger) reads the 413 rather than a reset connection, which it would
+# take for a dead pod. Bigger ones are cut off.
+DRAIN_BYTES = 64 << 20
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -40,15 +45,14 @@ def build_app(state: ServerState) -> FastAPI:
         key = state.config.api_key
         if key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        ):
+        if not bearer_matches(request.headers.get("authorization"), key):
             raise invalid_api_key()
 
     # Added first, so it runs inside BodyLimit (which reads the body for it).
     app.add_middleware(GenerationFastPath, state=state, check_key=require_api_key)
-    app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
+    app.add_middleware(
+        BodyLimit, limit=state.config.max_request_body_bytes, drain_limit=DRAIN_BYTES
+    )
     c = state.config
     if c.allowed_origins:  # outermost: preflight OPTIONS requests are answered here
         app.add_middleware(

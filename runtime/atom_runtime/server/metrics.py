@@ -121,6 +121,8 @@ def _kv_transfer_metrics(t: KVTransferStats):
          t.holds_released),
         ("atom:kv_transfer_hold_timeouts", "Producer: holds freed unpulled after the hold "
          "timeout.", t.hold_timeouts),
+        ("atom:kv_transfer_holds_refused", "Producer: finished prompts not held because the "
+         "holds had reached max_held_fraction of the KV cache.", t.holds_refused),
         ("atom:kv_transfer_blocks_sent", "Producer: KV blocks sent.", t.blocks_sent),
         ("atom:kv_transfer_bytes_sent", "Producer: KV bytes sent.", t.bytes_sent),
         ("atom:kv_transfer_pulls", "Consumer: KV pulls completed.", t.pulls_ok),

@@ -76,7 +76,11 @@ class _SamplingFields(_Body):
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Only `atom router` sets these usefully: an engine acts on kv_transfer_params it signed
+    # (kv_transfer/auth.py) and refuses any other. cache_salt (vLLM's) keeps a tenant's
+    # prefix-cache entries its own.
     kv_transfer_params: dict | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
     # Structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs.
     response_format: ResponseFormat | None = None
     guided_json: str | dict | None = None

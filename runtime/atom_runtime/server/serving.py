@@ -150,9 +150,7 @@ class OpenAIServing:
         self.check_sequences(params.n, len(batch))
         prompts = [(p, await self.encode(p)) if isinstance(p, str) else (None, p) for p in batch]
         rid = f"cmpl-{random_id()}"
-        runs = await self._submit(
-            rid, prompts, params, req.kv_transfer_params, req.renames(), arrival
-        )
+        runs = await self._submit(rid, prompts, params, req, arrival)
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=False)
         shape.prompt_logprobs = req.prompt_logprobs
         if req.echo:
@@ -195,9 +193,7 @@ class OpenAIServing:
             self.reasoning_parser, tools, params, req.include_reasoning,
             lambda: self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False),
         )  # fmt: skip
-        runs = await self._submit(
-            rid, [(None, prompt_ids)], params, req.kv_transfer_params, req.renames(), arrival
-        )
+        runs = await self._submit(rid, [(None, prompt_ids)], params, req, arrival)
         shape = _Shape(rid, int(time.time()), model, params, req.include_usage, chat=True)
         shape.tools = tools
         shape.reasoning = reasoning
@@ -236,16 +232,16 @@ class OpenAIServing:
         rid: str,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams,
-        kv_transfer_params: dict | None,
-        renames: dict[str, str],
+        req: CompletionRequest | ChatCompletionRequest,
         arrival: tuple[float, float],
     ) -> list[Run]:
         runs: list[Run] = []
+        renames = req.renames()
         try:
             for i, (text, ids) in enumerate(prompts):
                 sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 stream = await self.client.add_request(
-                    sub_id, text, ids, params, kv_transfer_params
+                    sub_id, text, ids, params, req.kv_transfer_params, req.cache_salt
                 )
                 runs.append(Run(sub_id, rid, i, stream, len(ids), *arrival))
         except ValueError as e:

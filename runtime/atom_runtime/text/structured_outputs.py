@@ -15,6 +15,7 @@ flight (the scheduler skips it), and the rest of the batch keeps overlapping.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from atom_runtime.sampling_params import STRUCTURED_FIELD as FIELD
@@ -22,32 +23,50 @@ from atom_runtime.sampling_params import StructuredOutputs
 
 
 class Guides:
-    """Matchers for guided sequences, against the model's tokenizer (loaded on first use: a
-    server that never sees a guided request never pays for it)."""
+    """Matchers for guided sequences, against the model's tokenizer: built on first use (a
+    process that never sees a guided request never pays for it), or in the background from
+    `start_building` (the engine-core process, while its model loads: the build holds the GIL for
+    a second or more, which at the first guided request would stall every stream)."""
 
     def __init__(self, model_path: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._tokenizer = None
+        self._error: str | None = None  # why it cannot be built (kept: never retried)
+        self._builder: threading.Thread | None = None
+
+    def start_building(self) -> None:
+        self._builder = threading.Thread(target=self._build, name="atom-guides", daemon=True)
+        self._builder.start()
+
+    def wait(self) -> None:
+        """Until a build started by `start_building` is over."""
+        if self._builder is not None:
+            self._builder.join()
+            self._builder = None
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            try:
-                from llguidance import LLTokenizer
-
-                from atom_runtime.text.tokenizer import Tokenizer
-
-                tok = Tokenizer.from_path(Path(self.model_path), self.eos_token_ids)
-                self._tokenizer = LLTokenizer(
-                    tok.hf.to_str(), n_vocab=self.vocab_size, eos_token=tok.eos_token_ids
-                )
-            except Exception as e:  # refuse the request, keep the engine
-                raise ValueError(
-                    f"{FIELD}: unavailable for this model ({type(e).__name__}: {e})"
-                ) from None
+        self.wait()
+        if self._tokenizer is None and self._error is None:
+            self._build()
+        if self._error is not None:  # refuse the request, keep the engine
+            raise ValueError(f"{FIELD}: unavailable for this model ({self._error})")
         return self._tokenizer
+
+    def _build(self) -> None:
+        try:
+            from llguidance import LLTokenizer
+
+            from atom_runtime.text.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_path(Path(self.model_path), self.eos_token_ids)
+            self._tokenizer = LLTokenizer(
+                tok.hf.to_str(), n_vocab=self.vocab_size, eos_token=tok.eos_token_ids
+            )
+        except Exception as e:
+            self._error = f"{type(e).__name__}: {e}"
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one sequence. Raises ValueError naming the field when the schema,

@@ -11,7 +11,7 @@ from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.block_pool import Block, BlockPool, NoFreeBlocksError
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.kv_events import BlockRemoved, BlockStored
-from atom_runtime.protocol.block_hash import hash_block_tokens, hash_token_blocks
+from atom_runtime.protocol.block_hash import hash_block_tokens, hash_token_blocks, salt_root
 from atom_runtime.sampling_params import SamplingParams
 
 
@@ -309,3 +309,33 @@ def test_hashes_reused_from_the_last_prompt_equal_hashing_from_scratch():
         seq = _seq(f"s{i}", tokens)
         manager.find_prefix_hit(seq)
         assert seq.block_hashes == hash_token_blocks(tokens[: len(tokens) - 1], 4), i
+
+
+def test_a_cache_salt_starts_its_own_chain_and_unsalted_hashes_stay_contract_1():
+    """A salted prompt's blocks hash from its salt's root, so no block of it equals the same
+    tokens unsalted or under another salt (vLLM's cache_salt), and a salted prompt never finds an
+    unsalted one's blocks, even through the last-prompt shortcut; unsalted stays contract 1."""
+    manager = BlockManager(BlockPool(64, 4))
+    tokens = list(range(100, 117))  # four full blocks and one token
+    chains = {}
+    for salt in (None, "alice", "bob", None):
+        seq = _seq(f"s-{salt}", tokens)
+        seq.hash_root = salt_root(salt)
+        hit = manager.find_prefix_hit(seq)
+        assert len(hit) == (4 if salt is None and None in chains else 0)  # only its own chain
+        assert manager.allocate(seq, len(tokens) - 4 * len(hit), hit)
+        seq.num_computed_tokens = len(tokens)
+        manager.publish_computed_blocks(seq)
+        chains[salt] = list(seq.block_hashes)
+        manager.free(seq)
+    assert chains[None] == hash_token_blocks(tokens[:16], 4)  # contract 1, unchanged
+    assert chains["alice"] == hash_token_blocks(tokens[:16], 4, parent=salt_root("alice"))
+    assert not set(chains["alice"]) & set(chains[None])
+    assert not set(chains["alice"]) & set(chains["bob"])
+    # Alice's blocks serve only Alice: a guess without her salt finds nothing of hers.
+    guess = _seq("guess", tokens)
+    guess.hash_root = salt_root("carol")
+    assert manager.find_prefix_hit(guess) == []
+    again = _seq("alice-again", tokens)
+    again.hash_root = salt_root("alice")
+    assert len(manager.find_prefix_hit(again)) == 4

@@ -295,13 +295,18 @@ def test_garbage_payloads_raise_decode_error(payload: bytes, message: str):
 # ---- config -------------------------------------------------------------------------------------
 
 
-def test_config_defaults_match_vllm():
+def test_config_defaults_match_vllm_but_bind_the_pods_own_address(monkeypatch):
     cfg = KVEventsConfig()
-    assert (cfg.enable_kv_cache_events, cfg.publisher, cfg.endpoint) == (
-        False,
-        "null",
-        "tcp://*:5557",
+    assert (cfg.enable_kv_cache_events, cfg.publisher, cfg.endpoint) == (False, "null", None)
+    # vLLM binds tcp://*:5557; ATOM the pod's address (every prompt's token ids go out here).
+    monkeypatch.delenv("POD_IP", raising=False)
+    assert cfg.publish_endpoint() == "tcp://127.0.0.1:5557"
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    assert (cfg.publish_endpoint(), cfg.publish_endpoint(2)) == (
+        "tcp://10.1.2.3:5557",
+        "tcp://10.1.2.3:5559",
     )
+    assert (cfg.include_token_ids, cfg.curve_keys_dir) == (True, None)
     assert (cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm, cfg.max_queue_size, cfg.topic) == (
         None,
         10_000,
@@ -355,6 +360,8 @@ def test_from_cli_reads_the_json_flag():
         ('{"endpoint": "tcp://*:99999"}', "endpoint"),
         ('{"replay_endpoint": "127.0.0.1:5558"}', "replay_endpoint"),
         ('{"topic": 5}', "topic"),
+        ('{"include_token_ids": "no"}', "include_token_ids"),
+        ('{"enable_kv_cache_events": true, "curve_keys_dir": "/nonexistent"}', "curve_keys_dir"),
     ],
 )
 def test_from_cli_names_the_bad_field(flag: str, field: str):
@@ -410,7 +417,11 @@ def test_bind_or_connect_and_data_parallel_offsets():
     assert endpoint_binds("tcp://*:5557") is True
     assert endpoint_binds("ipc:///tmp/kv") is True
     assert endpoint_binds("inproc://kv") is True
-    assert endpoint_binds("tcp://10.0.0.7:5557") is False
+    assert endpoint_binds("tcp://10.0.0.7:5557") is False  # not this host's: a central binder
+    assert endpoint_binds("tcp://indexer:5557") is False
+    # An address of this host binds (what the operator renders: tcp://$(POD_IP):5557).
+    assert endpoint_binds("tcp://127.0.0.2:5557") is True
+    assert endpoint_binds("tcp://localhost:5557") is True
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint("tcp://[::1]:5557", 2) == "tcp://[::1]:5559"
@@ -535,12 +546,15 @@ def test_replay_answers_from_start_seq_then_the_end_marker(ipc):
 
 
 def test_publisher_connects_to_a_bound_subscriber_over_tcp():
+    """A host name (an indexer's Service, say) is connected to; only this host's addresses are
+    bound. The machine's own name stands for a remote indexer here."""
     port = free_tcp_port()
+    host = socket.gethostname()
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(f"tcp://127.0.0.1:{port + 2}")  # data-parallel rank 2 adds 2 to the port
-    pub = make_publisher(KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{port}"), 2)
+    sub.bind(f"tcp://{socket.gethostbyname(host)}:{port + 2}")  # rank 2 adds 2 to the port
+    pub = make_publisher(KVEventsConfig(True, endpoint=f"tcp://{host}:{port}"), 2)
     try:
         topic, seq, payload = publish_until_received(pub, sub)
     finally:

@@ -1,7 +1,7 @@
 """KV transfer in one process: two TransferAgents over real block pools, real KV tensors and the
-real TCP connector (ZMQ control and TCP payload stripes on 127.0.0.1); a bare ZMQ ROUTER plays a
-producer that never answers, and `_FakeProducer` one that speaks protocol 2 and misbehaves on
-cue. Pins: only the blocks a consumer lacks are pulled, stripes reassemble to the exact bytes
+real TCP connector (ZMQ control and TCP payload stripes on 127.0.0.1, sealed with a test
+transfer key); a bare ZMQ ROUTER plays a producer that never answers, and `_FakeProducer` one
+that speaks protocol 3 and misbehaves on cue. Pins: only the blocks a consumer lacks are pulled, stripes reassemble to the exact bytes
 and land where the prefix cache finds them (written off the engine thread), and every hold,
 ticket, staging buffer and claimed block is released on success, abort, timeout and a stripe
 dropped mid-transfer; close() leaves no thread or socket behind."""
@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
-import json
 import os
 import random
 import socket
@@ -24,12 +23,10 @@ import pytest
 import torch
 import zmq
 
-from atom_runtime.core.block_manager import BlockManager
-from atom_runtime.core.block_pool import BlockPool
 from atom_runtime.core.sequence import FinishReason, Sequence
 from atom_runtime.kv_events import BlockStored
 from atom_runtime.kv_transfer import tcp
-from atom_runtime.kv_transfer.agent import TransferAgent
+from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.kv_transfer.base import (
     KVCacheAccess,
     RemoteBlocks,
@@ -38,108 +35,23 @@ from atom_runtime.kv_transfer.base import (
     unit_runs,
 )
 from atom_runtime.kv_transfer.config import KVTransferConfig
-from atom_runtime.layers.attention import PagedAttention
-from atom_runtime.layers.latent_attention import LatentAttention
+from atom_runtime.kv_transfer.payload import CHUNK_BYTES
+from atom_runtime.kv_transfer.wire import PROTOCOL, Pull, PullReply, Stripe, WireSeal
 from atom_runtime.sampling_params import SamplingParams
-from tests.server.conftest import free_port
-
-BS = 16
-NUM_BLOCKS = 24
-
-
-def _paged_layer(fill: bool, device: str = "cpu", dtype=torch.float32) -> PagedAttention:
-    """An attention layer (2 KV heads of 8) with its cache bound, random or zeros."""
-    layer = PagedAttention(2, 2, 8, 1.0)
-    make = torch.randn if fill else torch.zeros
-    layer.bind_cache([make((NUM_BLOCKS, BS, 2, 8), device=device).to(dtype) for _ in range(2)])
-    return layer
-
-
-def _latent_layer(fill: bool, dtype=torch.float32) -> LatentAttention:
-    """An MLA layer (latent 40 + rope 12, one row a token) with its latent cache bound."""
-    layer = LatentAttention(4, 40, 16, 12, 16, 1.0)
-    make = torch.randn if fill else torch.zeros
-    layer.bind_cache([make((NUM_BLOCKS, BS, 52)).to(dtype)])
-    return layer
-
-
-def _config(role: str, **extra) -> KVTransferConfig:
-    return KVTransferConfig.from_cli(
-        json.dumps(
-            {
-                "kv_connector": "AtomPortableConnector",
-                "kv_role": role,
-                "kv_ip": "127.0.0.1",
-                "kv_port": free_port(),
-                "kv_connector_extra_config": extra,
-            }
-        )
-    )
-
-
-def _agent(
-    role: str,
-    fill: bool,
-    device="cpu",
-    dtype=torch.float32,
-    direct: bool | None = None,
-    chunk_bytes: int = tcp.CHUNK_BYTES,
-    **extra,
-) -> TransferAgent:
-    pool = BlockPool(NUM_BLOCKS, BS, enable_events=True)
-    layers = [_paged_layer(fill, device, dtype), _paged_layer(fill, device, dtype)]
-    kv = KVCacheAccess(layers, direct=direct)
-    config = _config(role, **extra)
-    return TransferAgent(config, BlockManager(pool), kv, tcp.TCPConnector(config, kv, chunk_bytes))
-
-
-@pytest.fixture
-def agents():
-    made: list[TransferAgent] = []
-
-    def make(role, fill=False, **kwargs):
-        made.append(_agent(role, fill, **kwargs))
-        return made[-1]
-
-    yield make
-    for a in made:
-        a.close()
-
-
-PROMPT = [(i * 37) % 900 + 1 for i in range(100)]  # 6 full blocks + 4 tokens
-
-
-def _prefill(producer: TransferAgent, prompt=PROMPT) -> dict:
-    """What the engine does for a max_tokens=1 request with do_remote_decode."""
-    seq = Sequence("req-1", prompt, SamplingParams(max_tokens=1))
-    seq.kv_transfer_params = {"do_remote_decode": True}
-    bm = producer.block_manager
-    assert bm.allocate(seq, len(prompt))
-    seq.num_computed_tokens = len(prompt)
-    seq.finish(FinishReason.LENGTH)
-    producer.on_finished(seq)  # before the scheduler frees the blocks
-    bm.publish_computed_blocks(seq)
-    bm.free(seq)
-    return seq.kv_transfer_params
-
-
-def _until(cond, timeout=120.0):
-    # A bound for a broken transport, not a speed expectation: a loaded 2-core CI box can take
-    # seconds to schedule the transport's threads.
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
-def _pull(consumer: TransferAgent, params: dict, prompt=PROMPT) -> Sequence:
-    seq = Sequence("req-1", prompt, SamplingParams())
-    seq.kv_transfer_params = params
-    assert consumer.park(seq)
-    ready: list = []
-    _until(lambda: ready.extend(consumer.poll()) or ready)
-    assert ready == [seq]
-    return seq
+from tests.runtime.kv_transfer.conftest import (
+    BS,
+    KEY_HEX,
+    NUM_BLOCKS,
+    PROMPT,
+    _agent,
+    _config,
+    _latent_layer,
+    _paged_layer,
+    _params_for,
+    _prefill,
+    _pull,
+    _until,
+)
 
 
 def _block_data(kv: KVCacheAccess, block_ids: list[int]) -> torch.Tensor:
@@ -203,26 +115,6 @@ def test_a_hold_nobody_pulls_times_out_and_is_counted(agents):
     assert producer.pool.num_free_blocks == NUM_BLOCKS
 
 
-@pytest.fixture
-def silent_producer():
-    """A ROUTER that takes pulls and never answers; yields (port, socket)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield port, sock
-    sock.close(0)
-    ctx.term()
-
-
-def _params_for(port: int, prompt=PROMPT, tid="t-1") -> dict:
-    producer_like = _agent("kv_producer", fill=False)
-    try:
-        params = _prefill(producer_like, prompt)
-    finally:
-        producer_like.close()
-    return {**params, "remote_port": port, "remote_request_id": tid}
-
-
 def test_a_pull_that_times_out_falls_back_and_frees_its_blocks(agents, silent_producer):
     port, sock = silent_producer
     consumer = agents("kv_consumer", pull_timeout_s=0.3)
@@ -251,7 +143,8 @@ def test_aborting_a_parked_request_frees_everything_and_releases_the_producer(
     assert consumer.stats.pulls_in_flight == 0
     assert sock.poll(5000)
     _ident, release = sock.recv_multipart()
-    assert msgspec.msgpack.decode(release) == {"type": "Release", "transfer_id": "t-abort"}
+    release = msgspec.msgpack.decode(release)
+    assert (release["type"], release["transfer_id"]) == ("Release", "t-abort")
 
 
 def test_malformed_params_raise_before_anything_is_held(agents):
@@ -383,7 +276,7 @@ def _wire_bytes(kv: KVCacheAccess, block_ids: list[int]) -> bytes:
 def _connectors(
     direct,
     streams,
-    chunk_bytes=tcp.CHUNK_BYTES,
+    chunk_bytes=CHUNK_BYTES,
     dtype=torch.bfloat16,
     layers=(_paged_layer, _paged_layer),
 ):
@@ -526,14 +419,15 @@ def test_staging_buffers_are_reused_and_bounded():
 
 
 class _FakeProducer:
-    """The producer's side of protocol 2, played by the test: answers the first Pull with a
-    ticket for random bytes of the asked size, then serves stripe `index` with
-    `serve(index, conn, data)` (default: send `data`). Control messages it gets land in
-    `messages` (decoded)."""
+    """The producer's side of protocol 3, played by the test with the deployment's key: answers
+    the first Pull with a sealed ticket for random bytes of the asked size, then serves stripe
+    `index` with `serve(index, conn, data)` (default: send `data`). Control messages it gets land
+    in `messages` (decoded)."""
 
     def __init__(self, unit_bytes: int, stripes: int, serve=None) -> None:
         self.unit_bytes, self.stripes = unit_bytes, stripes
         self.serve = serve or (lambda index, conn, data: conn.sendall(data))
+        self.seal = WireSeal(TransferKey.from_text(KEY_HEX, "test"))
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
@@ -556,14 +450,15 @@ class _FakeProducer:
                 continue
             nbytes = len(msg["block_ids"]) * 2 * 2 * self.unit_bytes  # 2 layers, K and V
             self.payload = random.Random(1).randbytes(nbytes)
-            reply = tcp.PullReply(
+            reply = PullReply(
                 msg["transfer_id"],
                 data_port=self.listener.getsockname()[1],
                 ticket="fake-ticket",
                 stripes=self.stripes,
                 nbytes=nbytes,
+                nonce=msg["nonce"],
             )
-            self.router.send_multipart([ident, msgspec.msgpack.encode(reply)])
+            self.router.send_multipart([ident, msgspec.msgpack.encode(self.seal.seal(reply))])
             # Stripes are accepted on their own thread, so control messages (a Release after an
             # abort) are still read when the consumer never opens some of the stripes.
             plan = plan_stripes(nbytes // self.unit_bytes, self.stripes)
@@ -586,11 +481,11 @@ class _FakeProducer:
                 conn.close()
                 continue
             (size,) = struct.unpack(">I", header)
-            hello = msgspec.msgpack.decode(conn.recv(size, socket.MSG_WAITALL))
-            assert hello["ticket"] == "fake-ticket"
-            start, end = plan[hello["index"]]
+            hello = msgspec.msgpack.decode(conn.recv(size, socket.MSG_WAITALL), type=Stripe)
+            assert hello.ticket == "fake-ticket" and self.seal.check(hello) is None
+            start, end = plan[hello.index]
             data = self.payload[start * self.unit_bytes : end * self.unit_bytes]
-            t = threading.Thread(target=self._stripe, args=(hello["index"], conn, data))
+            t = threading.Thread(target=self._stripe, args=(hello.index, conn, data))
             self.threads.append(t)
             t.start()
 
@@ -600,6 +495,9 @@ class _FakeProducer:
                 self.serve(index, conn, data)
             except OSError:
                 pass  # the consumer closed the stripe
+
+    def kinds(self) -> list[tuple[str, str]]:
+        return [(m["type"], m["transfer_id"]) for m in self.messages]
 
     def close(self) -> None:
         self.stop.set()
@@ -654,7 +552,7 @@ def test_a_stripe_closed_mid_transfer_fails_the_pull_and_the_engine_prefills_loc
     assert consumer.block_manager.find_prefix_hit(seq) == []  # nothing half-written is cached
     assert consumer.pool.num_free_blocks == NUM_BLOCKS and consumer.stats.pulls_in_flight == 0
     assert not consumer.has_work() and not consumer.connector._pulls
-    _until(lambda: {"type": "Release", "transfer_id": "t-cut"} in fake.messages)
+    _until(lambda: ("Release", "t-cut") in fake.kinds())
 
 
 def test_the_engine_thread_never_waits_on_a_transfer_in_flight(agents, fake_producer):
@@ -697,7 +595,7 @@ def test_aborting_mid_stripe_frees_the_blocks_once_the_transport_stopped(agents,
     _until(lambda: consumer.poll() == [] and not consumer.draining)
     assert consumer.pool.num_free_blocks == NUM_BLOCKS and consumer.stats.pulls_in_flight == 0
     assert consumer.stats.fallbacks == 0 and not consumer.has_work()
-    _until(lambda: {"type": "Release", "transfer_id": "t-gone"} in fake.messages)
+    _until(lambda: ("Release", "t-gone") in fake.kinds())
     resume.set()
 
 
@@ -725,19 +623,20 @@ def test_a_consumer_that_vanishes_mid_stripe_does_not_pin_the_hold(agents):
     dealer = ctx.socket(zmq.DEALER)
     try:
         dealer.connect(f"tcp://127.0.0.1:{params['remote_port']}")
-        pull = tcp.Pull(
+        pull = Pull(
             params["remote_request_id"],
             params["remote_block_ids"],
             producer.kv.layout,
-            tcp.PROTOCOL,
+            PROTOCOL,
             streams=2,
             timeout_s=2.0,  # the ticket's lifetime
         )
-        dealer.send(msgspec.msgpack.encode(pull))
+        seal = WireSeal(TransferKey.from_text(KEY_HEX, "test"))
+        dealer.send(msgspec.msgpack.encode(seal.seal(pull)))
         assert dealer.poll(10_000)
-        reply = msgspec.msgpack.decode(dealer.recv(), type=tcp.PullReply)
+        reply = msgspec.msgpack.decode(dealer.recv(), type=PullReply)
         assert reply.error is None and reply.stripes == 2
-        hello = msgspec.msgpack.encode(tcp.Stripe(reply.ticket, 0))
+        hello = msgspec.msgpack.encode(seal.seal(Stripe(reply.ticket, 0)))
         with socket.create_connection(("127.0.0.1", reply.data_port)) as conn:
             conn.sendall(struct.pack(">I", len(hello)) + hello)
             assert len(conn.recv(100, socket.MSG_WAITALL)) == 100
@@ -767,7 +666,7 @@ def test_peers_of_another_protocol_version_are_refused_by_name(agents, silent_pr
         dealer.send(msgspec.msgpack.encode(old))
         assert dealer.poll(10_000)
         frames = dealer.recv_multipart()
-        reply = msgspec.msgpack.decode(frames[0], type=tcp.PullReply)
+        reply = msgspec.msgpack.decode(frames[0], type=PullReply)
         assert len(frames) == 1 and "consumer speaks KV transfer protocol 1" in reply.error
     finally:
         dealer.close(0)
@@ -833,7 +732,7 @@ def test_a_pull_between_gpu_caches_is_exact(agents, chunk_units):
     device on the consumer's side stream, in bf16. No synchronize here: a pull is reported only
     once its copies have finished, so the default stream reads the final bytes."""
     unit = BS * 2 * 8 * 2
-    chunk = tcp.CHUNK_BYTES if chunk_units is None else chunk_units * unit
+    chunk = CHUNK_BYTES if chunk_units is None else chunk_units * unit
     kwargs = dict(device="cuda", dtype=torch.bfloat16, chunk_bytes=chunk, streams=3)
     producer = agents("kv_producer", fill=True, **kwargs)
     consumer = agents("kv_consumer", **kwargs)
