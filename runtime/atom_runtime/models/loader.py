@@ -108,6 +108,11 @@ class CheckpointTensor:
     def dim(self) -> int:
         return len(self.shape)
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype in the file, as safetensors names it ("BF16", "F8_E4M3", ...)."""
+        return self._slice.get_dtype()
+
     def to(self, dtype: torch.dtype) -> CheckpointTensor:
         return CheckpointTensor(self._file, self.name, dtype)
 
@@ -251,12 +256,18 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    quantization: str | None = None,
 ):
+    """The model on `device` in `dtype`, its weights loaded (or random for "dummy"); FP8 where
+    the checkpoint's quantization_config or `quantization` ("fp8") says (models/fp8_loading.py)."""
+    from atom_runtime.models import fp8_loading
     from atom_runtime.models.deepseek import DeepseekForCausalLM
     from atom_runtime.models.gpt_oss import GptOssForCausalLM
     from atom_runtime.models.llama import LlamaForCausalLM
+    from atom_runtime.models.quant_config import resolve_quantization
     from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
+    qcfg = resolve_quantization(cfg.quantization_config, quantization)
     # Parameters are created in the run dtype (a 61B-parameter model built in fp32 first would
     # need twice its memory); tables that need fp32 ask for it (the rotary cos/sin cache).
     with torch.device(device), _default_dtype(dtype):
@@ -275,9 +286,21 @@ def build_model(
     for param in model.parameters():
         if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
             param.data = param.data.float()
+    if qcfg is not None:
+        fp8_loading.prepare_fp8_layers(model, qcfg, dummy=load_format == "dummy")
+    stream = None
     if load_format == "dummy":
         _fill_dummy(model, seed)
-        return model.eval()
+    else:
+        stream = _load_checkpoint(model, path, cfg, load_format, dtype, qcfg)
+    if qcfg is not None:
+        fp8_loading.finish_fp8_layers(model, qcfg, device, dtype, stream)
+    return model.eval()
+
+
+def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtype, qcfg):
+    """Load every checkpoint tensor into `model`; returns the FP8 stream it read through (None
+    for a half-precision model)."""
     if load_format not in ("auto", "safetensors", "gguf"):
         raise ValueError(
             f"load_format: must be auto, safetensors, gguf or dummy, got {load_format!r}"
@@ -287,11 +310,18 @@ def build_model(
         if is_gguf(path)
         else iter_safetensors(path if path.is_dir() else path.parent)
     )
-    loaded = model.load_weights((n, t.to(dtype)) for n, t in weights)
+    stream = None
+    if qcfg is not None and not qcfg.online:
+        from atom_runtime.models.fp8_loading import Fp8CheckpointStream
+
+        stream = Fp8CheckpointStream(model, weights, dtype, qcfg)
+        loaded = model.load_weights(stream)
+    else:
+        loaded = model.load_weights((n, t.to(dtype)) for n, t in weights)
     missing = {n for n, _ in model.named_parameters() if n not in loaded and not _is_tied(model, n)}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-    return model.eval()
+    return stream
 
 
 @contextlib.contextmanager
