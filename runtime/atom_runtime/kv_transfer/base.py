@@ -16,6 +16,7 @@ thread, into blocks nobody else uses until the pull is reported done.
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -182,11 +183,17 @@ class KVCacheAccess:
     def layout(self) -> str:
         """A string both ends compare: layers, cache kind (`kv`, `mla_latent`) and tensors a
         layer, block shape and dtype, e.g. `28L/kv:2/16x8x128/bfloat16` or
-        `61L/mla_latent:1/16x576/bfloat16`."""
+        `61L/mla_latent:1/16x576/bfloat16`. An FP8 cache (`.../float8_e4m3fn`) whose k/v scales
+        are not all 1.0 adds a digest of them (`/scales:1a2b3c4d`): its bytes mean K / k_scale,
+        so an engine with other scales must not read them."""
         dims = "x".join(str(d) for d in self.block_shape)
         per_layer = len(self.caches) // len(self.layers)
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{len(self.layers)}L/{self.kind}:{per_layer}/{dims}/{dtype}"
+        layout = f"{len(self.layers)}L/{self.kind}:{per_layer}/{dims}/{dtype}"
+        scales = [(getattr(x, "k_scale", 1.0), getattr(x, "v_scale", 1.0)) for x in self.layers]
+        if self.dtype.itemsize == 1 and any(s != (1.0, 1.0) for s in scales):
+            layout += f"/scales:{zlib.crc32(repr(scales).encode()):08x}"
+        return layout
 
     @property
     def pin(self) -> bool:
