@@ -144,9 +144,9 @@ def teacher_forced(llm: LLM, ref: Path, prompts: list[list[int]], max_tokens: in
     reference = hf_logprobs(ref, sequences)
     agree = total = clear = clear_agree = 0
     errors = []
-    for prompt, out, ref_lp in zip(prompts, outs, reference, strict=True):
+    for out, ref_lp in zip(outs, reference, strict=True):
         # Position i predicts token i + 1: prompt positions from prompt_logprobs, then decodes.
-        steps = [d for d in out.prompt_logprobs[1:]] + list(out.outputs[0].logprobs)
+        steps = list(out.prompt_logprobs[1:]) + list(out.outputs[0].logprobs)
         for i, lp in enumerate(steps):
             top = max(lp, key=lp.get)
             best2 = ref_lp[i].topk(2).values

@@ -82,8 +82,10 @@ class QuantConfig:
         if self.method == "compressed-tensors":
             from compressed_tensors.utils.match import is_match
 
+            if self.ignore and any(is_match(n, module, self.ignore) for n in names):
+                return None
             for group in self.groups:
-                if any(is_match(n, module, group.targets, self.ignore) for n in names):
+                if any(is_match(n, module, group.targets) for n in names):
                     return group.scheme
             return None
         if any(_fp8_ignored(n, self.ignore) for n in names):
@@ -198,11 +200,12 @@ def _compressed_tensors(cfg: dict) -> QuantConfig:
             {k: v for k, v in cfg.items() if k not in ("sparsity_config", "transform_config")}
         )
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(
-            f"quantization_config.{where}: {first.get('input')!r}: {first['msg']}"
-        ) from None
+        first = e.errors()[0]  # its location without pydantic's validator names
+        where = ".".join(str(p) for p in first["loc"] if "[" not in str(p))
+        value = repr(first.get("input"))
+        value = value if len(value) <= 120 else value[:117] + "..."
+        message = first["msg"].removeprefix("Value error, ")
+        raise ValueError(f"quantization_config.{where}: {value}: {message}") from None
     if parsed.format not in _CT_FORMATS:
         raise ValueError(
             f"quantization_config.format: {parsed.format!r} is not supported (float-quantized "
