@@ -163,6 +163,9 @@ class KVCacheAccess:
             raise ValueError("KVCacheAccess: the cache tensors differ in block shape")
         self.block_shape = tuple(k.shape[1:])  # (block_size, *token_shape)
         self.dtype = k.dtype
+        # Blocks move as bytes (index_select / index_copy_ have no FP8 kernels, and a copy
+        # needs no arithmetic): each cache viewed as uint8, its last dim in bytes.
+        self._byte_caches = [c.view(torch.uint8) for c in self.caches]
         self.device = k.device
         self.unit_bytes = k[0].numel() * k.element_size()
         self.block_bytes = len(self.caches) * self.unit_bytes
@@ -233,7 +236,8 @@ class KVCacheAccess:
             return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
     def _units(self, host: torch.Tensor, count: int) -> torch.Tensor:
-        return host[: count * self.unit_bytes].view(self.dtype).view(count, *self.block_shape)
+        shape = self._byte_caches[0].shape[1:]
+        return host[: count * self.unit_bytes].view(count, *shape)
 
     def gather(self, index: torch.Tensor, start: int, end: int, host: torch.Tensor, fence=None):
         """Copy units [start, end) of the payload over `index` (`block_index`) into the uint8
@@ -245,16 +249,18 @@ class KVCacheAccess:
         if self._copy_stream is None:
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                torch.index_select(self.caches[cache], 0, index[j0:j1], out=out[at : at + j1 - j0])
+                torch.index_select(
+                    self._byte_caches[cache], 0, index[j0:j1], out=out[at : at + j1 - j0]
+                )
             return None
         with torch.cuda.stream(self._copy_stream):
             if fence is not None:
                 self._copy_stream.wait_event(fence)
-            staged = torch.empty(out.shape, dtype=self.dtype, device=self.device)
+            staged = torch.empty(out.shape, dtype=torch.uint8, device=self.device)
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
                 torch.index_select(
-                    self.caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
+                    self._byte_caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
                 )
             out.copy_(staged, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
@@ -271,7 +277,7 @@ class KVCacheAccess:
         if self._copy_stream is None:
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                self.caches[cache].index_copy_(0, index[j0:j1], src[at : at + j1 - j0])
+                self._byte_caches[cache].index_copy_(0, index[j0:j1], src[at : at + j1 - j0])
             return None
         with torch.cuda.stream(self._copy_stream):
             if fence is not None:
@@ -279,7 +285,7 @@ class KVCacheAccess:
             staged = src.to(self.device, non_blocking=True)
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                self.caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
+                self._byte_caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
             done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
             done.record(self._copy_stream)
         return done
