@@ -72,16 +72,17 @@ def make_fp8(layer: nn.Module, scheme: Fp8Scheme, fp8_dtype: torch.dtype) -> Non
 
 def block_fits(layer: nn.Module, block_size: tuple[int, int]) -> bool:
     """Whether every checkpoint part of `layer` on this rank starts on a scale block and spans
-    whole blocks (the last part may end on a ragged block on one rank): what loading block
-    scales part by part, and the kernels' one scale row per block of rows, need."""
+    whole blocks (the last part may end on a ragged block where it is not split across ranks):
+    what loading block scales part by part, and the kernels' one scale row per block of rows,
+    need."""
     bn, bk = block_size
     for shard in layer.shard_ids():
         dim, dst, src, size = layer.placement(shard)
-        src = src or 0
         b = bn if dim == 0 else bk
-        total = layer.weight.shape[dim]
-        ragged_ok = tp_size() == 1 and dst + size == total
-        if dst % b or src % b or (size % b and not ragged_ok):
+        # A ragged last block is whole on its rank when nothing is split (one rank, or a
+        # replicated layer: no checkpoint offset) and it ends the layer.
+        ragged_ok = (src is None or tp_size() == 1) and dst + size == layer.weight.shape[dim]
+        if dst % b or (src or 0) % b or (size % b and not ragged_ok):
             return False
     return True
 

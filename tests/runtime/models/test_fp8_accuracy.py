@@ -164,3 +164,31 @@ def test_fp8_hybrid_moe_loads_and_equals_its_twin_on_cpu(tiny_hybrid_models, tmp
     llm = LLM(str(fp8_dir), dtype="float32", num_gpu_blocks_override=64)
     result = teacher_forced(llm, twin, PROMPTS, MAX_TOKENS)
     assert result["agreement"] == 1.0 and result["max_err"] < 1e-3, result
+
+
+def test_checkpoint_kv_scales_reach_the_fp8_cache(checkpoints, tmp_path):
+    """k/v cache scales as vLLM and llm-compressor write them (`self_attn.k_scale` /
+    `v_scale`, one `kv_scale`) become the layers' scales when the cache is FP8, and the cache
+    then holds K / k_scale: the same predictions as scale 1.0 within FP8 noise."""
+    from safetensors.torch import load_file, save_file
+
+    fp8_dir, twin = checkpoints[("llama", "block")]
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    for f in fp8_dir.iterdir():
+        if f.name != "model.safetensors":
+            (scaled / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    tensors["model.layers.1.self_attn.kv_scale"] = torch.tensor(2.0)
+    save_file(tensors, str(scaled / "model.safetensors"))
+    llm = LLM(str(scaled), dtype="float32", num_gpu_blocks_override=64, kv_cache_dtype="fp8")
+    layers = llm.engine.executor.model.attention_layers()
+    assert [(a.k_scale, a.v_scale) for a in layers] == [(0.5, 0.25), (2.0, 2.0)]
+    _check(teacher_forced(llm, twin, PROMPTS, MAX_TOKENS), KV_FP8)
+    plain = LLM(str(scaled), dtype="float32", num_gpu_blocks_override=64)  # bf16 cache: unused
+    assert [(a.k_scale, a.v_scale) for a in plain.engine.executor.model.attention_layers()] == [
+        (1.0, 1.0),
+        (1.0, 1.0),
+    ]
