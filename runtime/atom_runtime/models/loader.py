@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from atom_kernels.fp8_formats import is_fp8
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.gguf import gguf_field, open_gguf
 
@@ -131,9 +132,9 @@ class CheckpointTensor:
         return self._convert(self._file.get_tensor(self.name))
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        # Integer tensors (quantized blocks and their scales) keep their dtype: only a loader
-        # that dequantizes them knows what they mean.
-        if self.dtype is None or not t.is_floating_point():
+        # Integer and FP8 tensors (quantized blocks and their scales) keep their dtype: only a
+        # loader that knows their scales knows what they mean (a cast would drop them).
+        if self.dtype is None or not t.is_floating_point() or is_fp8(t):
             return t
         return t.to(self.dtype)
 
@@ -267,7 +268,7 @@ def build_model(
     from atom_runtime.models.quant_config import resolve_quantization
     from atom_runtime.models.qwen3_next import Qwen3NextForCausalLM
 
-    qcfg = resolve_quantization(cfg.quantization_config, quantization)
+    qcfg = resolve_quantization(cfg.quantization_config, quantization, cfg.model_type)
     # Parameters are created in the run dtype (a 61B-parameter model built in fp32 first would
     # need twice its memory); tables that need fp32 ask for it (the rotary cos/sin cache).
     with torch.device(device), _default_dtype(dtype):

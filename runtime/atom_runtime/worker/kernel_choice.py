@@ -228,13 +228,12 @@ def tune_gemv_launch(layers: list[LinearBase]) -> None:
     first = layers[0]
     n, k = first.weight.shape
     fp8 = first.weight_scale is not None
-    gemv_kernels.set_launch_shape(n, k, None, fp8=fp8)
+    block_scaled = first.weight_block_size is not None
+    gemv_kernels.set_launch_shape(n, k, None, fp8=fp8, block_scaled=block_scaled)
     x = torch.randn(1, k, dtype=_run_dtype(first), device=first.weight.device)
     mp = torch.cuda.get_device_properties(first.weight.device).multi_processor_count
     if fp8:
-        candidates = gemv_kernels.fp8_launch_candidates(
-            n, k, mp, block_scaled=first.weight_block_size is not None
-        )
+        candidates = gemv_kernels.fp8_launch_candidates(n, k, mp, block_scaled=block_scaled)
     else:
         candidates = gemv_kernels.launch_candidates(n, k, mp)
 
@@ -246,7 +245,7 @@ def tune_gemv_launch(layers: list[LinearBase]) -> None:
         return
     times = graph_times(*(lambda cfg=cfg: [launch(m, cfg) for m in layers] for cfg in usable))
     best = usable[times.index(min(times))]
-    gemv_kernels.set_launch_shape(n, k, best, fp8=fp8)
+    gemv_kernels.set_launch_shape(n, k, best, fp8=fp8, block_scaled=block_scaled)
     log.info(
         "one-row %dx%d%s GEMV launch shapes: %s -> %s",
         n,
