@@ -2,8 +2,8 @@
 
 Each suite is a short list of commands, written as a user would type them from the repository
 root (`atom` is `python -m atom_runtime`). Placeholders: `$Q3`, `$L8`, `$H4`, `$M35`, `$Q30`,
-`$G20` are the model configs in benchmarks/configs/ (dummy weights: a bare config.json), `$json` the folder each
-command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
+`$G20` (and the block-FP8 `$L8B`, `$Q3B`) are the model configs in benchmarks/configs/ (dummy
+weights: a bare config.json), `$json` the folder each command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
 TCP port. docs/benchmarks.md says which published figure each command gives.
 
 A suite with `pending` uses flags that another issue is building; the runner refuses to start it
