@@ -2,8 +2,8 @@
 
 Each suite is a short list of commands, written as a user would type them from the repository
 root (`atom` is `python -m atom_runtime`). Placeholders: `$Q3`, `$L8`, `$H4`, `$M35`, `$Q30`,
-`$G20` are the model configs in benchmarks/configs/ (dummy weights: a bare config.json), `$json` the folder each
-command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
+`$G20` (and the block-FP8 `$L8B`, `$Q3B`) are the model configs in benchmarks/configs/ (dummy
+weights: a bare config.json), `$json` the folder each command writes its JSON result into (folded into `results.json` by the runner), `$port` a free
 TCP port. docs/benchmarks.md says which published figure each command gives.
 
 A suite with `pending` uses flags that another issue is building; the runner refuses to start it
@@ -21,6 +21,10 @@ MODELS = {
     "M35": "benchmarks/configs/qwen3.5-35b-a3b",
     "Q30": "benchmarks/configs/qwen3-30b-a3b",
     "G20": "benchmarks/configs/gpt-oss-20b",
+    # The same architectures with a block-FP8 quantization_config (128 x 128, DeepSeek-V3's and
+    # Qwen3-*-FP8's layout): dummy weights quantized at load in that layout.
+    "L8B": "benchmarks/configs/llama-3.1-8b-fp8-block",
+    "Q3B": "benchmarks/configs/qwen3-0.6b-fp8-block",
 }
 
 
@@ -263,22 +267,29 @@ SUITES: tuple[Suite, ...] = (
             for key, path in MODELS.items()
         ),
     ),
-    # Needs the flags of issue 35 (FP8): --quantization fp8 and --kv-cache-dtype fp8. Each FP8
-    # figure is measured beside its bf16 twin in the same call (W6).
+    # W6 (docs/benchmarks.md): each FP8 figure beside its bf16 twin, in one call. W2 in
+    # per-channel FP8 (`--quantization fp8`) and block FP8 (a block-FP8 config's dummy weights);
+    # W1 with an FP8 KV cache; every command prints the resident weight bytes.
     Suite(
         "fp8",
-        "W6: W2 with FP8 weights and W1 with an FP8 KV cache, each beside its bf16 twin",
+        "W6: W2 with FP8 weights (per-channel and 128x128 blocks) and W1 with an FP8 KV cache, "
+        "each beside its bf16 twin; resident weight bytes",
         (
             _w2("L8", "w6_w2_llama-3.1-8b_bf16"),
             _w2("L8", "w6_w2_llama-3.1-8b_fp8", " --quantization fp8"),
+            _w2("L8B", "w6_w2_llama-3.1-8b_fp8block"),
             _w2("Q3", "w6_w2_qwen3-0.6b_bf16"),
             _w2("Q3", "w6_w2_qwen3-0.6b_fp8", " --quantization fp8"),
+            _w2("Q3B", "w6_w2_qwen3-0.6b_fp8block"),
             _w1("Q3", "w6_w1_qwen3-0.6b_bf16kv"),
             _w1("Q3", "w6_w1_qwen3-0.6b_fp8kv", " --kv-cache-dtype fp8"),
             _w1("L8", "w6_w1_llama-3.1-8b_bf16"),
             _w1("L8", "w6_w1_llama-3.1-8b_fp8", " --quantization fp8 --kv-cache-dtype fp8"),
+            Step(
+                "pytest -q -p no:cacheprovider -m gpu tests/runtime/models/test_fp8_gpu.py",
+                timeout_s=1200,
+            ),
         ),
-        pending="issue 35 (FP8: --quantization, --kv-cache-dtype)",
     ),
     # Needs the flag of issue 38 (speculative decoding): --speculative-config. With dummy weights
     # acceptance means nothing; these time the speculative step against the plain one (W7).

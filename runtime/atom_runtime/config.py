@@ -15,6 +15,8 @@ from pathlib import Path
 # (`kv_role` kv_producer) streams no decodes and keeps the offline budget.
 MAX_NUM_BATCHED_TOKENS = 8192
 SERVE_MAX_NUM_BATCHED_TOKENS = 4096
+# vLLM's names: "fp8" and "fp8_e4m3" are both the platform's e4m3 (e4m3fnuz on MI300).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
@@ -50,6 +52,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # LOAD_FORMATS
+    # FP8 (docs/quantization.md): "fp8" quantizes a half-precision checkpoint's linear layers
+    # at load (FP8 checkpoints say so in their config.json and need no flag); the KV cache in
+    # the model's dtype ("auto") or the platform's FP8 e4m3 ("fp8", "fp8_e4m3").
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
@@ -141,6 +148,12 @@ def _check_choices(c: EngineConfig) -> None:
     if c.load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {c.load_format!r}"
+        )
+    if c.quantization not in (None, "fp8"):
+        raise ValueError(f"quantization: must be fp8 (or unset), got {c.quantization!r}")
+    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
         )
     if not c.enable_chunked_prefill:
         raise ValueError(
@@ -264,6 +277,14 @@ def add_load_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None
         choices=DTYPES,
         help="weights and activations; auto: bfloat16 on a GPU, float32 on the CPU",
     )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8"],
+        help="fp8: quantize the linear layers of a bf16/fp16 checkpoint to FP8 at load "
+        "(per-channel weights, dynamic per-token activations); FP8 checkpoints need no flag",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="random seed (sampling, dummy weights)")
 
 
@@ -327,6 +348,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> Non
         action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
         help="reuse the KV cache of prompts' common prefixes",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV cache's dtype: auto (the model's) or fp8 / fp8_e4m3 (the platform's FP8 "
+        "e4m3, with the checkpoint's k/v scales or 1.0): twice the tokens in the same memory",
     )
 
 

@@ -107,6 +107,36 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
     )
 
 
+def resident_weights(model: torch.nn.Module) -> dict:
+    """Bytes of the model's parameters as they sit in memory (a tied tensor once): in all, the
+    FP8 tensors (weights stored in one byte a value), and the fp32 scales beside them."""
+    total = fp8 = scales = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        if p.element_size() == 1 and p.is_floating_point():
+            fp8 += nbytes
+        elif name.endswith(("weight_scale", "input_scale")):
+            scales += nbytes
+    return {"bytes": total, "fp8_bytes": fp8, "scale_bytes": scales}
+
+
+def describe_weights(weights: dict) -> str:
+    """One line for the bench's output."""
+    gib = 2**30
+    line = f"resident weights: {weights['bytes'] / gib:.2f} GiB"
+    if weights["fp8_bytes"]:
+        line += (
+            f" ({weights['fp8_bytes'] / gib:.2f} GiB FP8, {weights['scale_bytes'] / 2**20:.1f} MiB"
+            " of scales)"
+        )
+    return line
+
+
 def peak_bandwidth(device: torch.device) -> float | None:
     """The device's peak memory bandwidth in bytes/s from the driver's memory clock (kHz,
     double data rate) and bus width (bits); None where they are not reported (CPU)."""

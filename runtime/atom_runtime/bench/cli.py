@@ -168,6 +168,9 @@ def _run_offline(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:],
     }
     llm = LLM(config.model, **kwargs)
+    runner = getattr(llm.engine.executor, "runner", llm.engine.executor)
+    result["resident_weights"] = bench_bound.resident_weights(runner.model)
+    print("atom  " + bench_bound.describe_weights(result["resident_weights"]))
     # Which kernel each group of batch-1 projections took at start-up (GPU only).
     one_row = dict(getattr(getattr(llm.engine, "executor", None), "small_m_kernels", None) or {})
     if one_row:

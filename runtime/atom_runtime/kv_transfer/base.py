@@ -16,6 +16,7 @@ thread, into blocks nobody else uses until the pull is reported done.
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -162,6 +163,9 @@ class KVCacheAccess:
             raise ValueError("KVCacheAccess: the cache tensors differ in block shape")
         self.block_shape = tuple(k.shape[1:])  # (block_size, *token_shape)
         self.dtype = k.dtype
+        # Blocks move as bytes (index_select / index_copy_ have no FP8 kernels, and a copy
+        # needs no arithmetic): each cache viewed as uint8, its last dim in bytes.
+        self._byte_caches = [c.view(torch.uint8) for c in self.caches]
         self.device = k.device
         self.unit_bytes = k[0].numel() * k.element_size()
         self.block_bytes = len(self.caches) * self.unit_bytes
@@ -182,11 +186,17 @@ class KVCacheAccess:
     def layout(self) -> str:
         """A string both ends compare: layers, cache kind (`kv`, `mla_latent`) and tensors a
         layer, block shape and dtype, e.g. `28L/kv:2/16x8x128/bfloat16` or
-        `61L/mla_latent:1/16x576/bfloat16`."""
+        `61L/mla_latent:1/16x576/bfloat16`. An FP8 cache (`.../float8_e4m3fn`) whose k/v scales
+        are not all 1.0 adds a digest of them (`/scales:1a2b3c4d`): its bytes mean K / k_scale,
+        so an engine with other scales must not read them."""
         dims = "x".join(str(d) for d in self.block_shape)
         per_layer = len(self.caches) // len(self.layers)
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{len(self.layers)}L/{self.kind}:{per_layer}/{dims}/{dtype}"
+        layout = f"{len(self.layers)}L/{self.kind}:{per_layer}/{dims}/{dtype}"
+        scales = [(getattr(x, "k_scale", 1.0), getattr(x, "v_scale", 1.0)) for x in self.layers]
+        if self.dtype.itemsize == 1 and any(s != (1.0, 1.0) for s in scales):
+            layout += f"/scales:{zlib.crc32(repr(scales).encode()):08x}"
+        return layout
 
     @property
     def pin(self) -> bool:
@@ -226,7 +236,8 @@ class KVCacheAccess:
             return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
     def _units(self, host: torch.Tensor, count: int) -> torch.Tensor:
-        return host[: count * self.unit_bytes].view(self.dtype).view(count, *self.block_shape)
+        shape = self._byte_caches[0].shape[1:]
+        return host[: count * self.unit_bytes].view(count, *shape)
 
     def gather(self, index: torch.Tensor, start: int, end: int, host: torch.Tensor, fence=None):
         """Copy units [start, end) of the payload over `index` (`block_index`) into the uint8
@@ -238,16 +249,18 @@ class KVCacheAccess:
         if self._copy_stream is None:
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                torch.index_select(self.caches[cache], 0, index[j0:j1], out=out[at : at + j1 - j0])
+                torch.index_select(
+                    self._byte_caches[cache], 0, index[j0:j1], out=out[at : at + j1 - j0]
+                )
             return None
         with torch.cuda.stream(self._copy_stream):
             if fence is not None:
                 self._copy_stream.wait_event(fence)
-            staged = torch.empty(out.shape, dtype=self.dtype, device=self.device)
+            staged = torch.empty(out.shape, dtype=torch.uint8, device=self.device)
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
                 torch.index_select(
-                    self.caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
+                    self._byte_caches[cache], 0, index[j0:j1], out=staged[at : at + j1 - j0]
                 )
             out.copy_(staged, non_blocking=True)
             done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
@@ -264,7 +277,7 @@ class KVCacheAccess:
         if self._copy_stream is None:
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                self.caches[cache].index_copy_(0, index[j0:j1], src[at : at + j1 - j0])
+                self._byte_caches[cache].index_copy_(0, index[j0:j1], src[at : at + j1 - j0])
             return None
         with torch.cuda.stream(self._copy_stream):
             if fence is not None:
@@ -272,7 +285,7 @@ class KVCacheAccess:
             staged = src.to(self.device, non_blocking=True)
             for cache, j0, j1 in cache_segments(n, start, end):
                 at = cache * n + j0 - start
-                self.caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
+                self._byte_caches[cache].index_copy_(0, index[j0:j1], staged[at : at + j1 - j0])
             done = torch.cuda.Event(blocking=True)  # a worker waits on it: sleep, not spin
             done.record(self._copy_stream)
         return done

@@ -14,6 +14,11 @@ attend over their last `sliding_window` positions; where the engine frees the bl
 has left behind, they write and read through the step's window block tables
 (`AttentionMetadata.window`). Attention sinks (GPT-OSS) are a learned per-head logit in each
 softmax's denominator (`sinks`, a parameter of the layer).
+
+The cache is in the model's dtype or FP8 (`--kv-cache-dtype fp8`, `use_kv_cache_dtype`): every
+kernel that writes or reads it takes the layer's per-tensor `k_scale` / `v_scale` (an FP8 cache
+holds K / k_scale), 1.0 or the checkpoint's. The dense path of fresh prompts reads no cache: it
+attends over the projection's own K and V, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from atom_kernels import ops, varlen_attention
+from atom_kernels.fp8_formats import is_fp8
 from atom_runtime.layers.cache_spec import KVCacheSpec, paged_kv_spec
 from atom_runtime.layers.forward_context import AttentionMetadata, get_attention_metadata
 from atom_runtime.layers.weights import copy_weight
@@ -57,6 +63,13 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # The cache's dtype (None: the model's) and, for an FP8 cache, its dequantization scales
+        # (floats: launch constants, fixed once loaded). The checkpoint's k/v scales, when it
+        # has them, are kept here as it loads (models/fp8_loading.py).
+        self.kv_cache_dtype: torch.dtype | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.checkpoint_kv_scales: dict[str, float] = {}
         # Set by the model runner (where `varlen_attention.supported` on its device, with
         # ATOM_DENSE_PREFILL=1): fresh prompts then may attend densely. False on CPU (the paged
         # path is the only one there).
@@ -64,7 +77,23 @@ class PagedAttention(nn.Module):
 
     def cache_spec(self) -> KVCacheSpec:
         """K and V of this rank's KV heads, one row per token each."""
-        return paged_kv_spec(self.num_kv_heads, self.head_dim)
+        return paged_kv_spec(self.num_kv_heads, self.head_dim, self.kv_cache_dtype)
+
+    def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the cache in `dtype`; an FP8 one with the checkpoint's k/v scales (1.0 where it
+        has none), moved to the format's own scale (e4m3fnuz's values are half e4m3fn's)."""
+        self.kv_cache_dtype = dtype
+        if not is_fp8(dtype):
+            self.k_scale = self.v_scale = 1.0
+            return
+        k = self.checkpoint_kv_scales.get("k_scale", 1.0)
+        v = self.checkpoint_kv_scales.get("v_scale", 1.0)
+        factor = 2.0 if dtype == torch.float8_e4m3fnuz and self.checkpoint_kv_scales else 1.0
+        self.k_scale, self.v_scale = k * factor, v * factor
+
+    def kv_scales(self) -> dict[str, float]:
+        """The `k_scale` / `v_scale` keywords of every op that touches this layer's cache."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def bind_cache(self, tensors: list[torch.Tensor]) -> None:
         """Take the cache tensors allocated from `cache_spec` (empty ones release them)."""
@@ -102,6 +131,7 @@ class PagedAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             self.q_gate,
+            **self.kv_scales(),
         )
         return varlen_attention.qkv_views(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_gate
@@ -118,15 +148,17 @@ class PagedAttention(nn.Module):
         k_norm_weight: torch.Tensor | None = None,
         *,
         eps: float = 1e-6,
+        **fp8,
     ) -> torch.Tensor:
         """`prepare` of one token fused with the qkv projection that precedes it: one GEMV
         launch projects x, norms q and k heads (QK-norm, when its weights are given), rotates
-        them, and stores k and v in the cache. Returns q as [1, num_heads, head_dim]."""
+        them, and stores k and v in the cache. Returns q as [1, num_heads, head_dim]. `fp8`:
+        an FP8 weight's keywords (`LinearBase.gemv_scales`)."""
         self._check_bound()
         qkv = ops.linear_rope_store_small_m(
             x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
             self.metadata().slot_mapping, self.num_heads, self.num_kv_heads,
-            self.head_dim, q_norm_weight, k_norm_weight, eps,
+            self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8, **self.kv_scales(),
         )  # fmt: skip
         return self._one_row_q(qkv)
 
@@ -145,6 +177,7 @@ class PagedAttention(nn.Module):
         *,
         eps: float = 1e-6,
         summed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **fp8,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prepare_one_row` with the layer's input RMSNorm (after adding `residual`) in the
         same launch. Returns (q, x + residual) (x itself without a residual). With `summed`
@@ -155,13 +188,15 @@ class PagedAttention(nn.Module):
             qkv = ops.rms_scaled_linear_rope_store_small_m(
                 *summed, norm_eps, weight, bias, positions, cos_sin_cache, self.k_cache,
                 self.v_cache, self.metadata().slot_mapping, self.num_heads,
-                self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
+                self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8,
+                **self.kv_scales(),
             )  # fmt: skip
             return self._one_row_q(qkv), x
         qkv, residual = ops.rms_norm_linear_rope_store_small_m(
             x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
             self.k_cache, self.v_cache, self.metadata().slot_mapping, self.num_heads,
-            self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
+            self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8,
+            **self.kv_scales(),
         )  # fmt: skip
         return self._one_row_q(qkv), residual
 
@@ -197,7 +232,7 @@ class PagedAttention(nn.Module):
         if meta.decode_only:
             out = ops.paged_attention_decode(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                sliding_window=window, sinks=sinks,
+                sliding_window=window, sinks=sinks, **self.kv_scales(),
             )  # fmt: skip
         elif (
             self.dense_prefill
@@ -221,5 +256,6 @@ class PagedAttention(nn.Module):
                 meta.max_seqlen_q,
                 sliding_window=window,
                 sinks=sinks,
+                **self.kv_scales(),
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -62,9 +62,15 @@ class KVCacheSpec:
         ]
 
 
-def paged_kv_spec(num_kv_heads: int, head_dim: int) -> KVCacheSpec:
+def paged_kv_spec(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None
+) -> KVCacheSpec:
+    """K and V per KV head; `dtype` None keeps them in the engine's dtype (an FP8 cache sets
+    its format here, and the memory planner sizes and allocates from it)."""
     token = (num_kv_heads, head_dim)
-    return KVCacheSpec(PAGED_KV, (CacheTensorSpec("k", token), CacheTensorSpec("v", token)))
+    return KVCacheSpec(
+        PAGED_KV, (CacheTensorSpec("k", token, dtype), CacheTensorSpec("v", token, dtype))
+    )
 
 
 def latent_spec(kv_lora_rank: int, rope_dim: int) -> KVCacheSpec:

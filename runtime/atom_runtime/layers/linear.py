@@ -3,7 +3,9 @@
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's part
 of a checkpoint tensor into place, so a rank never holds the full model. `loaded` is a tensor or a
 lazy checkpoint tensor (`models.loader.CheckpointTensor`): the loader narrows it to this rank's
-rows or columns before anything is read, so a rank reads only its shard from disk.
+rows or columns before anything is read, so a rank reads only its shard from disk. Where a
+checkpoint part goes is one rule per layer class (`placement`), shared by the weight, its bias and
+an FP8 weight's scales (layers/fp8_linear.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_kernels import ops
+from atom_runtime.layers import fp8_linear
 from atom_runtime.layers.forward_context import dense_rows
 from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.weights import copy_weight
@@ -35,6 +38,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # FP8 weights (layers/fp8_linear.py): the dequantization scales beside the FP8 weight and,
+        # for static activations, the input's; None for a layer in the run dtype.
+        self.register_parameter("weight_scale", None)
+        self.register_parameter("input_scale", None)
+        self.fp8_scheme = None
+        self.weight_block_size: tuple[int, int] | None = None
+        # Whether the quantization may make this layer FP8 (not a router, whose logits decide
+        # near-ties, nor a weight read in parts elsewhere), and whether an FP8 checkpoint's
+        # tensors can load into it as they are (not when its loader reorders rows).
+        self.quantizable = True
+        self.loads_fp8_checkpoint = True
         # Whether the model calls this layer through `forward_normed` (an RMSNorm before it),
         # and the activation applied to its output ("silu_mul": SwiGLU over [gate; up] rows).
         self.norm_before = False
@@ -69,11 +83,27 @@ class LinearBase(nn.Module):
         """act_after(x @ W.T + b)."""
         if self.gemv and x.shape[0] == 1:
             fused = self.act_after if self.fuse_act else None
-            y = ops.linear_small_m(x, self.weight, self._bias(), act=fused)
+            y = ops.linear_small_m(x, self.weight, self._bias(), act=fused, **self.gemv_scales())
             return y if fused is not None else self._activate(y)
         if self.pads_for_attention and (rows := dense_rows()) > x.shape[0]:
             return self._padded_linear(x, rows)
-        return self._activate(F.linear(x, self.weight, self._bias()))
+        return self._activate(self._matmul(x))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ b): cuBLAS, or W8A8 for an FP8 weight."""
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, self._bias())
+        return ops.fp8_linear(
+            x, self.weight, self.weight_scale, self._bias(), input_scale=self.input_scale,
+            weight_block_size=self.weight_block_size,
+        )  # fmt: skip
+
+    def gemv_scales(self) -> dict:
+        """The FP8 keywords of the batch-1 GEMV ops for this layer's weight (none in the run
+        dtype)."""
+        if self.weight_scale is None:
+            return {}
+        return {"weight_scale": self.weight_scale, "weight_block_size": self.weight_block_size}
 
     def _padded_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """x @ W.T (+ b) as the first x.shape[0] rows of a `rows`-row buffer whose other rows
@@ -81,7 +111,9 @@ class LinearBase(nn.Module):
         out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype, device=x.device)
         y = out[: x.shape[0]]
         bias = self._bias()
-        if bias is None:
+        if self.weight_scale is not None:
+            y.copy_(self._matmul(x))
+        elif bias is None:
             torch.mm(x, self.weight.t(), out=y)
         else:
             torch.addmm(bias, x, self.weight.t(), out=y)
@@ -100,15 +132,17 @@ class LinearBase(nn.Module):
             if self.gemv and self.fuse_norm_parts and x.shape[0] == 1 and scaled is not None:
                 fused = self.act_after if self.fuse_act else None
                 y = ops.rms_scaled_linear_small_m(
-                    scaled, residual.sq, norm.eps, self.weight, self._bias(), act=fused
-                )
+                    scaled, residual.sq, norm.eps, self.weight, self._bias(), act=fused,
+                    **self.gemv_scales(),
+                )  # fmt: skip
                 return (y if fused is not None else self._activate(y)), x
             residual = None  # the add is done: norm x alone
         if self.gemv and self.fuse_norm and x.shape[0] == 1:
             fused = self.act_after if self.fuse_act else None
             y, residual = ops.rms_norm_linear_small_m(
-                x, residual, norm.weight, norm.eps, self.weight, self._bias(), act=fused
-            )
+                x, residual, norm.weight, norm.eps, self.weight, self._bias(), act=fused,
+                **self.gemv_scales(),
+            )  # fmt: skip
             return (y if fused is not None else self._activate(y)), residual
         normed, residual = norm.with_residual(x, residual)
         return self(normed), residual
@@ -129,7 +163,7 @@ class LinearBase(nn.Module):
             and tp_size() == 1
         ):
             h, sq, scaled = ops.linear_add_small_m(
-                x, self.weight, residual, next_norm.weight, self._bias()
+                x, self.weight, residual, next_norm.weight, self._bias(), **self.gemv_scales()
             )
             return h, SummedRow(sq, scaled, next_norm.weight)
         return self(x), residual
@@ -146,13 +180,32 @@ class LinearBase(nn.Module):
         """The weight as a plain [out, in] matrix in the run dtype, for code that multiplies by
         parts of it itself (MLA's absorbed W_UK / W_UV are views of kv_b_proj's). A quantized
         layer returns its dequantized weight here."""
+        if self.weight_scale is not None:
+            return fp8_linear.dense_weight(self)
         return self.weight
 
     def _activate(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.act_after is None else ops.silu_and_mul(y)
 
+    def shard_ids(self) -> list:
+        """The checkpoint parts this layer is built from (None: one tensor)."""
+        return [None]
+
+    def placement(self, shard_id=None) -> tuple[int, int, int | None, int]:
+        """Where checkpoint part `shard_id` goes: (dim, offset in this layer, offset in the
+        checkpoint tensor or None when the whole tensor is this rank's, length), along the
+        weight's rows (dim 0) or columns (dim 1)."""
+        return 0, 0, None, self.weight.shape[0]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        copy_weight(param.data, loaded)
+        """This rank's part of checkpoint part `shard_id` into `param` (the weight or the bias:
+        a bias follows the rows, and is whole when the layer splits columns)."""
+        dim, dst, src, size = self.placement(shard_id)
+        if param.data.dim() == 1 and dim == 1:
+            copy_weight(param.data, loaded)
+            return
+        part = loaded if src is None else loaded.narrow(dim, src, size)
+        copy_weight(param.data.narrow(dim, dst, size), part)
 
 
 class MergedReplicatedLinear(LinearBase):
@@ -163,9 +216,11 @@ class MergedReplicatedLinear(LinearBase):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        offset = sum(self.output_sizes[:shard_id])
-        copy_weight(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded)
+    def shard_ids(self) -> list:
+        return list(range(len(self.output_sizes)))
+
+    def placement(self, shard_id=None) -> tuple[int, int, int | None, int]:
+        return 0, sum(self.output_sizes[:shard_id]), None, self.output_sizes[shard_id]
 
 
 class ColumnParallelLinear(LinearBase):
@@ -175,9 +230,9 @@ class ColumnParallelLinear(LinearBase):
         self.out_per_rank = _divide(out_features, tp_size(), "output features")
         super().__init__(in_features, self.out_per_rank, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        n = param.data.shape[0]
-        copy_weight(param.data, loaded.narrow(0, tp_rank() * n, n))
+    def placement(self, shard_id=None) -> tuple[int, int, int, int]:
+        n = self.out_per_rank
+        return 0, 0, tp_rank() * n, n
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -187,10 +242,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def shard_ids(self) -> list:
+        return list(range(len(self.output_sizes)))
+
+    def placement(self, shard_id=None) -> tuple[int, int, int, int]:
         size = self.output_sizes[shard_id] // tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
-        copy_weight(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+        return 0, offset, tp_rank() * size, size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -212,17 +270,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out * tp, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def shard_ids(self) -> list:
+        return ["q", "k", "v"]
+
+    def placement(self, shard_id=None) -> tuple[int, int, int, int]:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, src_index = param.data.narrow(0, 0, q_size), tp_rank()
-            size = q_size
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            dst, size = param.data.narrow(0, offset, kv_size), kv_size
-            src_index = tp_rank() // self.kv_replicas
-        copy_weight(dst, loaded.narrow(0, src_index * size, size))
+            return 0, 0, tp_rank() * q_size, q_size
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return 0, offset, (tp_rank() // self.kv_replicas) * kv_size, kv_size
 
 
 class RowParallelLinear(LinearBase):
@@ -234,12 +291,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(self.in_per_rank, out_features, bias)
         self.reduce_results = True
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.data.dim() == 1:  # bias: added once, after the reduce
-            copy_weight(param.data, loaded)
-            return
-        n = param.data.shape[1]
-        copy_weight(param.data, loaded.narrow(1, tp_rank() * n, n))
+    def placement(self, shard_id=None) -> tuple[int, int, int, int]:
+        n = self.in_per_rank  # columns; the bias is whole (added once, after the reduce)
+        return 1, 0, tp_rank() * n, n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

@@ -95,6 +95,7 @@ class SparseMoE(nn.Module):
         self.stacked_shared = shared > 0 and shared == spec.intermediate_size
         slots = e + 1 if self.stacked_shared else e
         self.gate = LinearBase(h, slots, bias=spec.router_bias)
+        self.gate.quantizable = False  # the router: FP8 noise would move near-tied experts
         self.w13 = nn.Parameter(torch.empty(slots, 2 * self.inter, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(slots, h, self.inter), requires_grad=False)
         if spec.expert_bias:
@@ -105,6 +106,7 @@ class SparseMoE(nn.Module):
         if shared and not self.stacked_shared:
             self.shared_expert = DenseMLP(h, shared)
             self.shared_expert_gate = LinearBase(h, 1, bias=False)
+            self.shared_expert_gate.quantizable = False
         else:
             self.shared_expert = self.shared_expert_gate = None
         # Checkpoint tensors that fill parts of the stacked parameters (a missing one would

@@ -80,6 +80,8 @@ class ModelConfig:
     sliding_window: int | None = None  # keys within this many positions, the query's included
     sliding_layers: list[int] = field(default_factory=list)  # the layers that use the window
     attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator
+    # The checkpoint's `quantization_config`, as written (models/quant_config.py reads it).
+    quantization_config: dict | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -189,6 +191,7 @@ def _llama_from_hf(cls, cfg: dict) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        quantization_config=cfg.get("quantization_config"),
     )
 
 
@@ -277,6 +280,7 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
         or ModelConfig.from_hf({**base, "eos_token_id": top.get("eos_token_id")}).eos_token_ids
     )
     parsed.torch_dtype = str(top.get("torch_dtype") or top.get("dtype") or parsed.torch_dtype)
+    parsed.quantization_config = top.get("quantization_config") or cfg.get("quantization_config")
     parsed.layer_types = layer_types
     parsed.partial_rotary_factor = float(factor)
     parsed.linear_num_key_heads = nk

@@ -17,7 +17,8 @@ fused). The multi-token-prediction layers that follow the decoder layers
 (`num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers + k}`) are skipped with
 one INFO line: no speculative decoding here uses them yet. Every linear layer is a `LinearBase`
 (a quantized linear plugs in by subclassing it); MLA multiplies by parts of kv_b_proj itself,
-through `LinearBase.dense_weight`.
+through `LinearBase.dense_weight`. FP8 checkpoints (DeepSeek-V3's 128x128 blocks) load their
+linear layers as FP8 (kv_b_proj and the routed experts dequantized, models/fp8_loading.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             mla.kv_lora_rank, cfg.num_attention_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         )
+        # Absorbed attention multiplies by parts of kv_b_proj's weight every step: it stays in
+        # the run dtype (an FP8 checkpoint's is dequantized at load, docs/quantization.md).
+        self.kv_b_proj.quantizable = False
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * mla.v_head_dim, h, bias=cfg.attention_bias
         )

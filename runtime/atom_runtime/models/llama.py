@@ -87,16 +87,18 @@ class LlamaAttention(nn.Module):
             if scaled is not None and proj.fuse_norm_parts:  # the norm from what it left
                 q, residual = self.attn.prepare_one_row_normed(
                     hidden, None, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
-                    eps=eps, summed=(scaled, residual.sq),
+                    eps=eps, summed=(scaled, residual.sq), **proj.gemv_scales(),
                 )  # fmt: skip
             elif proj.fuse_norm:  # the input norm in the same launch
                 q, residual = self.attn.prepare_one_row_normed(
                     hidden, None if summed else residual, norm.weight, norm.eps, proj.weight,
-                    proj.bias, *rope, eps=eps,
+                    proj.bias, *rope, eps=eps, **proj.gemv_scales(),
                 )  # fmt: skip
             else:
                 normed, residual = norm.with_residual(hidden, residual)
-                q = self.attn.prepare_one_row(normed, proj.weight, proj.bias, *rope, eps=eps)
+                q = self.attn.prepare_one_row(
+                    normed, proj.weight, proj.bias, *rope, eps=eps, **proj.gemv_scales()
+                )
             return self.o_proj.forward_adding(self.attn(q), residual, next_norm)
         qkv, residual = proj.forward_normed(hidden, residual, norm)
         return self.o_proj.forward_adding(self.attention(positions, qkv), residual, next_norm)

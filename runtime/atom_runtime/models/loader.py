@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from atom_kernels.fp8_formats import is_fp8
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.gguf import gguf_field, open_gguf
 
@@ -72,6 +73,11 @@ class CheckpointTensor:
     def dim(self) -> int:
         return len(self.shape)
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype in the file, as safetensors names it ("BF16", "F8_E4M3", ...)."""
+        return self._slice.get_dtype()
+
     def to(self, dtype: torch.dtype) -> CheckpointTensor:
         return CheckpointTensor(self._file, self.name, dtype)
 
@@ -90,9 +96,9 @@ class CheckpointTensor:
         return self._convert(self._file.get_tensor(self.name))
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        # Integer tensors (quantized blocks and their scales) keep their dtype: only a loader
-        # that dequantizes them knows what they mean.
-        if self.dtype is None or not t.is_floating_point():
+        # Integer and FP8 tensors (quantized blocks and their scales) keep their dtype: only a
+        # loader that knows their scales knows what they mean (a cast would drop them).
+        if self.dtype is None or not t.is_floating_point() or is_fp8(t):
             return t
         return t.to(self.dtype)
 
@@ -176,20 +182,48 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    quantization: str | None = None,
 ):
-    """The model on `device` in `dtype`, its weights loaded (or random for "dummy"), with a
-    progress bar on rank 0 and the weights_read / weights_on_device start-up phases recorded."""
+    """The model on `device` in `dtype`, its weights loaded (or random for "dummy"); FP8 where
+    the checkpoint's quantization_config or `quantization` ("fp8") says (models/fp8_loading.py).
+    A progress bar on rank 0; the weights_read / weights_on_device start-up phases recorded."""
+    from atom_runtime.models import fp8_loading
+    from atom_runtime.models.quant_config import resolve_quantization
+
+    qcfg = resolve_quantization(cfg.quantization_config, quantization, cfg.model_type)
     phases = startup.recorder()
     start = time.perf_counter()
     model = _construct(cfg, dtype, device)
+    if qcfg is not None:
+        fp8_loading.prepare_fp8_layers(model, qcfg, dummy=load_format == "dummy")
+    stream = None
     if load_format == "dummy":
         _fill_dummy(model, seed)
         _synchronize(device)
         phases.add("weights_on_device", time.perf_counter() - start, "random weights")
-        return model.eval()
+    else:
+        stream = _load_checkpoint(model, path, cfg, load_format, dtype, device, qcfg)
+    if qcfg is not None:
+        fp8_loading.finish_fp8_layers(model, qcfg, device, dtype, stream)
+    return model.eval()
+
+
+def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtype, device, qcfg):
+    """Load every checkpoint tensor into `model`; returns the FP8 stream it read through (None
+    for a half-precision model)."""
+    phases = startup.recorder()
+    start = time.perf_counter()
     source = _weight_source(path, cfg, load_format, model, device)
+    stream = None
     with _progress(source.total_bytes, source.label) as bar:
-        loaded = model.load_weights((n, t.to(dtype)) for n, t in bar.follow(source.tensors))
+        tensors = bar.follow(source.tensors)
+        if qcfg is not None and not qcfg.online:
+            from atom_runtime.models.fp8_loading import Fp8CheckpointStream
+
+            stream = Fp8CheckpointStream(model, tensors, dtype, qcfg)
+            loaded = model.load_weights(stream)
+        else:
+            loaded = model.load_weights((n, t.to(dtype)) for n, t in tensors)
     read_done = start + source.read_seconds() if source.read_seconds() else time.perf_counter()
     _synchronize(device)
     done = time.perf_counter()
@@ -202,7 +236,7 @@ def build_model(
     missing = {n for n, _ in model.named_parameters() if n not in loaded and not _is_tied(model, n)}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-    return model.eval()
+    return stream
 
 
 def _construct(cfg: ModelConfig, dtype: torch.dtype, device: torch.device):

@@ -129,6 +129,7 @@ class GatedDeltaNet(nn.Module):
             cfg.hidden_size, [key_all, key_all, value_all, value_all, nv_all, nv_all]
         )
         self.in_proj.norm_before = True  # the decoder layer calls it with its input norm
+        self.in_proj.loads_fp8_checkpoint = False  # its loader reorders rows: no block scales
         self.conv_weight = nn.Parameter(
             torch.empty(self.conv_dim, self.conv_width), requires_grad=False
         )

@@ -44,6 +44,7 @@ _DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,11 @@ class StreamedTensor:
 
     def dim(self) -> int:
         return len(self.shape)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype in the file, as safetensors names it ("BF16", "F8_E4M3", ...)."""
+        return _SAFETENSORS_NAMES[self.entry.dtype]
 
     def to(self, dtype: torch.dtype) -> StreamedTensor:
         return StreamedTensor(self.entry, self._parts, dtype)

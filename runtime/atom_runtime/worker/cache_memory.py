@@ -1,7 +1,9 @@
 """The model runner's memory: how many KV blocks (and, for hybrid models, state slots) fit, the
 cache tensors themselves, and the state-checkpoint copy plan over them. On a GPU the budget is
 what `gpu_memory_utilization` leaves after the weights and a profiling forward's peak; on CPU it
-is ATOM_CPU_KVCACHE_SPACE GiB.
+is ATOM_CPU_KVCACHE_SPACE GiB. The KV cache's dtype is the model's or, with `--kv-cache-dtype
+fp8`, the platform's FP8 e4m3 (one byte a value: twice the blocks in the same memory), set on
+each attention layer's cache spec.
 
 KV groups (docs/kv-groups.md): when a model's sliding-window layers keep their blocks apart
 (`ModelConfig.kv_window`), a block id is one block of the full-attention layers or one of the
@@ -16,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from atom_kernels.fp8_formats import fp8_dtype_for_platform
 from atom_runtime import envs
 from atom_runtime.layers.forward_context import (
     AttentionMetadata,
@@ -39,6 +42,28 @@ log = logging.getLogger("atom_runtime.worker.model_runner")
 class CacheMemory:
     """ModelRunner's part that sizes and allocates the caches (a mixin: it reads the runner's
     model, config, device, dtype and cache geometry)."""
+
+    def _use_kv_cache_dtype(self, layers: list) -> torch.dtype:
+        """The KV cache dtype `--kv-cache-dtype` asks for, set on every attention layer (its
+        cache spec and k/v scales). Multi-head latent attention's cache is refused in FP8: its
+        kernels have no FP8 path yet."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if not all(hasattr(layer, "use_kv_cache_dtype") for layer in layers):
+            raise ValueError(
+                f"kv_cache_dtype: {self.config.kv_cache_dtype!r} is not supported for "
+                f"{self.model_config.model_type} (the latent cache of multi-head latent "
+                "attention has no FP8 kernels yet); use --kv-cache-dtype auto"
+            )
+        dtype = fp8_dtype_for_platform(self.device)
+        for layer in layers:
+            layer.use_kv_cache_dtype(dtype)
+        scaled = sum(bool(layer.checkpoint_kv_scales) for layer in layers)
+        log.info(
+            "KV cache in %s: k/v scales from the checkpoint for %d of %d layers, 1.0 elsewhere",
+            str(dtype).removeprefix("torch."), scaled, len(layers),
+        )  # fmt: skip
+        return dtype
 
     @property
     def bytes_per_block(self) -> int:
@@ -133,9 +158,15 @@ class CacheMemory:
             ):
                 shapes.append(StateTensorShape(f"layer{i}.{name}", tuple(shape), dtype))
         plan = StatePoolPlan(
-            self.block_size, len(attn), self.num_kv_heads, self.head_dim, self.dtype, tuple(shapes)
-        )
+            self.block_size, len(attn), self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
+            tuple(shapes),
+        )  # fmt: skip
         spec = PagedStateCheckpointSpec.from_plan(plan)
+        if spec.page_unit_bytes != self.bytes_per_block:
+            raise RuntimeError(
+                f"state checkpoint PAGE unit ({spec.page_unit_bytes} bytes) differs from a KV "
+                f"block of the cache specs ({self.bytes_per_block} bytes)"
+            )
         if spec.image_bytes != self.state.bytes_per_slot:
             raise RuntimeError(
                 f"state checkpoint image ({spec.image_bytes} bytes) differs from the slot "

@@ -10,6 +10,11 @@ shape (`tune_gemv_launch`: rows per program, columns a step, warps). `ATOM_SMALL
 overrides the timing, or adds a check of the choices on a whole batch-1 step ("checked",
 `refine_small_m_kernels`).
 
+FP8 layers (layers/fp8_linear.py) form groups of their own ("...+fp8"): their GEMV reads the FP8
+bytes with the scales (launch shapes from `gemv.fp8_launch_candidates`, kept per shape with
+`fp8=True`), and their "cublas" path is the many-row W8A8 product (`ops.fp8_linear`), so the
+timing picks between the two per group as it does between cuBLAS and the GEMV for bf16.
+
 The step check was the default until kernels were launched with programmatic dependent launch.
 Since then it ranks paths against what W2 measures: on an H200 it swapped Qwen3-0.6B's fused
 qkv (input norm, QK-norm, rotary and cache store in one GEMV: 5.2 us a layer alone against 7.7)
@@ -91,8 +96,20 @@ def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
             norm = "rmsnorm+" if module.norm_before else ""
             act = f"+{module.act_after}" if module.act_after else ""
             adds = "+residual" if module.residual_after and norm_in_producer() else ""
-            groups[f"{norm}{n}x{k}{act}{adds}"].append(module)
+            groups[f"{norm}{n}x{k}{act}{adds}{_fp8_tag(module)}"].append(module)
     return groups
+
+
+def _fp8_tag(layer: LinearBase) -> str:
+    """ "+fp8" (per-tensor or per-channel scales) or "+fp8/block" for an FP8 layer."""
+    if layer.weight_scale is None:
+        return ""
+    return "+fp8/block" if layer.weight_block_size is not None else "+fp8"
+
+
+def _run_dtype(layer: LinearBase) -> torch.dtype:
+    """The dtype of the layer's activations (its weight's, unless the weight is FP8)."""
+    return layer.run_dtype if layer.weight_scale is not None else layer.weight.dtype
 
 
 def small_m_paths(layer: LinearBase) -> list[str]:
@@ -163,8 +180,9 @@ def choose_small_m_kernels(
     recalled = 0
     for key, layers in small_m_groups(model).items():
         paths = small_m_paths(layers[0])
-        if tuple(layers[0].weight.shape) not in tuned:  # groups may share a shape
-            tuned.add(tuple(layers[0].weight.shape))
+        shape = (*layers[0].weight.shape, _fp8_tag(layers[0]))
+        if shape not in tuned:  # groups may share a shape
+            tuned.add(shape)
             _launch_shape_for(layers, cache, cache_mode)
         if mode == "gemv":
             choice[key] = paths[-1]
@@ -192,10 +210,13 @@ def _launch_shape_for(layers: list[LinearBase], cache: CompileCache | None, mode
     """The GEMV launch shape of this weight shape: the compile cache's, else timed (and kept)."""
     from atom_kernels import gemv as gemv_kernels
 
-    n, k = layers[0].weight.shape
+    first = layers[0]
+    n, k = first.weight.shape
+    mode = f"{mode}{_fp8_tag(first)}"  # FP8 weights (and block scaling) launch shapes of their own
     kept = cache.launch_shape(mode, n, k) if cache is not None else None
     if kept is not None:
-        gemv_kernels.set_launch_shape(n, k, kept)
+        fp8, block_scaled = first.weight_scale is not None, first.weight_block_size is not None
+        gemv_kernels.set_launch_shape(n, k, kept, fp8=fp8, block_scaled=block_scaled)
         return
     best = tune_gemv_launch(layers)
     if cache is not None and best is not None:
@@ -205,11 +226,11 @@ def _launch_shape_for(layers: list[LinearBase], cache: CompileCache | None, mode
 def _time_group(key: str, layers: list[LinearBase], paths: list[str]) -> str:
     """The fastest one-row path of a layer group (`choose_small_m_kernels`), logged."""
     fns = _one_row_paths(layers[0])
-    weight = layers[0].weight
-    fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
-    built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
+    first = layers[0]
+    fns["cublas"](first)  # cuBLAS must run: there is nothing to fall back on
+    built = _that_build(paths[1:], lambda p, fns=fns, m=first: fns[p](m), f"one-row {key}")
     usable = ["cublas", *built]
-    runs = [lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable]  # noqa: B023
+    runs = [lambda fn=fns[p]: [fn(m) for m in layers] for p in usable]  # noqa: B023
     adds = "gemv+add" in usable
     if adds:  # and the norm's launch after each layer, which the add path saves
         runs.append(_norm_launches(layers))
@@ -253,26 +274,32 @@ def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int] | None:
     then timed, and the graphs captured, with it."""
     from atom_kernels import gemv as gemv_kernels
 
-    like = layers[0].weight
-    n, k = like.shape
-    gemv_kernels.set_launch_shape(n, k, None)
-    x = torch.randn(1, k, dtype=like.dtype, device=like.device)
-    mp = torch.cuda.get_device_properties(like.device).multi_processor_count
-    candidates = gemv_kernels.launch_candidates(n, k, mp)
-    usable = _that_build(
-        candidates, lambda cfg: gemv_kernels.gemv(x, like, **cfg), f"one-row {n}x{k} GEMV launch"
-    )
+    first = layers[0]
+    n, k = first.weight.shape
+    fp8 = first.weight_scale is not None
+    block_scaled = first.weight_block_size is not None
+    gemv_kernels.set_launch_shape(n, k, None, fp8=fp8, block_scaled=block_scaled)
+    x = torch.randn(1, k, dtype=_run_dtype(first), device=first.weight.device)
+    mp = torch.cuda.get_device_properties(first.weight.device).multi_processor_count
+    if fp8:
+        candidates = gemv_kernels.fp8_launch_candidates(n, k, mp, block_scaled=block_scaled)
+    else:
+        candidates = gemv_kernels.launch_candidates(n, k, mp)
+
+    def launch(m: LinearBase, cfg: dict):
+        return gemv_kernels.gemv(x, m.weight, **cfg, **m.gemv_scales())
+
+    usable = _that_build(candidates, lambda cfg: launch(first, cfg), f"one-row {n}x{k} GEMV launch")
     if not usable:
         return None
-    times = graph_times(
-        *(lambda cfg=cfg: [gemv_kernels.gemv(x, m.weight, **cfg) for m in layers] for cfg in usable)
-    )
+    times = graph_times(*(lambda cfg=cfg: [launch(m, cfg) for m in layers] for cfg in usable))
     best = usable[times.index(min(times))]
-    gemv_kernels.set_launch_shape(n, k, best)
+    gemv_kernels.set_launch_shape(n, k, best, fp8=fp8, block_scaled=block_scaled)
     log.info(
-        "one-row %dx%d GEMV launch shapes: %s -> %s",
+        "one-row %dx%d%s GEMV launch shapes: %s -> %s",
         n,
         k,
+        _fp8_tag(first),
         ", ".join(
             f"n{c['block_n']}/k{c['block_k']}/split{c['split']}/w{c['num_warps']} "
             f"{t * 1e3 / len(layers):.1f} us"
@@ -357,59 +384,60 @@ def _norm_launches(layers: list[LinearBase]):
     """A function launching the residual add + RMSNorm of one output row of each layer, as the
     norm after a projection that adds to the residual stream runs without the add path."""
     like = layers[0].weight
-    row = torch.randn(1, like.shape[0], dtype=like.dtype, device=like.device)
+    row = torch.randn(1, like.shape[0], dtype=_run_dtype(layers[0]), device=like.device)
     residual, weight = torch.randn_like(row), torch.ones_like(row[0])
     return lambda: [ops.fused_add_rms_norm(row, residual, weight, 1e-6) for _ in layers]
 
 
 def _one_row_paths(layer: LinearBase) -> dict:
-    """{path name: function of a weight}: a one-row product with that weight along each of the
-    layer's paths, with the add + RMSNorm before it, the activation after it, and the rotary +
-    cache store after a qkv projection that the layer has, each in its own kernel or fused into
-    the GEMV as the path says."""
-    like, act = layer.weight, layer.act_after
-    k = like.shape[1]
-    x = torch.randn(1, k, dtype=like.dtype, device=like.device)
+    """{path name: function of a layer of the group}: a one-row product with that layer's
+    weight (and FP8 scales) along each of the layer's paths, with the add + RMSNorm before it,
+    the activation after it, and the rotary + cache store after a qkv projection that the layer
+    has, each in its own kernel or fused into the GEMV as the path says. "cublas" is the
+    many-row product: cuBLAS, or `ops.fp8_linear` for an FP8 weight."""
+    like, act, dtype = layer.weight, layer.act_after, _run_dtype(layer)
+    k, dev = like.shape[1], like.device
+    x = torch.randn(1, k, dtype=dtype, device=dev)
     residual = torch.randn_like(x)
-    norm_w = torch.ones(k, dtype=like.dtype, device=like.device)
+    norm_w = torch.ones(k, dtype=dtype, device=dev)
     # Stand-ins for a producer's residual row and the next norm's weight, and for a consumer's
     # sums of squares from its producer (blocks of 16 rows; x stands in for the scaled row).
-    out_residual = torch.randn(1, like.shape[0], dtype=like.dtype, device=like.device)
-    next_norm_w = torch.ones(like.shape[0], dtype=like.dtype, device=like.device)
-    sq = torch.ones(-(-k // 16), dtype=torch.float32, device=like.device)
+    out_residual = torch.randn(1, like.shape[0], dtype=dtype, device=dev)
+    next_norm_w = torch.ones(like.shape[0], dtype=dtype, device=dev)
+    sq = torch.ones(-(-k // 16), dtype=torch.float32, device=dev)
     rope = _rope_target(layer) if layer.rope_after else None
     qk_norms = (None, None)
     if layer.qk_norm_after:  # stand-in QK-norm weights for a QK-norm model's qkv
-        qk_norms = (torch.ones(layer.head_dim, dtype=like.dtype, device=like.device),) * 2
+        qk_norms = (torch.ones(layer.head_dim, dtype=dtype, device=dev),) * 2
 
     def path_fn(path: str):
         fuse_norm, fuse_act, fuse_rope = "+norm" in path, "+act" in path, "+rope" in path
+        fused_act = act if fuse_act else None
 
-        def run(w):
+        def run(m: LinearBase):
+            w, f = m.weight, m.gemv_scales()
             if path == "gemv+add":
-                return ops.linear_add_small_m(x, w, out_residual, next_norm_w)
+                return ops.linear_add_small_m(x, w, out_residual, next_norm_w, **f)
             if "+sumnorm" in path and fuse_rope:
                 return ops.rms_scaled_linear_rope_store_small_m(
-                    x, sq, 1e-6, w, None, *rope, *qk_norms, 1e-6
+                    x, sq, 1e-6, w, None, *rope, *qk_norms, 1e-6, **f
                 )
             if fuse_norm and fuse_rope:
                 return ops.rms_norm_linear_rope_store_small_m(
-                    x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6
+                    x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6, **f
                 )[0]
             if "+sumnorm" in path:
-                y = ops.rms_scaled_linear_small_m(x, sq, 1e-6, w, act=act if fuse_act else None)
+                y = ops.rms_scaled_linear_small_m(x, sq, 1e-6, w, act=fused_act, **f)
             elif fuse_norm:
-                y = ops.rms_norm_linear_small_m(
-                    x, residual, norm_w, 1e-6, w, act=act if fuse_act else None
-                )[0]
+                y = ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w, act=fused_act, **f)[0]
             else:
                 h = ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0] if layer.norm_before else x
                 if path == "cublas":
-                    y = F.linear(h, w)
+                    y = F.linear(h, w) if m.weight_scale is None else m._matmul(h)
                 elif fuse_rope:
-                    return ops.linear_rope_store_small_m(h, w, None, *rope, *qk_norms, 1e-6)
+                    return ops.linear_rope_store_small_m(h, w, None, *rope, *qk_norms, 1e-6, **f)
                 else:
-                    y = ops.linear_small_m(h, w, act=act if fuse_act else None)
+                    y = ops.linear_small_m(h, w, act=fused_act, **f)
             if rope is not None:
                 ops.qk_norm_rope_store_(y, rope[0], rope[1], *qk_norms, 1e-6, *rope[2:])
             return ops.silu_and_mul(y) if act is not None and not fuse_act else y
@@ -422,7 +450,7 @@ def _one_row_paths(layer: LinearBase) -> dict:
 def _rope_target(layer: LinearBase) -> tuple:
     """Stand-ins for what a qkv projection's rotary + cache store touches, for timing:
     (positions, cos/sin table, k cache, v cache, slot mapping, heads, kv heads, head_dim)."""
-    dev, dtype = layer.weight.device, layer.weight.dtype
+    dev, dtype = layer.weight.device, _run_dtype(layer)
     heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     cache = (4, 16, kv_heads, dim)
     return (

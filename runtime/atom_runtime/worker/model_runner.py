@@ -89,9 +89,11 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         )
         torch.manual_seed(config.seed)
         self.model = build_model(
-            model_path, model_config, config.load_format, self.dtype, self.device, config.seed
-        )
+            model_path, model_config, config.load_format, self.dtype, self.device, config.seed,
+            quantization=config.quantization,
+        )  # fmt: skip
         attn = self.model.attention_layers()
+        self.kv_cache_dtype = self._use_kv_cache_dtype(attn)
         self.num_heads = attn[0].num_heads
         self.num_kv_heads = attn[0].num_kv_heads
         self.head_dim = attn[0].head_dim
@@ -269,7 +271,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             with torch.inference_mode():
                 failed = prefill_attention.warm_up(
                     layer.k_cache, layer.v_cache, layer.num_heads, width, layer.scale, launches,
-                    sliding_window=window, sinks=layer.sinks,
+                    sliding_window=window, sinks=layer.sinks, q_dtype=self.dtype,
+                    **layer.kv_scales(),
                 )  # fmt: skip
             compiled += len(launches) - len(failed)
             for launch, exc in failed:

@@ -1,0 +1,23 @@
+"""FP8 checkpoints under tensor parallelism (2 ranks over gloo, CPU): each rank places its part
+of every scale (block rows or columns, per-channel rows, per-tensor values of fused parts) where
+its part of the weight goes, so the dequantized shards give the tokens one rank gives on the
+dequantized twin."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fp8_checkpoints import write_fp8_checkpoint
+from tests.runtime.worker.test_tensor_parallel import _no_leftover_workers, _run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize(
+    "kind, layout", [("llama", "block"), ("qwen3", "channel"), ("llama", "tensor")]
+)
+def test_tp2_fp8_checkpoint_equals_one_rank_on_its_twin(tiny_models, tmp_path, kind, layout):
+    # Blocks of 16 rows: every rank's q, k and v parts start on a block (k and v are 16 rows a
+    # rank in the tiny llama).
+    fp8_dir, twin = write_fp8_checkpoint(tiny_models[kind], tmp_path, layout, block=16)
+    assert _run(fp8_dir, 2) == _run(twin, 1)
