@@ -15,6 +15,7 @@ from pathlib import Path
 # (`kv_role` kv_producer) streams no decodes and keeps the offline budget.
 MAX_NUM_BATCHED_TOKENS = 8192
 SERVE_MAX_NUM_BATCHED_TOKENS = 4096
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -60,6 +61,11 @@ class EngineConfig:
     # The share of the KV block pool that checkpoints may borrow at most (the store evicts its
     # least recently used records beyond it); live KV always has the first claim.
     state_checkpoint_memory_fraction: float = 0.1
+    # Hybrid models: the dtype the recurrent (delta-rule) state is kept in between steps, vLLM's
+    # flag. auto: float32 (unlike vLLM, whose auto follows the model dtype); bfloat16/float16
+    # halve the state's bytes, the bulk of a large decode batch's traffic; the kernels compute
+    # in fp32 either way (docs/hybrid-models.md: the accuracy it costs).
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
@@ -107,6 +113,11 @@ class EngineConfig:
             raise ValueError(
                 "state_checkpoint_memory_fraction: must be in (0, 1], got "
                 f"{self.state_checkpoint_memory_fraction}"
+            )
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(
+                "mamba_ssm_cache_dtype: must be one of "
+                f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
@@ -267,4 +278,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="hybrid models: the share of the KV block pool state checkpoints may borrow at most "
         "(default 0.1; least recently used checkpoints are evicted beyond it, and live KV "
         "reclaims them whenever it needs the blocks)",
+    )
+    g.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=d.mamba_ssm_cache_dtype,
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        help="hybrid models: the dtype of the recurrent state between steps (auto: float32; "
+        "bfloat16 halves its bytes, the bulk of a large decode batch's traffic, at some "
+        "accuracy: docs/hybrid-models.md)",
     )

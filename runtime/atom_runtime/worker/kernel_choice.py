@@ -161,7 +161,7 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
         fns = _one_row_paths(layers[0])
         weight = layers[0].weight
         fns["cublas"](weight)  # cuBLAS must run: there is nothing to fall back on
-        built = _that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
+        built = that_build(paths[1:], lambda p, fns=fns, w=weight: fns[p](w), f"one-row {key}")
         usable = ["cublas", *built]
         runs = [lambda fn=fns[p]: [fn(m.weight) for m in layers] for p in usable]  # noqa: B023
         adds = "gemv+add" in usable
@@ -187,7 +187,7 @@ def choose_small_m_kernels(model: nn.Module, device: torch.device) -> dict[str, 
     return choice
 
 
-def _that_build(candidates: list, build, what: str) -> list:
+def that_build(candidates: list, build, what: str) -> list:
     """The candidates whose kernels build and run on this GPU (`build(candidate)` once each,
     which also compiles them before any timing); a failure is logged and that one left out."""
     usable = []
@@ -214,7 +214,7 @@ def tune_gemv_launch(layers: list[LinearBase]) -> None:
     x = torch.randn(1, k, dtype=like.dtype, device=like.device)
     mp = torch.cuda.get_device_properties(like.device).multi_processor_count
     candidates = gemv_kernels.launch_candidates(n, k, mp)
-    usable = _that_build(
+    usable = that_build(
         candidates, lambda cfg: gemv_kernels.gemv(x, like, **cfg), f"one-row {n}x{k} GEMV launch"
     )
     if not usable:
