@@ -11,6 +11,8 @@ two with padding rows (slot -1), fresh rows on dirty slots, tiles partly or whol
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hybrid_cases import gdn_decode_case
@@ -142,7 +144,8 @@ def test_a_batch_that_fills_the_gpu_takes_the_wide_kernel(kernels, device, monke
     want = _run(reference.gated_delta_net_decode_, case)
     for kwargs, takes_wide in (({}, True), ({"v_split": 1}, False)):
         calls.clear()
-        got = _run(lambda **c: kernels["gdn_decode"].gated_delta_net_decode_(**c, **kwargs), case)
+        fn = functools.partial(kernels["gdn_decode"].gated_delta_net_decode_, **kwargs)
+        got = _run(fn, case)
         assert calls == ([1] if takes_wide else [])
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

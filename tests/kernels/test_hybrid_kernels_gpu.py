@@ -9,6 +9,7 @@ tests/conftest.py) without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -390,3 +391,52 @@ def test_gated_attention_prep_and_gate_qwen3_5_4b(kernels, tokens):
     torch.testing.assert_close(
         ops.sigmoid_gate_mul(attn, gate), reference.sigmoid_gate_mul(attn, gate), **BF16
     )
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b", [37, 256])
+def test_gdn_wide_decode_qwen3_5_4b_every_launch_shape(kernels, b, state_dtype):
+    """The wide kernel at each launch candidate (and the rule) against the reference and
+    against gdn_decode.py's kernel, outputs and both states, at a batch that fills the GPU and
+    one that is not a power of two."""
+    wide = kernels["gdn_decode_wide"]
+    case = _fused_decode_case(b, seed=65, state_dtype=state_dtype, num_slots=300)
+    want = _states_run(reference.gated_delta_net_decode_, case)
+    split = _states_run(
+        lambda **c: kernels["gdn_decode"].gated_delta_net_decode_(**c, v_split=1), case
+    )
+    for config in wide.launch_candidates(128, 128):
+        knobs = {k: v for k, v in config.items() if k != "kernel"}
+        got = _states_run(functools.partial(wide.gated_delta_net_decode_wide_, **knobs), case)
+        for g, w, s in zip(got, want, split, strict=True):
+            torch.testing.assert_close(g, w, **BF16)
+            torch.testing.assert_close(g, s, **BF16)
+        assert torch.count_nonzero(got[0][5]) == 0
+
+
+def test_gdn_wide_decode_replays_in_a_cuda_graph_with_new_slots(kernels):
+    """Through `ops` at 64 rows (the wide kernel on an H200), captured once and replayed after
+    the slot ids, has_initial_state and the projection rows were rewritten in place."""
+    case = _fused_decode_case(64, seed=66, num_slots=96)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernels["gdn_decode_wide"].takes_wide_path(64, 16, sms)
+    conv0, ssm0 = case["conv_state"].clone(), case["ssm_state"].clone()
+    ops.gated_delta_net_decode_(**case)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.gated_delta_net_decode_(**case)
+    gen = torch.Generator().manual_seed(67)
+    slots = torch.randperm(96, generator=gen)[:64].to(torch.int32)
+    slots[[3, 40]] = -1
+    case["slot_ids"].copy_(slots)
+    case["has_initial_state"].copy_(torch.rand(64, generator=gen) > 0.3)
+    case["proj"].copy_(torch.randn(case["proj"].shape, generator=gen).to(torch.bfloat16))
+    case["conv_state"].copy_(conv0)
+    case["ssm_state"].copy_(ssm0)
+    want = _states_run(reference.gated_delta_net_decode_, case)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip((out, case["conv_state"], case["ssm_state"]), want, strict=True):
+        torch.testing.assert_close(g, w, **BF16)
+    assert torch.count_nonzero(out[[3, 40]]) == 0
