@@ -8,6 +8,9 @@ so one program does it all: it reads its channels of the projection row, convolv
 slot's conv window (and shifts the window), computes beta and g, L2-normalises q and k, advances
 the recurrent state one token and applies the gated RMSNorm with z.
 
+Batches that fill the GPU run `gdn_decode_wide.py`'s kernel instead (the same op streaming the
+state in tiles; `gated_delta_net_decode_` below decides), unless ATOM_GDN_DECODE=split.
+
 Program layout: one program per (row, k head, Dv tile), holding the `[GROUP, Dk, Dv / V_SPLIT]`
 fp32 state of the GROUP v heads that k head serves, for its tile of Dv columns.
 
