@@ -16,6 +16,7 @@ import functools
 import pytest
 import torch
 from hybrid_cases import gdn_decode_case
+from hybrid_cases import run_on_state_copies as _run
 
 from atom_kernels import ops, reference
 
@@ -33,17 +34,6 @@ TOL = {
     (torch.float16, torch.float32): dict(atol=3e-3, rtol=3e-3),
     (torch.float16, torch.float16): dict(atol=3e-3, rtol=3e-3),
 }
-
-
-def _run(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fn on a copy of the case's states: (output, conv_state after, ssm_state after)."""
-    case = {
-        **case,
-        "conv_state": case["conv_state"].clone(),
-        "ssm_state": case["ssm_state"].clone(),
-    }
-    out = fn(**case)
-    return out, case["conv_state"], case["ssm_state"]
 
 
 def _case(shape, **kw):
