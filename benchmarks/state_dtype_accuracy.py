@@ -22,12 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -56,20 +53,6 @@ def engine_logprobs(folder: Path, ids: list[int], ssm_dtype: str, model_dtype: s
     return out.prompt_logprobs[1:]
 
 
-def reference_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
-    """transformers' fp32 log-softmax at positions 1.. of `ids` ([len - 1, vocab]), its pure
-    torch Gated DeltaNet over the whole sequence at once."""
-    import transformers
-
-    from tests.model_factory import hybrid_references_on_torch
-
-    hybrid_references_on_torch()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)[:-1]
-
-
 def compare(got: list, want) -> dict:
     """Agreement of the most likely next token and the log-prob error over the tokens `got`
     holds, position by position; `want` is another engine run (a list) or the reference's
@@ -96,9 +79,12 @@ def compare(got: list, want) -> dict:
 def measure(folder: Path, tokens: int, seed: int, model_dtype: str, vocab: int) -> dict:
     """One model: the engine with each recurrent state dtype against transformers' fp32 and
     against the engine's fp32-state run."""
-    rng = random.Random(seed)
-    ids = [rng.randrange(3, vocab) for _ in range(tokens)]
-    reference = reference_logprobs(folder, ids)
+    from tests.hf_reference import hf_logprobs, random_prompts
+    from tests.model_factory import hybrid_references_on_torch
+
+    ids = random_prompts(seed, [tokens], vocab)[0]
+    hybrid_references_on_torch()  # transformers' pure-torch Gated DeltaNet, fp32
+    reference = hf_logprobs(folder, [ids])[0][:-1]  # what follows positions 0 .. len - 2
     runs = {d: engine_logprobs(folder, ids, d, model_dtype) for d in ("float32", "bfloat16",
                                                                        "float16")}  # fmt: skip
     result = {}

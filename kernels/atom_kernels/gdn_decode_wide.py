@@ -27,23 +27,19 @@ Launch shape per layer shape and state dtype: the rule (`launch_config`) or what
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import pdl
+from atom_kernels import envs, pdl
 from atom_kernels.gdn import gdn_gates
 from atom_kernels.gdn_token import conv_token, decode_dims, gated_norm
 from atom_kernels.pdl import wait_for_inputs
 
-# Which fused decode kernel a one-token batch takes: "auto" (this one when the batch fills the
-# GPU, `takes_wide_path`), "split" (always gdn_decode.py's: the path before this module) or
-# "wide" (always this one). Read once at import.
-DECODE_PATH = os.environ.get("ATOM_GDN_DECODE", "auto")
-if DECODE_PATH not in ("auto", "split", "wide"):
-    raise ValueError(f"ATOM_GDN_DECODE={DECODE_PATH!r}: expected auto, split or wide")
+# Which fused decode kernel a one-token batch takes (ATOM_GDN_DECODE, read once at import):
+# "auto" (this one when the batch fills the GPU, `takes_wide_path`), "split" (always
+# gdn_decode.py's: the path before this module) or "wide" (always this one).
+DECODE_PATH = envs.GDN_DECODE.value()
 
 
 @triton.jit

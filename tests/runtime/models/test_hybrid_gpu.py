@@ -67,17 +67,17 @@ def test_wide_gdn_decode_gives_the_tokens_of_the_split_kernel_and_transformers(
     from atom_kernels import gdn_decode_wide
 
     folder = tiny_hybrid_models["qwen3_next"]
-    expected, _ = _hf_reference(folder, PROMPTS)
-    prompts = PROMPTS + _prompts(9, [3 + i % 40 for i in range(145)])
+    expected, _ = _hybrid_reference(folder, PROMPTS)
+    prompts = PROMPTS + random_prompts(9, [3 + i % 40 for i in range(145)])
     kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=2048, max_num_seqs=160)
     tokens = {}
     for path in ("split", "auto"):
         monkeypatch.setattr(gdn_decode_wide, "DECODE_PATH", path)
         llm = LLM(str(folder), **kw)
-        tokens[path] = _greedy(llm, prompts, max_tokens=12)
+        tokens[path] = atom_greedy(llm, prompts, 12)
         llm.shutdown()
     assert tokens["auto"] == tokens["split"]
-    assert [t[:8] for t in tokens["auto"][: len(PROMPTS)]] == expected
+    assert [t[:MAX_TOKENS] for t in tokens["auto"][: len(PROMPTS)]] == expected
 
 
 def test_bf16_state_qwen3_5_4b_shape_times_its_decode_kernel_and_serves():
@@ -97,6 +97,6 @@ def test_bf16_state_qwen3_5_4b_shape_times_its_decode_kernel_and_serves():
     assert llm.engine.executor.state_bytes_per_slot == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 2)
     layer = gdn_decode_wide.layer_key(16, 32, 128, 128, torch.bfloat16)
     assert layer in gdn_decode_wide._launch_shapes  # the start-up timing chose for it
-    outs = _greedy(llm, _prompts(2, [700, 12] * 20), max_tokens=16)
+    outs = atom_greedy(llm, random_prompts(2, [700, 12] * 20), 16)
     assert [len(o) for o in outs] == [16] * 40
     assert llm.engine.state_pool.num_in_use == 0
