@@ -93,6 +93,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     while len(first) < len(prompts):
         first.update(engine.step().request_ids)
         prefill_steps += 1
+        if prefill_steps > 10 * len(prompts):
+            raise RuntimeError(f"{len(prompts) - len(first)} requests got no token in time")
     _sync()
     prefill_s = time.perf_counter() - started
     for _ in range(args.decode_steps):
