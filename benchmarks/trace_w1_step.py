@@ -126,7 +126,7 @@ def run_variant(args: argparse.Namespace) -> dict:
             k[1] += ev.device_time
         elif ev.name in SYNCS:
             sync_us += ev.cpu_time_total
-    runner = getattr(engine.executor, "runner", None)
+    runner = getattr(engine.executor, "runner", engine.executor)  # TP: rank 0's
     state_bytes = runner.state_bytes_per_slot if runner is not None else 0
     gdn_layers = len(runner.state.layers) if runner is not None and runner.state else 0
     llm.shutdown()

@@ -214,3 +214,56 @@ def test_ops_dispatch_reaches_the_wide_kernel(kernels, device, monkeypatch):
     finally:
         monkeypatch.delenv("ATOM_KERNEL_BACKEND")
         ops.refresh_backend()
+
+
+def test_the_start_up_choice_times_every_candidate_and_keeps_the_fastest(
+    kernels, tiny_hybrid_models, monkeypatch
+):
+    """`worker.gdn_decode_choice` on a tiny hybrid's own GDN layers (the kernels interpreted;
+    the CUDA graph timing, which needs a GPU, replaced by given times): every wide candidate and
+    gdn_decode.py's kernel run on every layer, the fastest is set for the layer shape (a wide
+    launch shape, or the split kernel, whose win sends full batches back to it), the slots it
+    ran on are zero again; a forced path or a batch the split kernel serves times nothing."""
+    import atom_runtime.worker.gdn_decode_choice as choice
+    from atom_runtime import LLM
+
+    wide = kernels["gdn_decode_wide"]
+    monkeypatch.setattr(wide, "DECODE_PATH", "auto")
+    llm = LLM(str(tiny_hybrid_models["qwen3_5"]), dtype="float32", num_gpu_blocks_override=16)
+    layers = llm.engine.executor.state.layers
+    candidates = wide.launch_candidates(16, 16) + [{"kernel": "split"}]
+    winner = {"index": 1}
+    timed = []
+
+    def given_times(*fns):
+        for fn in fns:
+            fn()  # the real launches, interpreted
+        timed.append(len(fns))
+        return [0.5 if i == winner["index"] else 1.0 + i for i in range(len(fns))]
+
+    class Props:
+        multi_processor_count = 1
+
+    monkeypatch.setattr(choice, "graph_times", given_times)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    cuda = torch.device("cuda")
+    layer = wide.layer_key(2, 4, 16, 16, torch.float32)
+    try:
+        assert choice.choose_gdn_decode_launch(layers, cuda, 3) == candidates[1]
+        assert timed == [len(candidates)]
+        assert wide.launch_config(layer) == candidates[1]
+        assert wide.takes_wide_path(3, 2, 1, layer)
+        for m in layers:
+            assert torch.count_nonzero(m.conv_state) == 0 and torch.count_nonzero(m.ssm_state) == 0
+        winner["index"] = len(candidates) - 1
+        assert choice.choose_gdn_decode_launch(layers, cuda, 3) == {"kernel": "split"}
+        assert not wide.takes_wide_path(3, 2, 1, layer)
+        assert choice.choose_gdn_decode_launch(layers, cuda, 1) is None  # 1 x 2 <= 2 x 1
+        assert choice.choose_gdn_decode_launch(layers, torch.device("cpu"), 3) is None
+        monkeypatch.setattr(wide, "DECODE_PATH", "split")
+        assert choice.choose_gdn_decode_launch(layers, cuda, 3) is None
+        assert timed == [len(candidates)] * 2
+    finally:
+        wide.set_launch_shape(layer, None)
+        llm.shutdown()

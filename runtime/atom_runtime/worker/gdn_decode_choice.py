@@ -42,12 +42,13 @@ def choose_gdn_decode_launch(
     layer = gdn_decode_wide.layer_key(hk, hv, dk, dv, first.ssm_state.dtype)
     if not gdn_decode_wide.takes_wide_path(batch, hk, sms):
         return None
-    gen = torch.Generator(device=device).manual_seed(0)
+    where = first.ssm_state.device
+    gen = torch.Generator(device=where).manual_seed(0)
     width = first.conv_dim + hv * dv + 2 * hv
     dtype = first.conv_weight.dtype
-    proj = (torch.randn(batch, width, generator=gen, device=device) * 0.5).to(dtype)
-    slots = torch.arange(batch, dtype=torch.int32, device=device)
-    resume = torch.ones(batch, dtype=torch.bool, device=device)
+    proj = (torch.randn(batch, width, generator=gen, device=where) * 0.5).to(dtype)
+    slots = torch.arange(batch, dtype=torch.int32, device=where)
+    resume = torch.ones(batch, dtype=torch.bool, device=where)
 
     def step(config: dict):
         """One decode token through every layer on `config`'s kernel."""
