@@ -2,15 +2,20 @@
 running the GDN decode: torch.profiler over steady-state steps of W1's 256 requests.
 
     python benchmarks/trace_w1_step.py --model benchmarks/configs/qwen3.5-4b \
-        --variants split,auto,auto:bfloat16 --out trace_w1.json
+        --variants split,auto,auto:bfloat16 --w1 --out trace_w1.json
 
 Each variant is `PATH[:STATE_DTYPE]`: ATOM_GDN_DECODE (split: gdn_decode.py's kernel, the path
 before the wide one; auto: the default, the wide kernel where the batch fills the GPU; wide)
 and `--mamba-ssm-cache-dtype` (float32 unless given), each in its own process (the switch is
-read at import). A variant submits W1's requests (`atom bench throughput`'s prompts, dummy
-weights), steps until every one has its first token (the prefill phase, timed: W1's bound
-leaves it out), runs `--decode-steps` decode steps to reach W1's middle contexts, times
-`--timed-steps` more, then profiles `--steps`. Per variant it prints and writes:
+read at import). With `--w1` a variant's engine first runs W1 itself (`atom bench
+throughput`'s run: the same prompts, warm-up and timing, its bound printed), so one start-up
+gives the figure and the trace. Then it submits 256 W1-shaped requests (other prompts, so
+nothing is cached; dummy weights), steps until every one has its first token (the prefill
+phase, timed: W1's bound leaves it out), runs `--decode-steps` decode steps to reach W1's
+middle contexts, times `--timed-steps` more, then profiles `--steps`. Per variant it prints
+and writes:
+
+- W1's tok/s and bound (with `--w1`), and the GDN decode launch the start-up timing chose;
 
 - wall ms a decode step (with the batch and mean context), GPU kernel ms a step and the GPU's
   idle share (wall minus kernels: launch gaps and host time the GPU waits for);
@@ -71,7 +76,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     import torch
 
     from atom_runtime import LLM
-    from atom_runtime.bench.cli import w1_prompts
+    from atom_runtime.bench.cli import run_throughput, w1_prompts
     from atom_runtime.protocol.engine_core import EngineRequest
     from atom_runtime.sampling_params import SamplingParams
 
@@ -82,8 +87,15 @@ def run_variant(args: argparse.Namespace) -> dict:
         mamba_ssm_cache_dtype=args.state_dtype,
     )
     engine = llm.engine
+    w1: dict = {}
+    if args.w1:  # `atom bench throughput`'s own W1 run and bound, in this engine
+        w1_args = argparse.Namespace(num_prompts=args.w1_prompts, input_len_min=100,
+                                     input_len_max=1024, output_len=args.w1_output_len,
+                                     peer_num_prompts=None, peer_batch_size=64)  # fmt: skip
+        run_throughput(llm, w1_args, w1)
     vocab = engine.model_config.vocab_size
-    prompts = [[t % vocab for t in p] for p in w1_prompts(args.batch, 100, 1024)]
+    # Other prompts than W1's (seed 1): none of them finds its prefix cached by the W1 run.
+    prompts = [[t % vocab for t in p] for p in w1_prompts(args.batch, 100, 1024, seed=1)]
     total = args.decode_steps + args.timed_steps + args.steps + 8
     params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -130,7 +142,10 @@ def run_variant(args: argparse.Namespace) -> dict:
     state_bytes = runner.state_bytes_per_slot if runner is not None else 0
     gdn_layers = len(runner.state.layers) if runner is not None and runner.state else 0
     llm.shutdown()
-    return summarize(
+    from atom_kernels import gdn_decode_wide
+
+    launch = {str(k): v for k, v in gdn_decode_wide._launch_shapes.items()}
+    return {"w1": w1, "gdn_decode_launch": launch} | summarize(
         kernels, args.steps, wall_ms=wall_ms, profiled_ms=profiled_ms,
         host_ms=profiled_ms - sync_us / 1e3 / args.steps, batch=batch,
         mean_context=mean_context, prefill_s=prefill_s, prefill_steps=prefill_steps,
@@ -171,6 +186,16 @@ def describe(name: str, r: dict) -> str:
         f"{r['host_ms']:.2f} ms; prefill phase {r['prefill_s']:.2f} s in {r['prefill_steps']} "
         "steps"
     ]
+    if r.get("w1"):
+        w1 = r["w1"]
+        copy = w1["bound"].get("copy", {})
+        lines.append(
+            f"   W1 {w1['output_tokens_per_s']:,.0f} tok/s in {w1['seconds']:.2f} s; bound "
+            f"{copy.get('bound', float('nan')):,.0f} tok/s (copy), "
+            f"{copy.get('atom_share_of_bound', float('nan')):.0%} of it"
+        )
+    if r.get("gdn_decode_launch"):
+        lines.append(f"   GDN decode launch chosen at start-up: {r['gdn_decode_launch']}")
     if "gdn_decode_GBps" in r:
         lines.append(f"   GDN decode moves the state at {r['gdn_decode_GBps']:,.0f} GB/s")
     for g, v in r["groups"].items():
@@ -190,6 +215,14 @@ def main() -> int:
     parser.add_argument("--decode-steps", type=int, default=160)
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--w1",
+        action="store_true",
+        help="first run W1 itself in each variant's engine (atom bench throughput's run and "
+        "bound), so one start-up gives both",
+    )
+    parser.add_argument("--w1-prompts", type=int, default=256, help="W1's 256 (smaller: tests)")
+    parser.add_argument("--w1-output-len", type=int, default=512, help="W1's 512")
     parser.add_argument("--out")
     parser.add_argument("--state-dtype", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # JSON path: run one variant here
@@ -203,9 +236,26 @@ def main() -> int:
     for variant in args.variants.split(","):
         path, _, dtype = variant.partition(":")
         child = f"{args.out or 'trace_w1'}.{path}.{dtype or 'auto'}.part.json"
-        cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch),
-               "--decode-steps", str(args.decode_steps), "--timed-steps", str(args.timed_steps),
-               "--steps", str(args.steps), "--state-dtype", dtype or "auto", "--child", child]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--decode-steps",
+            str(args.decode_steps),
+            "--timed-steps",
+            str(args.timed_steps),
+            "--steps",
+            str(args.steps),
+            "--state-dtype",
+            dtype or "auto",
+            "--child",
+            child,
+        ]
+        cmd += ["--w1", "--w1-prompts", str(args.w1_prompts), "--w1-output-len",
+                str(args.w1_output_len)] if args.w1 else []  # fmt: skip
         env = {**os.environ, "ATOM_GDN_DECODE": path}
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"variant {variant}: failed", file=sys.stderr)
@@ -222,6 +272,9 @@ def main() -> int:
             cells = [f"{results[n]['groups'].get(g, {'us': 0.0})['us'] / 1e3:8.3f}" for n in names]
             print(f"  {g:22} " + " | ".join(cells))
         print("  " + f"{'wall':22} " + " | ".join(f"{results[n]['wall_ms']:8.3f}" for n in names))
+        if all(results[n].get("w1") for n in names):
+            cells = [f"{results[n]['w1']['output_tokens_per_s']:8.0f}" for n in names]
+            print("  " + f"{'W1 tok/s':22} " + " | ".join(cells))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "variants": results}, f, indent=1)
