@@ -18,7 +18,7 @@ import torch
 from hybrid_cases import gdn_decode_case
 from hybrid_cases import run_on_state_copies as _run
 
-from atom_kernels import ops, reference
+from atom_kernels import reference
 
 # (Hk, Hv, Dk, Dv, conv width): GROUP 2 with Dv 12; GROUP 1 with 3 heads; GROUP 3, width 3.
 SHAPES = [(2, 4, 8, 12, 4), (3, 3, 16, 16, 4), (2, 6, 12, 8, 3)]
@@ -191,29 +191,6 @@ def test_a_tile_wider_than_dv_is_refused(kernels, device):
     case = _case(SHAPES[2], **ROWS, seed=75, device=device)  # Dv 8
     with pytest.raises(ValueError, match="block_v=16"):
         kernels["gdn_decode_wide"].gated_delta_net_decode_wide_(**case, block_v=16)
-
-
-def test_ops_dispatch_reaches_the_wide_kernel(kernels, device, monkeypatch):
-    """Through `ops` (forced to Triton) a large batch ends in the wide kernel."""
-    monkeypatch.setenv("ATOM_KERNEL_BACKEND", "triton")
-    ops.refresh_backend()
-    calls = []
-    wide = kernels["gdn_decode_wide"]
-    real = wide.gated_delta_net_decode_wide_
-    monkeypatch.setattr(
-        wide, "gated_delta_net_decode_wide_", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    monkeypatch.setattr(wide, "DECODE_PATH", "wide")
-    try:
-        case = _case(SHAPES[1], **ROWS, seed=76, device=device)
-        got = _run(ops.gated_delta_net_decode_, case)
-        want = _run(reference.gated_delta_net_decode_, case)
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-        assert calls == [1]
-    finally:
-        monkeypatch.delenv("ATOM_KERNEL_BACKEND")
-        ops.refresh_backend()
 
 
 def test_the_start_up_choice_times_every_candidate_and_keeps_the_fastest(
