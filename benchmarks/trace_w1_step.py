@@ -212,7 +212,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--variants", default="split,auto", help="PATH[:STATE_DTYPE],...")
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--decode-steps", type=int, default=160)
+    parser.add_argument("--decode-steps", type=int, default=240)
     parser.add_argument("--timed-steps", type=int, default=20)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
