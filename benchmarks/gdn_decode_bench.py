@@ -2,6 +2,7 @@
 
     python benchmarks/gdn_decode_bench.py --out gdn_decode.json          # batch 1 and 16
     python benchmarks/gdn_decode_bench.py --batch 1 --sweep              # + Dv splits and num_warps of the fused GDN
+    python benchmarks/gdn_decode_bench.py --batch 256 --sweep --parts gdn --state-dtype float32,bfloat16
 
 Qwen3.5-4B shapes, bf16 (benchmarks/configs/qwen3.5-4b): a GDN layer with 16 k heads and 32 v
 heads of 128, conv width 4, fp32 state; a gated attention layer with 16 q heads (each with its
@@ -12,7 +13,12 @@ out_proj/o_proj are the same GEMMs either way):
 - gdn/chain: what `GatedDeltaNet.forward` ran for a decode batch before the fused op (the copy of
   the conv input, causal_conv1d_, eight elementwise ops for beta and g, gated_delta_rule_, the
   copy of z and gated_rms_norm); gdn/prefill_path: today's non-decode path at decode shapes
-  (strided conv input, gdn_gating); gdn/fused: gated_delta_net_decode_.
+  (strided conv input, gdn_gating); gdn/fused: gated_delta_net_decode_ as the engine calls it
+  (gdn_decode.py's kernel, or the wide one where the batch fills the GPU); with --sweep,
+  gdn/fused_vsplitN: gdn_decode.py's kernel with N splits, gdn/wide_*: the wide kernel's
+  launch candidates (`gdn_decode_wide.launch_candidates`). Each GDN row also gives the state
+  stream's GB/s (the conv and recurrent state read and written once, over the time) and its
+  share of the copy ceiling (`--copy-gbps`, 4,233 measured on an H200).
 - attn/chain: the old GatedAttention (the query and gate copies, two rms_norms, rotary,
   store_kvcache, decode attention, sigmoid, multiply); attn/fused: qk_norm_rope_store_ with
   q_gate, decode attention on the strided queries, sigmoid_gate_mul; attn/attention_only: the
@@ -72,7 +78,9 @@ def _graph_us_per_layer(step: Callable[[int], object], layers: int, replays: int
 class GdnLayers:
     """`layers` GDN layers' parameters and states for a batch of b decode rows in slots 0..b-1."""
 
-    def __init__(self, b: int, layers: int, gen: torch.Generator) -> None:
+    def __init__(
+        self, b: int, layers: int, gen: torch.Generator, state_dtype=torch.float32
+    ) -> None:
         dev, bf16 = DEVICE, torch.bfloat16
         self.b, self.conv_dim = b, 2 * HK * DK + HV * DV
         width = self.conv_dim + HV * DV + 2 * HV
@@ -86,7 +94,8 @@ class GdnLayers:
             for _ in range(layers)
         ]
         self.ssm_state = [
-            (torch.randn(b, HV, DK, DV, generator=gen) * 0.1).to(dev) for _ in range(layers)
+            (torch.randn(b, HV, DK, DV, generator=gen) * 0.1).to(state_dtype).to(dev)
+            for _ in range(layers)
         ]
         self.a_log = torch.randn(HV, generator=gen).to(bf16).to(dev)
         self.dt_bias = torch.randn(HV, generator=gen).to(bf16).to(dev)
@@ -134,16 +143,27 @@ class GdnLayers:
             num_warps=num_warps, v_split=v_split,
         )  # fmt: skip
 
+    def wide(self, i: int, **launch) -> torch.Tensor:
+        from atom_kernels import gdn_decode_wide
 
-def gdn_state_bytes(b: int) -> int:
-    """One GDN layer's recurrent (fp32) and conv (bf16) state for b rows."""
-    return b * (HV * DK * DV * 4 + (2 * HK * DK + HV * DV) * (WIDTH - 1) * 2)
+        return gdn_decode_wide.gated_delta_net_decode_wide_(
+            self.proj, self.conv_weight[i], self.conv_state[i], self.ssm_state[i], self.a_log,
+            self.dt_bias, self.norm_weight, EPS, self.slots, self.resume, DK**-0.5, **launch,
+        )  # fmt: skip
+
+
+def gdn_state_bytes(b: int, state_dtype=torch.float32) -> int:
+    """One GDN layer's recurrent and conv (bf16) state for b rows."""
+    recurrent = HV * DK * DV * torch.empty((), dtype=state_dtype).element_size()
+    return b * (recurrent + (2 * HK * DK + HV * DV) * (WIDTH - 1) * 2)
 
 
 class AttnLayers:
     """`layers` gated attention layers' caches (each sequence's blocks apart) and one qkv row."""
 
-    def __init__(self, b: int, layers: int, gen: torch.Generator) -> None:
+    def __init__(
+        self, b: int, layers: int, gen: torch.Generator, state_dtype=torch.float32
+    ) -> None:
         dev, bf16 = DEVICE, torch.bfloat16
         self.b = b
         width = (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM
@@ -207,12 +227,17 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def _timed(part: str, variant: str, batch: int, step, layers: int, diff: float) -> dict:
+def _timed(
+    part: str, variant: str, batch: int, step, layers: int, diff: float, moved: int = 0
+) -> dict:
     us = _graph_us_per_layer(step, layers)
-    return dict(
+    row = dict(
         part=part, variant=variant, batch=batch, us_per_layer=round(us, 2),
         layers_in_graph=layers, max_abs_diff_vs_chain=diff,
     )  # fmt: skip
+    if moved:  # bytes the layer must move: its state read and written
+        row["state_GBps"] = round(moved / (us * 1e-6) / 1e9, 1)
+    return row
 
 
 def kernel_registers(jit_fn) -> list[dict]:
@@ -232,9 +257,11 @@ def kernel_registers(jit_fn) -> list[dict]:
     return stats
 
 
-def bench_gdn(batch: int, sweep: bool, gen: torch.Generator) -> list[dict]:
-    layers = max(GDN_LAYERS, math.ceil(4 * L2_BYTES / gdn_state_bytes(batch)))
-    gdn = GdnLayers(batch, layers, gen)
+def bench_gdn(batch: int, sweep: bool, gen: torch.Generator, state_dtype) -> list[dict]:
+    from atom_kernels import gdn_decode_wide
+
+    layers = max(GDN_LAYERS, math.ceil(4 * L2_BYTES / gdn_state_bytes(batch, state_dtype)))
+    gdn = GdnLayers(batch, layers, gen, state_dtype)
     # Agreement from the same states of layer 0 (each call advances them).
     conv0, ssm0 = gdn.conv_state[0].clone(), gdn.ssm_state[0].clone()
     want = gdn.chain(0)
@@ -254,7 +281,16 @@ def bench_gdn(batch: int, sweep: bool, gen: torch.Generator) -> list[dict]:
             variants[f"fused_vsplit8_warps{w}"] = lambda i, w=w: gdn.fused(i, w, v_split=8)
         for w in (4, 16):
             variants[f"fused_vsplit1_warps{w}"] = lambda i, w=w: gdn.fused(i, w, v_split=1)
-    return [_timed("gdn", name, batch, step, layers, diff) for name, step in variants.items()]
+        for c in gdn_decode_wide.launch_candidates(DK, DV):
+            knobs = {k: v for k, v in c.items() if k != "kernel"}
+            name = f"wide_{c['block_v']}x{c['num_warps']}w" + ("" if c["prefetch"] else "_nopf")
+            variants[name] = lambda i, knobs=knobs: gdn.wide(i, **knobs)
+    moved = 2 * gdn_state_bytes(batch, state_dtype)
+    dtype = str(state_dtype).removeprefix("torch.")
+    return [
+        {**_timed("gdn", name, batch, step, layers, diff, moved), "state_dtype": dtype}
+        for name, step in variants.items()
+    ]
 
 
 def bench_attn(batch: int, gen: torch.Generator) -> list[dict]:
@@ -272,36 +308,61 @@ def main() -> int:
         "--sweep", action="store_true", help="also time the fused GDN's Dv splits and num_warps"
     )
     parser.add_argument("--out", help="write the rows (and the device) to this JSON file")
+    parser.add_argument(
+        "--state-dtype", default="float32", help="recurrent state dtypes: float32,bfloat16"
+    )
+    parser.add_argument("--parts", default="gdn,attn", help="gdn, attn or both")
+    parser.add_argument(
+        "--copy-gbps", type=float, default=4233.0, help="the device copy's GB/s (read + write)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA/ROCm GPU", file=sys.stderr)
         return 2
+    parts = args.parts.split(",")
     rows = []
     for b in (int(x) for x in args.batch.split(",")):
         gen = torch.Generator().manual_seed(b)
-        rows += bench_gdn(b, args.sweep, gen)
-        torch.cuda.empty_cache()
-        rows += bench_attn(b, gen)
-        torch.cuda.empty_cache()
-    print(f"{'part':6} {'variant':16} {'batch':>5} {'us/layer':>9}  max|fused-chain|")
+        if "gdn" in parts:
+            for name in args.state_dtype.split(","):
+                rows += bench_gdn(b, args.sweep, gen, getattr(torch, name))
+                torch.cuda.empty_cache()
+        if "attn" in parts:
+            rows += bench_attn(b, gen)
+            torch.cuda.empty_cache()
+    print(f"{'part':6} {'variant':22} {'state':9} {'batch':>5} {'us/layer':>9} {'GB/s':>7} "
+          f"{'of copy':>7}  max|fused-chain|")  # fmt: skip
     for r in rows:
-        print(f"{r['part']:6} {r['variant']:16} {r['batch']:5d} {r['us_per_layer']:9.2f}  "
-              f"{r['max_abs_diff_vs_chain']:.3g}")  # fmt: skip
-    from atom_kernels import gdn_decode
+        gbps = r.get("state_GBps")
+        rate = f"{gbps:7.0f} {gbps / args.copy_gbps:7.1%}" if gbps else f"{'':7} {'':7}"
+        print(f"{r['part']:6} {r['variant']:22} {r.get('state_dtype', ''):9} {r['batch']:5d} "
+              f"{r['us_per_layer']:9.2f} {rate}  {r['max_abs_diff_vs_chain']:.3g}")  # fmt: skip
+    from atom_kernels import gdn_decode, gdn_decode_wide
 
     registers = kernel_registers(gdn_decode._gdn_decode_kernel)
     for k in registers:
         print(f"fused GDN kernel, {k['num_warps']} warps: {k['n_regs']} registers a thread, "
               f"{k['n_spills']} spilled")  # fmt: skip
-    by = {(r["part"], r["variant"], r["batch"]): r["us_per_layer"] for r in rows}
+    wide_registers = kernel_registers(gdn_decode_wide._gdn_decode_wide_kernel)
+    for k in wide_registers:
+        print(f"wide GDN kernel, {k['num_warps']} warps: {k['n_regs']} registers a thread, "
+              f"{k['n_spills']} spilled")  # fmt: skip
+    by = {
+        (r["part"], r["variant"], r["batch"]): r["us_per_layer"]
+        for r in rows
+        if r.get("state_dtype", "float32") == "float32"
+    }
     for b in sorted({r["batch"] for r in rows}):
+        if ("gdn", "chain", b) not in by or ("attn", "chain", b) not in by:
+            continue
         saved = GDN_LAYERS * (by["gdn", "chain", b] - by["gdn", "fused", b])
         saved += ATTN_LAYERS * (by["attn", "chain", b] - by["attn", "fused", b])
         print(f"batch {b}: a Qwen3.5-4B step ({GDN_LAYERS} GDN + {ATTN_LAYERS} attention layers) "
               f"saves about {saved:.0f} us between the projections")  # fmt: skip
     if args.out:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                    python=platform.python_version(), fused_gdn_registers=registers)  # fmt: skip
+                    python=platform.python_version(), fused_gdn_registers=registers,
+                    wide_gdn_registers=wide_registers)  # fmt: skip
         try:
             import triton
 

@@ -63,6 +63,10 @@ def _w1(model: str, name: str, extra: str = "", timeout_s: int = 600) -> Step:
     )
 
 
+# Hybrids with their recurrent state in bf16 (issue 40).
+_BF16_STATE = " --mamba-ssm-cache-dtype bfloat16"
+
+
 def _serve_client(rate: str) -> Step:
     return Step(
         "atom bench serve --port $port --model $Q3 --dataset-name sharegpt --num-prompts 512 "
@@ -173,21 +177,48 @@ SUITES: tuple[Suite, ...] = (
             ),
         ),
     ),
+    # Issue 40's before/after comes first (about 10 minutes): a run cut by a time limit keeps
+    # every command that finished.
     Suite(
         "hybrid",
-        "hybrid kernels (fused GDN decode, GDN prefill chunks, MoE pair GEMV), the 35B-A3B MoE "
-        "hybrid's W1 and W2, the 4B's W1 with state checkpoints off and on",
+        "the hybrids at full batch first: the wide GDN decode kernel's tests compiled, then per "
+        "GDN decode path (ATOM_GDN_DECODE=split: before; default: after; after with a bf16 "
+        "recurrent state) one engine that runs W1 (bound printed) and traces a W1 decode step "
+        "by kernel group, for the 4B, W2 of the 4B, the same W1 + trace for the 35B-A3B; then "
+        "hybrid kernels (fused GDN decode at batch 1-16 and both decode kernels' launch shapes "
+        "at 64 and 256, GDN prefill chunks, MoE pair GEMV), the 35B-A3B's W2, the 4B's W1 with "
+        "state checkpoints off and on, the 35B-A3B's W1 with a bf16 recurrent state",
         (
+            Step(
+                "pytest -q -p no:cacheprovider tests/kernels/test_gdn_decode_wide.py "
+                "tests/kernels/test_hybrid_kernels_gpu.py -k 'wide or fused_decode'",
+                timeout_s=900,
+            ),
+            Step(
+                "python benchmarks/trace_w1_step.py --model $H4 --w1 "
+                "--variants split,auto,auto:bfloat16 --out $json/w1_trace_qwen3.5-4b.json",
+                timeout_s=1200,
+            ),
+            _w2("H4", "w2_qwen3.5-4b"),
+            Step(
+                "python benchmarks/trace_w1_step.py --model $M35 --w1 --variants split,auto "
+                "--out $json/w1_trace_qwen3.5-35b-a3b.json",
+                timeout_s=1500,
+            ),
             Step(
                 "python benchmarks/gdn_decode_bench.py --batch 1,4,16 --sweep "
                 "--out $json/gdn_decode.json"
             ),
+            Step(
+                "python benchmarks/gdn_decode_bench.py --batch 64,256 --sweep --parts gdn "
+                "--state-dtype float32,bfloat16 --out $json/gdn_decode_full_batch.json"
+            ),
             Step("python benchmarks/gdn_prefill_bench.py --out $json/gdn_prefill.json"),
             Step("python benchmarks/moe_gemv_sweep.py --tokens 1,2,4,8 --out $json/moe_gemv.json"),
             _w2("M35", "w2_qwen3.5-35b-a3b"),
-            _w1("M35", "w1_qwen3.5-35b-a3b"),
             _w1("H4", "w1_qwen3.5-4b_ckpt_off", " --state-checkpoint-interval-tokens 0"),
             _w1("H4", "w1_qwen3.5-4b_ckpt_on", " --state-checkpoint-interval-tokens -1"),
+            _w1("M35", "w1_qwen3.5-35b-a3b_bf16state", _BF16_STATE),
         ),
     ),
     Suite(

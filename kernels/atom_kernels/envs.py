@@ -71,6 +71,15 @@ GDN_PREFILL = EnvVar(
     "very long single prompts). Read at import.",
     ("triton", "fla"),
 )
+GDN_DECODE = EnvVar(
+    "ATOM_GDN_DECODE",
+    "auto",
+    "Fused Gated DeltaNet decode kernel: `auto` (the wide kernel where a batch fills the GPU, "
+    "its launch timed at start-up), `split` (the small-batch kernel at every batch: the path "
+    "before the wide one, for comparisons) or `wide` (the wide kernel at every batch). Read at "
+    "import.",
+    ("auto", "split", "wide"),
+)
 MOE_GEMV = EnvVar(
     "ATOM_MOE_GEMV",
     "1",
@@ -84,5 +93,5 @@ MOE_GEMV_MAX_TOKENS = EnvVar(
     "The most tokens in a step for which MoE layers take the pair GEMV. Read at import.",
 )
 
-VARIABLES = (KERNEL_BACKEND, PDL, DECODE_PACK_HEADS, GEMV_EARLY, GDN_PREFILL, MOE_GEMV,
-             MOE_GEMV_MAX_TOKENS)  # fmt: skip
+VARIABLES = (KERNEL_BACKEND, PDL, DECODE_PACK_HEADS, GEMV_EARLY, GDN_PREFILL, GDN_DECODE,
+             MOE_GEMV, MOE_GEMV_MAX_TOKENS)  # fmt: skip

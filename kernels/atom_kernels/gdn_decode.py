@@ -8,6 +8,9 @@ so one program does it all: it reads its channels of the projection row, convolv
 slot's conv window (and shifts the window), computes beta and g, L2-normalises q and k, advances
 the recurrent state one token and applies the gated RMSNorm with z.
 
+Batches that fill the GPU run `gdn_decode_wide.py`'s kernel instead (the same op streaming the
+state in tiles; `gated_delta_net_decode_` below decides), unless ATOM_GDN_DECODE=split.
+
 Program layout: one program per (row, k head, Dv tile), holding the `[GROUP, Dk, Dv / V_SPLIT]`
 fp32 state of the GROUP v heads that k head serves, for its tile of Dv columns.
 
@@ -37,59 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels import pdl
+from atom_kernels import gdn_decode_wide, pdl
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
 from atom_kernels.gdn import gdn_gates
+from atom_kernels.gdn_token import conv_token, decode_dims, gated_norm
 from atom_kernels.pdl import wait_for_inputs
 from atom_kernels.tickets import ticket_counters
 
 # fp32 state values a program holds at once (128 KiB): GROUP 2 x 128 x 128.
 MAX_STATE_TILE = 32768
-
-
-@triton.jit
-def _conv_token(
-    x_row,
-    conv_w_ptr,
-    window_row,
-    ch,
-    live,
-    resume,
-    cs_stride_c,
-    cs_stride_w,
-    WIDTH: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    """The causal conv + silu of one token over channels `ch` ([C], `live` masks them; `resume`
-    those whose window is read, zeros elsewhere). Returns the output (fp32, rounded through
-    x's dtype as the conv kernel's output would be) and the shifted window `[C, BLOCK_W]`
-    (columns < WIDTH - 1 are the new window, oldest first) for the caller to store."""
-    j = tl.arange(0, BLOCK_W)
-    x = tl.load(x_row + ch, mask=live, other=0.0).to(tl.float32)
-    window = window_row + ch.to(tl.int64)[:, None] * cs_stride_c + j[None, :] * cs_stride_w
-    old = tl.load(window, mask=resume[:, None] & (j < WIDTH - 1)[None, :], other=0.0)
-    taps = tl.where((j == WIDTH - 1)[None, :], x[:, None], old.to(tl.float32))
-    w_mask = live[:, None] & (j < WIDTH)[None, :]
-    w = tl.load(conv_w_ptr + ch[:, None] * WIDTH + j[None, :], mask=w_mask, other=0.0)
-    acc = tl.sum(taps * w.to(tl.float32), axis=1)
-    y = (acc / (1.0 + tl.exp(-acc))).to(x_row.dtype.element_ty).to(tl.float32)
-    # The new window is the old one shifted by one, the token last: loaded shifted rather than
-    # moved between registers.
-    shifted = tl.load(
-        window + cs_stride_w, mask=resume[:, None] & (j + 1 < WIDTH - 1)[None, :], other=0.0
-    )
-    shifted = tl.where((j + 1 == WIDTH - 1)[None, :], x[:, None], shifted.to(tl.float32))
-    return y, shifted
-
-
-@triton.jit
-def _gated_norm(o, z, norm_w, gate_mask, eps, DV: tl.constexpr):
-    """RMSNorm over Dv of o ([G, Dv] fp32, zeros past Dv), times silu(z); zero where masked
-    (padding rows)."""
-    inv_rms = tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)
-    z = z.to(tl.float32)
-    y = o * inv_rms[:, None] * norm_w[None, :] * (z / (1.0 + tl.exp(-z)))
-    return tl.where(gate_mask, y, 0.0)
 
 
 @triton.jit
@@ -170,11 +129,11 @@ def _gdn_decode_kernel(
         z = tl.load(z_ptrs, mask=gate_mask, other=0.0).to(tl.float32)
     q_ch = kh * DK + dk
     k_ch = HK * DK + kh * DK + dk
-    q, q_window = _conv_token(
+    q, q_window = conv_token(
         x_row, conv_w_ptr, window_row, q_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
         WIDTH, BLOCK_W,
     )  # fmt: skip
-    k, k_window = _conv_token(
+    k, k_window = conv_token(
         x_row, conv_w_ptr, window_row, k_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
         WIDTH, BLOCK_W,
     )  # fmt: skip
@@ -185,7 +144,7 @@ def _gdn_decode_kernel(
     v_ch = 2 * HK * DK + (kh * GROUP + flat_g) * DV + flat_v
     f_live = (flat_g < tl.where(real, GROUP, 0)) & (flat_v < DV)
     f_resume = (flat_g < tl.where(real & resume, GROUP, 0)) & (flat_v < DV)
-    v, v_window = _conv_token(
+    v, v_window = conv_token(
         x_row, conv_w_ptr, window_row, v_ch, f_live, f_resume, cs_stride_c, cs_stride_w,
         WIDTH, BLOCK_W,
     )  # fmt: skip
@@ -217,7 +176,7 @@ def _gdn_decode_kernel(
         tl.store(q_dst, q_window.to(window_dtype), mask=k_live[:, None] & in_window)
         tl.store(k_dst, k_window.to(window_dtype), mask=k_live[:, None] & in_window)
         norm_w = tl.load(norm_w_ptr + dv, mask=dv_ok, other=0.0).to(tl.float32)
-        y = _gated_norm(o.to(tl.float32), z, norm_w, gate_mask, eps, DV)
+        y = gated_norm(o.to(tl.float32), z, norm_w, gate_mask, eps, DV)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         tl.store(o_ptrs, o, mask=o_mask)  # normed below, once the head's tiles are all in
@@ -241,7 +200,7 @@ def _gdn_decode_kernel(
             head_out = out_ptr + row.to(tl.int64) * out_stride + cell
             unnormed = tl.load(head_out, mask=head_ok, other=0.0, cache_modifier=".cg")
             gate = tl.load(x_row + conv_dim + cell, mask=head_live, other=0.0)
-            normed = _gated_norm(unnormed.to(tl.float32), gate, norm_all, head_live, eps, DV)
+            normed = gated_norm(unnormed.to(tl.float32), gate, norm_all, head_live, eps, DV)
             tl.store(head_out, normed.to(out_ptr.dtype.element_ty), mask=head_ok)
             tl.store(counter, 0)
 
@@ -262,34 +221,35 @@ def gated_delta_net_decode_(
     num_warps: int | None = None,
     v_split: int | None = None,
 ) -> torch.Tensor:
-    """See `atom_kernels.ops.gated_delta_net_decode_`. `v_split` overrides how many programs
-    share a k head's Dv columns (`decode_v_split`); `num_warps` the default (8 for a 128 KiB
-    state tile, fewer for smaller ones). On an H200 at Qwen3.5-4B sizes
-    (`benchmarks/gdn_decode_bench.py --sweep`, bf16), unsplit: 8 warps 10.2 us a layer at
-    batch 1 and 28.8 at 16, with 255 registers a thread and no spills; 16 warps 13.6 / 35.2
-    (20 registers spilled), 4 warps 76 / 223 (1,260 spilled), 32 warps 20.2 / 48.8."""
-    for name, t in (
-        ("conv_weight", conv_weight), ("a_log", a_log), ("dt_bias", dt_bias),
-        ("norm_weight", norm_weight),
-    ):  # fmt: skip
-        if not t.is_contiguous():
-            raise ValueError(f"gated_delta_net_decode_ needs a contiguous {name}")
-    if ssm_state.stride(3) != 1:
-        raise ValueError("gated_delta_net_decode_ needs ssm_state with a contiguous last dim")
-    batch = proj.shape[0]
-    hv, dk, dv = ssm_state.shape[1:]
-    conv_dim, width = conv_weight.shape
-    hk = (conv_dim - hv * dv) // (2 * dk)
+    """See `atom_kernels.ops.gated_delta_net_decode_`. A batch that fills the GPU goes to the
+    wide kernel (`gdn_decode_wide`, unless ATOM_GDN_DECODE=split or an override here); the
+    rest runs this module's kernel. `v_split` overrides how many programs share a k head's Dv
+    columns (`decode_v_split`); `num_warps` the default (8 for a 128 KiB state tile, fewer for
+    smaller ones). On an H200 at Qwen3.5-4B sizes (`benchmarks/gdn_decode_bench.py --sweep`,
+    bf16), unsplit: 8 warps 10.2 us a layer at batch 1 and 28.8 at 16, with 255 registers a
+    thread and no spills; 16 warps 13.6 / 35.2 (20 registers spilled), 4 warps 76 / 223 (1,260
+    spilled), 32 warps 20.2 / 48.8."""
+    args = (proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, eps, slot_ids,
+            has_initial_state, scale)  # fmt: skip
+    dims = decode_dims(proj, conv_weight, ssm_state, a_log, dt_bias, norm_weight)
+    batch, hk, hv, group, dk, dv, _, width = dims
+    sms = _multiprocessors(proj.device)
+    layer = gdn_decode_wide.layer_key(hk, hv, dk, dv, ssm_state.dtype)
+    if (
+        v_split is None
+        and num_warps is None
+        and gdn_decode_wide.takes_wide_path(batch, hk, sms, layer)
+    ):
+        return gdn_decode_wide.gated_delta_net_decode_wide_(*args)
     out = torch.empty((batch, hv * dv), dtype=proj.dtype, device=proj.device)
     if batch == 0:
         return out
-    group = hv // hk
     block_k, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     block_g = triton.next_power_of_2(group)
     # A program holds its k head's whole group: Dv is split at least until that fits.
     fits = triton.next_power_of_2(triton.cdiv(block_g * block_k * block_dv, MAX_STATE_TILE))
     if v_split is None:
-        v_split = max(fits, decode_v_split(batch, hk, block_dv, _multiprocessors(proj.device)))
+        v_split = max(fits, decode_v_split(batch, hk, block_dv, sms))
     if v_split < 1 or v_split & (v_split - 1) or v_split > block_dv:
         raise ValueError(f"v_split={v_split}: expected a power of two up to {block_dv}")
     tickets = ticket_counters(proj.device, batch * hk) if v_split > 1 else None

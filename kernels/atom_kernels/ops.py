@@ -1050,14 +1050,16 @@ def gated_delta_net_decode_(
     proj `[B, conv_dim + Hv*Dv + 2*Hv]`: row b is sequence b's one token, laid out [q (Hk*Dk) |
     k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)], conv_dim = 2*Hk*Dk + Hv*Dv; a strided
     view of the projection is fine (last dim contiguous). conv_weight `[conv_dim, W]`;
-    conv_state `[S, conv_dim, W-1]` and ssm_state `[S, Hv, Dk, Dv]` updated in place at each
-    real row's slot (Hk, Dk, Hv, Dv come from these shapes). a_log, dt_bias `[Hv]`; norm_weight
+    conv_state `[S, conv_dim, W-1]` and ssm_state `[S, Hv, Dk, Dv]` (fp32, or 16-bit: only
+    what is stored is rounded) updated in place at each real row's slot (Hk, Dk, Hv, Dv come
+    from these shapes). a_log, dt_bias `[Hv]`; norm_weight
     `[Dv]` (the gated norm's plain weight). slot_ids int32 `[B]` (-1: a padding row: zero
     output, no state read or written), has_initial_state bool `[B]` (False: zero conv window
     and zero recurrent state, whatever the slot holds). Math in fp32, with the chain's
     roundings: the conv output and the recurrence output rounded to proj's dtype before use.
     Returns `[B, Hv*Dv]` in proj's dtype. On a GPU one Triton launch with no host sync and a
-    grid from shapes (CUDA-graph capturable)."""
+    grid from shapes (CUDA-graph capturable); a batch that fills the GPU takes the wide kernel
+    (`gdn_decode_wide.py`)."""
     if proj.dim() != 2 or proj.stride(1) != 1:
         raise ValueError(f"proj {tuple(proj.shape)} must be [B, width] with a contiguous last dim")
     if ssm_state.dim() != 4:

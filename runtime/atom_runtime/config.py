@@ -25,6 +25,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16")
 # reference); runai_streamer, fastsafetensors: those libraries (vLLM's names; `pip install` them);
 # dummy: random weights from config.json alone.
 LOAD_FORMATS = ("auto", "safetensors", "runai_streamer", "fastsafetensors", "gguf", "dummy")
+# The recurrent state's dtype between steps (hybrid models); auto: float32.
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -92,6 +94,11 @@ class EngineConfig:
     # The share of the KV block pool that checkpoints may borrow at most (the store evicts its
     # least recently used records beyond it); live KV always has the first claim.
     state_checkpoint_memory_fraction: float = 0.1
+    # Hybrid models: the dtype the recurrent (delta-rule) state is kept in between steps, vLLM's
+    # flag. auto: float32 (unlike vLLM, whose auto follows the model dtype); bfloat16/float16
+    # halve the state's bytes, the bulk of a large decode batch's traffic; the kernels compute
+    # in fp32 either way (docs/hybrid-models.md: the accuracy it costs).
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for check in (_check_sizes, _check_choices, _check_parallel, _check_state_checkpoints):
@@ -154,6 +161,11 @@ def _check_choices(c: EngineConfig) -> None:
     if c.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
+        )
+    if c.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+        raise ValueError(
+            "mamba_ssm_cache_dtype: must be one of "
+            f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {c.mamba_ssm_cache_dtype!r}"
         )
     if not c.enable_chunked_prefill:
         raise ValueError(
@@ -461,6 +473,14 @@ def add_state_checkpoint_arguments(parser: argparse.ArgumentParser, d: EngineCon
         help="the share of the KV block pool state checkpoints may borrow at most (least "
         "recently used checkpoints are evicted beyond it, and live KV reclaims them whenever it "
         "needs the blocks)",
+    )
+    g.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=d.mamba_ssm_cache_dtype,
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        help="hybrid models: the dtype of the recurrent state between steps (auto: float32; "
+        "bfloat16 halves its bytes, the bulk of a large decode batch's traffic, at some "
+        "accuracy: docs/hybrid-models.md)",
     )
 
 

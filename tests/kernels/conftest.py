@@ -29,6 +29,8 @@ KERNEL_MODULES = (
     "atom_kernels.fused",
     "atom_kernels.conv1d",
     "atom_kernels.gdn",
+    "atom_kernels.gdn_token",
+    "atom_kernels.gdn_decode_wide",
     "atom_kernels.gdn_decode",
     "atom_kernels.moe",
     "atom_kernels.state_copy",

@@ -79,6 +79,18 @@ def gdn_decode_case(
     )
 
 
+def run_on_state_copies(fn, case: dict) -> tuple:
+    """fn(**case) on copies of the case's conv and recurrent states: (its output, the conv
+    state after, the recurrent state after), the case left as it was."""
+    case = {
+        **case,
+        "conv_state": case["conv_state"].clone(),
+        "ssm_state": case["ssm_state"].clone(),
+    }
+    out = fn(**case)
+    return out, case["conv_state"], case["ssm_state"]
+
+
 def unfused_gdn_decode(proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight,
                        eps, slot_ids, has_initial_state, scale, ops):  # fmt: skip
     """The chain the model ran before the fused decode op, on `ops` (the reference module or

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hybrid_cases import gdn_decode_case, unfused_gdn_decode
+from hybrid_cases import run_on_state_copies as _run
 
 from atom_kernels import ops, reference
 
@@ -20,17 +21,6 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3,
 ROWS = dict(slots=[3, -1, 0, 5, 2], resume=[True, True, False, True, False])
 # (Hk, Hv, Dk, Dv, conv width): GROUP 2 with Dv not a power of two; GROUP 1; GROUP 3, width 3.
 SHAPES = [(2, 4, 8, 12, 4), (1, 1, 16, 16, 4), (2, 6, 12, 8, 3)]
-
-
-def _run(fn, case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fn on a copy of the case's states: (output, conv_state after, ssm_state after)."""
-    case = {
-        **case,
-        "conv_state": case["conv_state"].clone(),
-        "ssm_state": case["ssm_state"].clone(),
-    }
-    out = fn(**case)
-    return out, case["conv_state"], case["ssm_state"]
 
 
 def _case(shape, **kw):

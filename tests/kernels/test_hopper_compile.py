@@ -5,7 +5,7 @@ and does not type-check them as the compiler does: a variable whose block shape 
 two branches runs there and fails to build on a GPU (the Dv-split GDN decode kernel once did).
 Triton compiles for an sm_90 target without a GPU (its wheel carries ptxas), so this test builds
 the launch variants that matter, in a subprocess with the interpreter off: the fused GDN decode
-unsplit and split, the GEMV plain, with SwiGLU, with the RMSNorm in front (split and not) and
+unsplit and split, the wide GDN decode with an fp32 and a bf16 state, prefetching or not, the GEMV plain, with SwiGLU, with the RMSNorm in front (split and not) and
 with the QK-norm + rotary epilogue, decode attention's split and merge kernels at head_dim 128
 and 256 (and its grid with the KV heads fastest), the MoE pair GEMV's two kernels; and the FP8
 paths: the GEMV on e4m3fn weights (per-row and block scales, SwiGLU, rotary into an FP8 cache),
@@ -33,8 +33,8 @@ HEAD = """
     from triton.compiler import ASTSource
 
     from atom_kernels import (
-        decode_attention, fp8_gemm, fp8_quant, fused, gdn_decode, gemv, kv_cache, moe,
-        prefill_attention,
+        decode_attention, fp8_gemm, fp8_quant, fused, gdn_decode, gdn_decode_wide, gemv,
+        kv_cache, moe, prefill_attention,
     )
 
     # argv: the target ("cuda:90", "hip:gfx942") and the FP8 element type it computes in.
@@ -77,6 +77,16 @@ BF16_VARIANTS = """
             build(gdn_decode._gdn_decode_kernel, gdn_ptrs, {"scale", "eps"}, consts)
         except Exception as exc:
             failed.append(f"gdn_decode V_SPLIT={v_split}: {exc}")
+    for state, block_v, prefetch in (("*fp32", 32, True), ("*bf16", 64, True),
+                                     ("*fp32", 16, False)):
+        consts = dict(HK=16, HV=32, GROUP=2, DK=128, DV=128, WIDTH=4, BLOCK_G=2, BLOCK_K=128,
+                      BLOCK_DV=128, BLOCK_V=block_v, TILES=128 // block_v, BLOCK_W=4,
+                      PREFETCH=prefetch, PDL=False)
+        try:
+            build(gdn_decode_wide._gdn_decode_wide_kernel, {**gdn_ptrs, "ssm_state_ptr": state},
+                  {"scale", "eps"}, consts)
+        except Exception as exc:
+            failed.append(f"gdn_decode_wide {state} BLOCK_V={block_v} PREFETCH={prefetch}: {exc}")
     gemv_ptrs = {
         "part_ptr": "*fp32", "sq_out_ptr": "*fp32", "sq_in_ptr": "*fp32", "tickets_ptr": "*i32",
         "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32",

@@ -9,11 +9,13 @@ tests/conftest.py) without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
 import torch
 from hybrid_cases import conv_case, gdn_case, gdn_decode_case, unfused_gdn_decode
+from hybrid_cases import run_on_state_copies as _states_run
 
 from atom_kernels import ops, reference
 
@@ -299,15 +301,6 @@ def _fused_decode_case(b: int, seed: int, state_dtype=torch.float32, num_slots: 
     )  # fmt: skip
 
 
-def _states_run(fn, case):
-    case = {
-        **case,
-        "conv_state": case["conv_state"].clone(),
-        "ssm_state": case["ssm_state"].clone(),
-    }
-    return fn(**case), case["conv_state"], case["ssm_state"]
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b", [1, 64])
 def test_gdn_fused_decode_qwen3_5_4b(kernels, b, state_dtype):
@@ -324,10 +317,12 @@ def test_gdn_fused_decode_qwen3_5_4b(kernels, b, state_dtype):
         assert torch.count_nonzero(got[0][5]) == 0
 
 
-def test_gdn_fused_decode_replays_in_a_cuda_graph_with_new_slots(kernels):
-    """Captured once, replayed after the slot ids, has_initial_state and the projection row were
-    rewritten in place: no host sync, a grid from shapes, the states of the new slots."""
-    case = _fused_decode_case(8, seed=61)
+@pytest.mark.parametrize("b", [8, 64])
+def test_gdn_fused_decode_replays_in_a_cuda_graph_with_new_slots(kernels, b):
+    """Captured once, replayed after the slot ids, has_initial_state and the projection rows were
+    rewritten in place: no host sync, a grid from shapes, the states of the new slots. 8 rows
+    run gdn_decode.py's split kernel, 64 the wide one (on an H200)."""
+    case = _fused_decode_case(b, seed=61)
     conv0, ssm0 = case["conv_state"].clone(), case["ssm_state"].clone()
     ops.gated_delta_net_decode_(**case)  # compile outside the capture
     torch.cuda.synchronize()
@@ -335,8 +330,10 @@ def test_gdn_fused_decode_replays_in_a_cuda_graph_with_new_slots(kernels):
     with torch.cuda.graph(graph):
         out = ops.gated_delta_net_decode_(**case)
     gen = torch.Generator().manual_seed(62)
-    case["slot_ids"].copy_(torch.tensor([40, 3, -1, 77, 0, 95, 12, 2], dtype=torch.int32))
-    case["has_initial_state"].copy_(torch.tensor([1, 0, 1, 1, 0, 1, 1, 0], dtype=torch.bool))
+    slots = torch.randperm(96, generator=gen)[:b].to(torch.int32)
+    slots[[2, b - 3]] = -1
+    case["slot_ids"].copy_(slots)
+    case["has_initial_state"].copy_(torch.rand(b, generator=gen) > 0.3)
     case["proj"].copy_(torch.randn(case["proj"].shape, generator=gen).to(torch.bfloat16))
     case["conv_state"].copy_(conv0)
     case["ssm_state"].copy_(ssm0)
@@ -345,6 +342,9 @@ def test_gdn_fused_decode_replays_in_a_cuda_graph_with_new_slots(kernels):
     torch.cuda.synchronize()
     for g, w in zip((out, case["conv_state"], case["ssm_state"]), want, strict=True):
         torch.testing.assert_close(g, w, **BF16)
+    assert torch.count_nonzero(out[[2, b - 3]]) == 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert kernels["gdn_decode_wide"].takes_wide_path(b, 16, sms) == (b * 16 > 2 * sms)
 
 
 def test_gdn_gating_bf16(kernels):
@@ -390,3 +390,24 @@ def test_gated_attention_prep_and_gate_qwen3_5_4b(kernels, tokens):
     torch.testing.assert_close(
         ops.sigmoid_gate_mul(attn, gate), reference.sigmoid_gate_mul(attn, gate), **BF16
     )
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b", [37, 256])
+def test_gdn_wide_decode_qwen3_5_4b_every_launch_shape(kernels, b, state_dtype):
+    """The wide kernel at each launch candidate (and the rule) against the reference and
+    against gdn_decode.py's kernel, outputs and both states, at a batch that fills the GPU and
+    one that is not a power of two."""
+    wide = kernels["gdn_decode_wide"]
+    case = _fused_decode_case(b, seed=65, state_dtype=state_dtype, num_slots=300)
+    want = _states_run(reference.gated_delta_net_decode_, case)
+    split = _states_run(
+        lambda **c: kernels["gdn_decode"].gated_delta_net_decode_(**c, v_split=1), case
+    )
+    for config in wide.launch_candidates(128, 128):
+        knobs = {k: v for k, v in config.items() if k != "kernel"}
+        got = _states_run(functools.partial(wide.gated_delta_net_decode_wide_, **knobs), case)
+        for g, w, s in zip(got, want, split, strict=True):
+            torch.testing.assert_close(g, w, **BF16)
+            torch.testing.assert_close(g, s, **BF16)
+        assert torch.count_nonzero(got[0][5]) == 0

@@ -19,9 +19,10 @@ Random (dummy) weights route close to uniformly; a trained router's skew touches
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -40,6 +41,21 @@ class DecodeBytes:
     # Sliding-window layers read only their last `window` positions (GPT-OSS, Mistral).
     window_kv_per_token: int = 0  # K + V of one token over every windowed layer
     window: int = 0
+    recurrent_per_seq: int = 0  # of which the recurrent (delta-rule) matrices
+    recurrent_dtype: str = "float32"  # their dtype (--mamba-ssm-cache-dtype)
+
+    def with_recurrent_dtype(self, dtype: torch.dtype) -> DecodeBytes:
+        """The same step with the recurrent state kept in `dtype` (the conv state as it is)."""
+        if not self.recurrent_per_seq:
+            return self
+        now = torch.empty((), dtype=getattr(torch, self.recurrent_dtype)).element_size()
+        recurrent = self.recurrent_per_seq * torch.empty((), dtype=dtype).element_size() // now
+        return replace(
+            self,
+            state_per_seq=self.state_per_seq - self.recurrent_per_seq + recurrent,
+            recurrent_per_seq=recurrent,
+            recurrent_dtype=str(dtype).removeprefix("torch."),
+        )
 
     def experts_touched(self, batch: int) -> float:
         """Expected distinct routed experts a MoE layer reads at `batch` tokens."""
@@ -94,6 +110,12 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
             window, window_kv = layer.sliding_window, window_kv + per_token
         else:
             full += per_token
+    state = getattr(runner, "state", None)
+    recurrent, recurrent_dtype = 0, "float32"
+    if state is not None:  # StateTensors: per layer (conv, recurrent) shapes and dtypes
+        recurrent_dtype = str(state.ssm_dtype).removeprefix("torch.")
+        elem = torch.empty((), dtype=state.ssm_dtype).element_size()
+        recurrent = sum(math.prod(layer.state_shapes()[1]) * elem for layer in state.layers)
     return DecodeBytes(
         weights=weights,
         expert=expert,
@@ -104,6 +126,8 @@ def decode_bytes(model: torch.nn.Module, runner) -> DecodeBytes:
         state_per_seq=runner.state_bytes_per_slot,
         window_kv_per_token=window_kv,
         window=window,
+        recurrent_per_seq=recurrent,
+        recurrent_dtype=recurrent_dtype,
     )
 
 
@@ -222,16 +246,27 @@ def report(
     device = runner.device
     bandwidths = {"peak": peak_bandwidth(device), "copy": copy_bandwidth(device)}
     out: dict = {"bytes": asdict(db)}
+
+    def bound_of(db: DecodeBytes, bw: float) -> tuple[float, float]:
+        if workload == "throughput":
+            bound = w1_bound_tok_s(db, prompt_lens, output_len, engine.config.max_num_seqs, bw)
+            return bound, measured / bound
+        bound = w2_bound_ms(db, input_len, output_len, bw)
+        return bound, bound / measured
+
     for kind, bw in bandwidths.items():
         if bw is None:
             continue
-        if workload == "throughput":
-            bound = w1_bound_tok_s(db, prompt_lens, output_len, engine.config.max_num_seqs, bw)
-            share = measured / bound
-        else:
-            bound = w2_bound_ms(db, input_len, output_len, bw)
-            share = bound / measured
+        bound, share = bound_of(db, bw)
         out[kind] = {"bandwidth_GBps": bw / 1e9, "bound": bound, "atom_share_of_bound": share}
+    if db.recurrent_per_seq and bandwidths["copy"] is not None:
+        # A hybrid's bound with its recurrent state in each dtype --mamba-ssm-cache-dtype offers
+        # (at the copy bandwidth); the run's own is the one above.
+        out["by_recurrent_dtype"] = {"engine": db.recurrent_dtype}
+        for dtype in (torch.float32, torch.bfloat16):
+            bound, share = bound_of(db.with_recurrent_dtype(dtype), bandwidths["copy"])
+            name = str(dtype).removeprefix("torch.")
+            out["by_recurrent_dtype"][name] = {"bound": bound, "atom_share_of_bound": share}
     return out
 
 
@@ -249,5 +284,18 @@ def describe(workload: str, bound: dict) -> str:
                 f"{figure} {unit} at {b['bandwidth_GBps'] / 1e3:.2f} TB/s ({kind}); atom at "
                 f"{times}{share:.0%} of it"
             )
+    by_dtype = bound.get("by_recurrent_dtype")
+    if by_dtype:
+        figures = " / ".join(
+            f"{by_dtype[d]['bound']:,.0f}" if unit == "tok/s" else f"{by_dtype[d]['bound']:.3f}"
+            for d in ("float32", "bfloat16")
+        )
+        shares = " / ".join(
+            f"{by_dtype[d]['atom_share_of_bound']:.0%}" for d in ("float32", "bfloat16")
+        )
+        parts.append(
+            f"recurrent state float32 / bfloat16: {figures} {unit} (copy), atom at {shares} "
+            f"(this run: {by_dtype['engine']})"
+        )
     name = "W1" if workload == "throughput" else "W2"
     return f"bound {name}: " + "; ".join(parts)

@@ -176,7 +176,7 @@ def _run_offline(args: argparse.Namespace) -> int:
     if one_row:
         result["one_row_paths"] = one_row
         print("atom  one-row paths: " + ", ".join(f"{k} {v}" for k, v in one_row.items()))
-    run = _run_throughput if args.workload == "throughput" else _run_latency
+    run = run_throughput if args.workload == "throughput" else run_latency
     peer_run = run(llm, args, result)
     if args.peer == "transformers":
         llm.shutdown()  # the peer gets the device to itself
@@ -189,7 +189,7 @@ def _run_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
+def run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
     """W1: every prompt at once; output tokens per second and the bound. Returns the peer's run
     of the same prompts, for after the engine is shut down."""
     from atom_runtime.sampling_params import SamplingParams
@@ -238,7 +238,7 @@ def _run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[st
     return peer_run
 
 
-def _run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
+def run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
     """W2: one request's steady-state ms per token and the bound. Returns the peer's run of the
     same prompt, for after the engine is shut down."""
     vocab = llm.engine.model_config.vocab_size

@@ -135,20 +135,40 @@ def plan_state_slots(
     return SlotPlan(num_slots, num_blocks, bytes_per_slot)
 
 
+def ssm_state_dtype(name: str) -> torch.dtype:
+    """The recurrent state's dtype for `--mamba-ssm-cache-dtype` `name`: auto is float32 (the
+    delta rule accumulates over the whole sequence; docs/hybrid-models.md measures what a 16-bit
+    state costs)."""
+    dtypes = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+              "float16": torch.float16}  # fmt: skip
+    if name not in dtypes:
+        raise ValueError(
+            f"mamba_ssm_cache_dtype: expected one of {', '.join(dtypes)}, got {name!r}"
+        )
+    return dtypes[name]
+
+
 class StateTensors:
     """The device tensors behind the slots, bound into each stateful layer: per layer a conv
-    state [slots, ...] in the model dtype and a recurrent state [slots, ...] in fp32 (the delta
-    rule accumulates over thousands of tokens; bf16 state drifts)."""
+    state [slots, ...] in the model dtype and a recurrent state [slots, ...] in `ssm_dtype`
+    (fp32 unless `--mamba-ssm-cache-dtype` says otherwise; the kernels compute in fp32 and
+    round only what they store)."""
 
-    STATE_DTYPES = (None, torch.float32)  # None: the model dtype
-
-    def __init__(self, layers: list, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: list,
+        dtype: torch.dtype,
+        device: torch.device,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.layers = layers
         self.dtype = dtype
         self.device = device
+        self.ssm_dtype = ssm_dtype
 
     def dtypes(self) -> list[torch.dtype]:
-        return [self.dtype if d is None else d for d in self.STATE_DTYPES]
+        """(conv state, recurrent state) dtypes, in the order of `state_shapes`."""
+        return [self.dtype, self.ssm_dtype]
 
     @property
     def bytes_per_slot(self) -> int:

@@ -139,10 +139,12 @@ class CacheMemory:
             )
             self.config.max_num_seqs = self.num_state_slots
         log.info(
-            "hybrid state: %d slots of %.2f MiB each (%d stateful layers), %.2f GiB in all",
+            "hybrid state: %d slots of %.2f MiB each (%d stateful layers, recurrent state in "
+            "%s), %.2f GiB in all",
             self.num_state_slots,
             self.state.bytes_per_slot / 2**20,
             len(self.state.layers),
+            str(self.state.ssm_dtype).removeprefix("torch."),
             self.num_state_slots * self.state.bytes_per_slot / 2**30,
         )
 

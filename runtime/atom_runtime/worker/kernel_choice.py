@@ -228,7 +228,7 @@ def _time_group(key: str, layers: list[LinearBase], paths: list[str]) -> str:
     fns = _one_row_paths(layers[0])
     first = layers[0]
     fns["cublas"](first)  # cuBLAS must run: there is nothing to fall back on
-    built = _that_build(paths[1:], lambda p, fns=fns, m=first: fns[p](m), f"one-row {key}")
+    built = that_build(paths[1:], lambda p, fns=fns, m=first: fns[p](m), f"one-row {key}")
     usable = ["cublas", *built]
     runs = [lambda fn=fns[p]: [fn(m) for m in layers] for p in usable]  # noqa: B023
     adds = "gemv+add" in usable
@@ -253,7 +253,7 @@ def _time_group(key: str, layers: list[LinearBase], paths: list[str]) -> str:
     return best
 
 
-def _that_build(candidates: list, build, what: str) -> list:
+def that_build(candidates: list, build, what: str) -> list:
     """The candidates whose kernels build and run on this GPU (`build(candidate)` once each,
     which also compiles them before any timing); a failure is logged and that one left out."""
     usable = []
@@ -289,7 +289,7 @@ def tune_gemv_launch(layers: list[LinearBase]) -> dict[str, int] | None:
     def launch(m: LinearBase, cfg: dict):
         return gemv_kernels.gemv(x, m.weight, **cfg, **m.gemv_scales())
 
-    usable = _that_build(candidates, lambda cfg: launch(first, cfg), f"one-row {n}x{k} GEMV launch")
+    usable = that_build(candidates, lambda cfg: launch(first, cfg), f"one-row {n}x{k} GEMV launch")
     if not usable:
         return None
     times = graph_times(*(lambda cfg=cfg: [launch(m, cfg) for m in layers] for cfg in usable))

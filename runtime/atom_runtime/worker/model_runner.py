@@ -40,7 +40,7 @@ from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
 )
 from atom_runtime.state.copy_plan import StateCopyPlan
-from atom_runtime.state.slot_pool import StateTensors
+from atom_runtime.state.slot_pool import StateTensors, ssm_state_dtype
 from atom_runtime.system import startup
 from atom_runtime.system.device import resolve_device, resolve_dtype, to_device, to_device_many
 from atom_runtime.system.distributed import all_reduce_min, tp_rank, tp_size
@@ -52,6 +52,7 @@ from atom_runtime.worker.cuda_graphs import (
     default_capture_sizes,
     default_prefill_buckets,
 )
+from atom_runtime.worker.gdn_decode_choice import choose_gdn_decode_launch
 from atom_runtime.worker.kernel_choice import select_small_m_kernels
 from atom_runtime.worker.sampler import Sampler, SamplerOutput
 from atom_runtime.worker.step_inputs import StepInputPreparation
@@ -106,7 +107,10 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                 layer.max_upprojected_rows = self.max_num_batched_tokens
         # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
         state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
-        self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
+        self.state = None
+        if state_layers:
+            ssm_dtype = ssm_state_dtype(config.mamba_ssm_cache_dtype)
+            self.state = StateTensors(state_layers, self.dtype, self.device, ssm_dtype)
         self.num_state_slots = 0
         self._planned_slots = 0
         with phases.phase("kv_cache"):
@@ -199,6 +203,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         smallest graph of at least n rows, padded) and per short prefill bucket."""
         if self.device.type != "cuda":
             return
+        if self.state is not None:  # before any capture: the graphs take the chosen kernel
+            choose_gdn_decode_launch(self.state.layers, self.device, self.config.max_num_seqs)
         max_blocks = -(-max_model_len // self.block_size)
         phases = startup.recorder()
         with phases.phase("kernel_autotune", "prefill attention compiles"):

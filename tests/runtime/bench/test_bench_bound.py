@@ -148,3 +148,39 @@ def test_no_room_for_the_copy_leaves_out_its_figure(monkeypatch):
                   "atom_share_of_bound": 0.5}},
     )  # fmt: skip
     assert line.startswith("bound W2:") and "(peak)" in line and "copy" not in line
+
+
+def test_a_hybrid_bound_is_given_for_both_recurrent_state_dtypes(tiny_hybrid_models):
+    """The recurrent matrices' bytes are counted apart from the conv windows; an engine with
+    `mamba_ssm_cache_dtype="bfloat16"` moves half of them, and the bound is reported (and
+    printed) for an fp32 and a bf16 recurrent state whichever the engine ran."""
+    c = _HYBRID_COMMON
+    linear_layers = 2  # linear, full, linear
+    recurrent = linear_layers * c["linear_num_value_heads"] * 16 * 16  # values a sequence
+    by_dtype = {}
+    for name in ("auto", "bfloat16"):
+        llm = LLM(
+            str(tiny_hybrid_models["qwen3_5"]),
+            dtype="float32",
+            num_gpu_blocks_override=32,
+            mamba_ssm_cache_dtype=name,
+        )
+        try:
+            runner = _runner(llm)
+            by_dtype[name] = bench_bound.decode_bytes(runner.model, runner)
+            report = bench_bound.report(llm.engine, "latency", 1.0, input_len=8, output_len=4)
+        finally:
+            llm.shutdown()
+        assert report["by_recurrent_dtype"]["engine"] == (
+            "bfloat16" if name != "auto" else "float32"
+        )
+        line = bench_bound.describe("latency", report)
+        assert "recurrent state float32 / bfloat16" in line
+    fp32, bf16 = by_dtype["auto"], by_dtype["bfloat16"]
+    assert (fp32.recurrent_per_seq, bf16.recurrent_per_seq) == (recurrent * 4, recurrent * 2)
+    assert fp32.recurrent_dtype == "float32" and bf16.recurrent_dtype == "bfloat16"
+    assert fp32.state_per_seq - bf16.state_per_seq == recurrent * 2  # conv windows unchanged
+    assert fp32.with_recurrent_dtype(torch.bfloat16) == bf16
+    assert bf16.with_recurrent_dtype(torch.float32) == fp32
+    # W2 moves less with the bf16 state: its bound (ms) is lower.
+    assert bench_bound.w2_bound_ms(bf16, 8, 4, 1e9) < bench_bound.w2_bound_ms(fp32, 8, 4, 1e9)

@@ -56,3 +56,47 @@ def test_bf16_dummy_qwen3_5_4b_shape_starts_and_serves():
     outs = atom_greedy(llm, random_prompts(1, [500, 37, 1200, 3]), 32)
     assert [len(o) for o in outs] == [32] * 4
     assert pool.num_in_use == 0
+
+
+def test_wide_gdn_decode_gives_the_tokens_of_the_split_kernel_and_transformers(
+    tiny_hybrid_models, monkeypatch
+):
+    """150 sequences of 2 k heads fill an H200 (150 x 2 programs > 2 x 132), so decode steps
+    take the wide GDN kernel: greedy tokens (fp32, CUDA graphs) equal those of gdn_decode.py's
+    kernel (ATOM_GDN_DECODE=split) for all, and transformers' for the parity prompts."""
+    from atom_kernels import gdn_decode_wide
+
+    folder = tiny_hybrid_models["qwen3_next"]
+    expected, _ = _hybrid_reference(folder, PROMPTS)
+    prompts = PROMPTS + random_prompts(9, [3 + i % 40 for i in range(145)])
+    kw = dict(dtype="float32", device="cuda", num_gpu_blocks_override=2048, max_num_seqs=160)
+    tokens = {}
+    for path in ("split", "auto"):
+        monkeypatch.setattr(gdn_decode_wide, "DECODE_PATH", path)
+        llm = LLM(str(folder), **kw)
+        tokens[path] = atom_greedy(llm, prompts, 12)
+        llm.shutdown()
+    assert tokens["auto"] == tokens["split"]
+    assert [t[:MAX_TOKENS] for t in tokens["auto"][: len(PROMPTS)]] == expected
+
+
+def test_bf16_state_qwen3_5_4b_shape_times_its_decode_kernel_and_serves():
+    """A bf16 recurrent state: half the recurrent bytes a slot, the GDN decode launch timed at
+    start-up for that dtype (64 rows fill an H200), a batch served."""
+    import torch
+
+    from atom_kernels import gdn_decode_wide
+
+    llm = LLM(
+        "benchmarks/configs/qwen3.5-4b",
+        load_format="dummy",
+        max_num_seqs=64,
+        gpu_memory_utilization=0.5,
+        mamba_ssm_cache_dtype="bfloat16",
+    )
+    assert llm.engine.executor.state_bytes_per_slot == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 2)
+    layer = gdn_decode_wide.layer_key(16, 32, 128, 128, torch.bfloat16)
+    assert layer in gdn_decode_wide._launch_shapes  # the start-up timing chose for it
+    outs = atom_greedy(llm, random_prompts(2, [700, 12] * 20), 16)
+    assert [len(o) for o in outs] == [16] * 40
+    assert llm.engine.state_pool.num_in_use == 0
