@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -60,6 +61,9 @@ class EngineConfig:
     # The share of the KV block pool that checkpoints may borrow at most (the store evicts its
     # least recently used records beyond it); live KV always has the first claim.
     state_checkpoint_memory_fraction: float = 0.1
+    # Speculative decoding (docs/speculative-decoding.md): JSON with vLLM's SpeculativeConfig
+    # fields; `LLM(speculative_config={...})` passes a dict, kept here as its JSON text.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 8 or self.block_size % 8 or self.block_size > 256:
@@ -112,11 +116,24 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size != 1:
             raise ValueError(_pipeline_parallel_refusal(self.pipeline_parallel_size, self.model))
+        spec = self.speculative()
+        if spec is not None:
+            spec.check_engine(self.tensor_parallel_size, self.async_scheduling)
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling: not available with tensor_parallel_size > 1 (the sampled "
                 "tokens that feed the next step stay on rank 0's GPU); drop --async-scheduling"
             )
+
+    def speculative(self):
+        """The checked `SpeculativeConfig`, or None without speculation."""
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = json.dumps(self.speculative_config)
+        if self.speculative_config is None:
+            return None
+        from atom_runtime.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_cli(self.speculative_config)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -235,6 +252,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule and prepare step N+1 while the GPU runs step N "
         "(default: on with one GPU, off on CPU and with tensor parallelism)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="JSON with vLLM's SpeculativeConfig fields: method (ngram|draft_model|mtp), "
+        "num_speculative_tokens, model (draft_model), prompt_lookup_min/max (ngram), "
+        "draft_tensor_parallel_size (1); docs/speculative-decoding.md",
     )
     g.add_argument(
         "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"

@@ -31,10 +31,15 @@ class ScheduledBatch:
 @dataclass
 class StepOutput:
     """What a step sampled, read back to the host: row i belongs to `samplers[i]`. Logprobs (and
-    the top ones) are there when a sampler of the step asked for them."""
+    the top ones) are there when a sampler of the step asked for them.
+
+    A step that verified drafts (speculative decoding) emits one or more tokens a sampler:
+    `num_tokens[i]` of them for `samplers[i]`, its rows one after another (the accepted drafts,
+    then the target's own token). None: one row each."""
 
     samplers: list[Sequence]
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    num_tokens: list[int] | None = None

@@ -61,7 +61,9 @@ class ModelConfig:
     # -- DeepSeek-V2/V3 (models/mla_config.py); None for every other family --
     mla: LatentAttentionConfig | None = None  # multi-head latent attention
     routing: GroupedTopkRouting | None = None  # grouped top-k routing, shared experts
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
+    # Multi-token-prediction layers the checkpoint carries (DeepSeek-V3 and Qwen3-Next's
+    # num_nextn_predict_layers, Qwen3.5's mtp_num_hidden_layers): speculative decoding's `mtp`.
+    num_nextn_predict_layers: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -225,6 +227,7 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
     parsed.linear_value_head_dim = need("linear_value_head_dim")
     parsed.linear_conv_kernel_dim = cfg["linear_conv_kernel_dim"]
     parsed.gdn_projection_layout = "interleaved" if model_type == "qwen3_next" else "split"
+    parsed.num_nextn_predict_layers = _num_mtp_layers(cfg)
     parsed.num_experts = num_experts
     if num_experts:
         parsed.num_experts_per_tok = cfg["num_experts_per_tok"]
@@ -235,3 +238,14 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
         parsed.decoder_sparse_step = sparse_step
         parsed.mlp_only_layers = list(cfg.get("mlp_only_layers") or [])
     return parsed
+
+
+def _num_mtp_layers(cfg: dict) -> int:
+    """MTP layers a config declares, under either name in use."""
+    for name in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        value = cfg.get(name)
+        if value is not None:
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+            return value
+    return 0

@@ -34,13 +34,20 @@ class CacheMemory:
     """ModelRunner's part that sizes and allocates the caches (a mixin: it reads the runner's
     model, config, device, dtype and cache geometry)."""
 
+    def kv_layers(self) -> list:
+        """Every paged attention layer the cache serves: the model's, then a drafting model's
+        (speculative decoding), which index the same block ids."""
+        drafter = getattr(self, "drafter", None)
+        extra = drafter.attention_layers() if drafter is not None else []
+        return [*self.model.attention_layers(), *extra]
+
     @property
     def bytes_per_block(self) -> int:
         """One block of every attention layer's cache, as each layer's `cache_spec` says (K and
         V per KV head, or one latent row a token for MLA)."""
         per_token = sum(
             layer.cache_spec().bytes_per_token(self.dtype)
-            for layer in self.model.attention_layers()
+            for layer in self.kv_layers()
         )
         return self.block_size * per_token
 
@@ -66,33 +73,37 @@ class CacheMemory:
             budget = self._profile_gpu_budget()
         else:
             budget = envs.CPU_KVCACHE_SPACE.number() * (1 << 30)
+        # A sequence holds slots_per_request slots (speculative decoding: one per verified
+        # position), planned as one unit.
+        per_request = self.state_slots_per_request
         plan = plan_state_slots(
             budget,
-            self.state.bytes_per_slot,
+            self.state.bytes_per_slot * per_request,
             self.bytes_per_block,
             self.config.max_num_seqs,
             fixed_blocks=override,
         )
         if plan.num_blocks < 1:
             raise RuntimeError(
-                f"no room for the KV cache next to {plan.num_slots} state slots: raise "
-                "--gpu-memory-utilization or lower --max-num-seqs"
+                f"no room for the KV cache next to {plan.num_slots * per_request} state slots: "
+                "raise --gpu-memory-utilization or lower --max-num-seqs"
             )
-        self._planned_slots = plan.num_slots
+        self._planned_slots = plan.num_slots * per_request
         return plan.num_blocks
 
     def _allocate_state_slots(self) -> None:
         """Allocate the slots every rank agreed on; cap max_num_seqs to them (a running sequence
-        holds one slot)."""
+        holds `state_slots_per_request`)."""
         self.num_state_slots = all_reduce_min(self._planned_slots, self.device)
         self.state.allocate(self.num_state_slots)
-        if self.config.max_num_seqs > self.num_state_slots:
+        fit = self.num_state_slots // self.state_slots_per_request
+        if self.config.max_num_seqs > fit:
             log.warning(
                 "max_num_seqs capped from %d to %d: the state slots that fit in memory",
                 self.config.max_num_seqs,
-                self.num_state_slots,
+                fit,
             )
-            self.config.max_num_seqs = self.num_state_slots
+            self.config.max_num_seqs = fit
         log.info(
             "hybrid state: %d slots of %.2f MiB each (%d stateful layers), %.2f GiB in all",
             self.num_state_slots,
@@ -200,12 +211,12 @@ class CacheMemory:
     def _allocate_kv_cache(self) -> None:
         """Each attention layer's cache tensors, `[num_blocks, block_size, *token_shape]` as its
         `cache_spec` lists them, bound to the layer."""
-        for layer in self.model.attention_layers():
+        for layer in self.kv_layers():
             spec = layer.cache_spec()
             layer.bind_cache(
                 spec.allocate(self.num_blocks, self.block_size, self.dtype, self.device)
             )
 
     def _release_kv_cache(self) -> None:
-        for layer in self.model.attention_layers():
+        for layer in self.kv_layers():
             layer.bind_cache([torch.empty(0) for _ in layer.cache_spec().tensors])

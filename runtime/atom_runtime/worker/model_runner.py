@@ -36,6 +36,7 @@ from atom_runtime.layers.forward_context import (
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.protocol.worker import StepInputs
+from atom_runtime.spec_decode.proposer import StepChunk, make_drafter
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
 )
@@ -53,6 +54,7 @@ from atom_runtime.worker.cuda_graphs import (
 from atom_runtime.worker.kernel_choice import select_small_m_kernels
 from atom_runtime.worker.sampler import Sampler, SamplerOutput
 from atom_runtime.worker.step_inputs import StepInputPreparation
+from atom_runtime.worker.verify_sampler import verify
 
 log = logging.getLogger(__name__)
 # Fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's own
@@ -91,9 +93,14 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         for layer in attn:  # MLA: up-project no more context rows a step than profiled
             if hasattr(layer, "max_upprojected_rows"):
                 layer.max_upprojected_rows = self.max_num_batched_tokens
-        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
+        # Speculative decoding: the drafter (its attention layers share the cache's block ids).
+        self.spec = config.speculative()
+        self.drafter = make_drafter(self.spec, config, model_config, self.model, self.dtype)
+        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache; with
+        # speculation a sequence holds one slot per verified position (1 + k).
         state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
         self.state = StateTensors(state_layers, self.dtype, self.device) if state_layers else None
+        self.state_slots_per_request = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
         self.num_state_slots = 0
         self._planned_slots = 0
         # Every rank must hold the same block ids: the cache is as large as the smallest allows.
@@ -117,6 +124,11 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         # take tokens from them before they are read back (async scheduling).
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
+        # The last step's chunks (speculative decoding, for a drafter that reads them): a
+        # sequence's first position and first row; and its hidden states, for one that reads
+        # them (an MTP head).
+        self._step_chunks: dict[int, StepChunk] | None = None
+        self._last_hidden: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
         self.prefill_graphs = PrefillGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
@@ -334,11 +346,26 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         return self.model.compute_logits(hidden[rows]).float()
 
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
-        """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
+        """One token per sampling sequence (rows of `logits` in the order of `samplers`); a step
+        that verifies drafts: the accepted ones and one more, per sampler (`verify_sampler`)."""
+        if self.drafter is not None and any(seq.num_spec for seq in samplers):
+            return verify(self.sampler, logits, samplers, self.eos_token_ids)
         return self.sampler(logits, samplers, self.eos_token_ids)
 
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Drafts for the last step's live sequences (speculative decoding), from its drafter."""
+        if self.drafter is None:
+            raise RuntimeError("propose: this engine has no speculative_config")
+        chunks = self._step_chunks or {}
+        found = [chunks.get(id(seq)) for seq in seqs]
+        return self.drafter.propose(seqs, found, self._last_hidden)
+
     def release(self, request_ids) -> None:
+        request_ids = list(request_ids)
         self.sampler.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
 
     def shutdown(self) -> None:
         """Drop the KV cache, the captured graphs and the generators, so their memory is freed
