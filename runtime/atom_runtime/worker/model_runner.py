@@ -305,6 +305,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if inputs.state_slots is not None:
             host["state_slots"] = inputs.state_slots
             host["has_initial_state"] = inputs.has_initial_state
+        if inputs.spec_slots is not None:
+            host["spec_slots"] = inputs.spec_slots
         # One pinned staging buffer and one copy for the whole step (device.to_device_many).
         d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
         fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
@@ -334,6 +336,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                     query_start_loc=d["cu_seqlens_q"],
                     slot_ids=d["state_slots"],
                     has_initial_state=d["has_initial_state"],
+                    spec_slots=d.get("spec_slots"),
+                    spec_only=inputs.spec_slots is not None
+                    and bool((inputs.spec_slots[:, 0] >= 0).all()),
                 )
             )
         try:
