@@ -297,6 +297,44 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(saved)
 
 
+def build_mtp_head(
+    path: Path,
+    cfg: ModelConfig,
+    target,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+):
+    """The target's multi-token-prediction head (models/mtp.py), its tensors read from the
+    target's checkpoint (`mtp.*`) or dummy ones."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"{cfg.model_type}: the checkpoint declares no MTP layers")
+    if not cfg.is_hybrid:
+        raise ValueError(
+            f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5 and "
+            "Qwen3-Next have theirs; DeepSeek-V3's comes with its model)"
+        )
+    from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
+
+    with torch.device(device):
+        head = Qwen3NextMtp(cfg, target)
+    head.to(dtype=dtype)
+    for buf_name, buf in head.named_buffers():
+        if buf_name.endswith("cos_sin_cache"):
+            buf.data = buf.data.float()
+    if load_format == "dummy":
+        _fill_dummy(head, seed)
+        return head.eval()
+    if is_gguf(path):
+        raise ValueError("mtp: GGUF files carry no MTP head here")
+    loaded = head.load_weights(iter_safetensors(path if path.is_dir() else path.parent))
+    missing = {n for n, _ in head.named_parameters() if n not in loaded}
+    if missing:
+        raise ValueError(f"checkpoint is missing MTP tensors: {sorted(missing)[:8]}")
+    return head.eval()
+
+
 def _is_tied(model, name: str) -> bool:
     return name == "lm_head.weight" and model.config.tie_word_embeddings
 

@@ -430,34 +430,45 @@ class Qwen3NextForCausalLM(CausalLM):
         """The common loader, then a check that every stacked shared expert got its router rows
         and all of its tensors (their parameters count as loaded after any one of them)."""
         loaded = super().load_weights(weights)
-        missing = [
-            f"{name}.{tensor}"
-            for name, module in self.named_modules()
-            if isinstance(module, SparseMoE) and module.stacked_shared
-            for tensor in SparseMoE.STACKED_TENSORS
-            if tensor not in module.stacked_loaded
-        ]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+        check_stacked_experts(self)
         return loaded
 
     def load_special(self, name: str, tensor) -> str | None:
-        """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
-        router it joins): their own loaders."""
-        m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
-        if m and m.group(2).startswith("in_proj"):
-            self.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
-            return f"{m.group(1)}.linear_attn.in_proj.weight"
-        if m and m.group(2) == "conv1d":
-            gdn = self.get_submodule(f"{m.group(1)}.linear_attn")
-            gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
-            return f"{m.group(1)}.linear_attn.conv_weight"
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.((?:shared_expert\w*|gate)\..+)", name)
-        if m:
-            moe = self.get_submodule(m.group(1))
-            if isinstance(moe, SparseMoE) and moe.stacked_shared:
-                return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
-        return load_routed_expert(self, name, tensor)
+        return load_hybrid_special(self, name, tensor)
+
+
+def check_stacked_experts(model: nn.Module) -> None:
+    """Every stacked shared expert got its router rows and all of its tensors (their
+    parameters count as loaded after any one of them)."""
+    missing = [
+        f"{name}.{tensor}"
+        for name, module in model.named_modules()
+        if isinstance(module, SparseMoE) and module.stacked_shared
+        for tensor in SparseMoE.STACKED_TENSORS
+        if tensor not in module.stacked_loaded
+    ]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+
+def load_hybrid_special(model: nn.Module, name: str, tensor) -> str | None:
+    """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
+    router it joins) of `model`'s `model.layers.N`: their own loaders. Returns the parameter
+    loaded, or None for an ordinary tensor."""
+    m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
+    if m and m.group(2).startswith("in_proj"):
+        model.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
+        return f"{m.group(1)}.linear_attn.in_proj.weight"
+    if m and m.group(2) == "conv1d":
+        gdn = model.get_submodule(f"{m.group(1)}.linear_attn")
+        gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
+        return f"{m.group(1)}.linear_attn.conv_weight"
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.((?:shared_expert\w*|gate)\..+)", name)
+    if m:
+        moe = model.get_submodule(m.group(1))
+        if isinstance(moe, SparseMoE) and moe.stacked_shared:
+            return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
+    return load_routed_expert(model, name, tensor)
 
 
 def load_routed_expert(model: nn.Module, name: str, tensor) -> str | None:

@@ -43,7 +43,7 @@ class DraftModelDrafter(ModelDrafter):
     def attention_layers(self) -> list:
         return self.model.attention_layers()
 
-    def _forward(self, ids, positions, hidden):
+    def _forward(self, ids, positions, hidden, step: int = 0):
         return self.model(ids, positions)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

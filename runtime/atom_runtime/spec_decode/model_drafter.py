@@ -60,7 +60,9 @@ class ModelDrafter:
     def release(self, request_ids) -> None:
         """Nothing kept per request: the KV lives in the target's blocks."""
 
-    def _forward(self, ids, positions, hidden: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, ids, positions, hidden: torch.Tensor | None, step: int) -> torch.Tensor:
+        """The model's final hidden states over the rows; `step`: 0 for the catch-up, i for
+        draft i + 1."""
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,7 +147,7 @@ class ModelDrafter:
         for i, token in zip(picked, ids, strict=True):
             rounds[i].drafts.append(token)
 
-    def _run(self, rounds, tokens, positions, seq_lens, cu, max_q, prev) -> torch.Tensor:
+    def _run(self, rounds, tokens, positions, seq_lens, cu, max_q, prev, step=0) -> torch.Tensor:
         """The drafting model over packed rows of `rounds` (cu: each round's row offsets), its
         KV written at the rounds' slots. Returns the hidden states of every row."""
         bs = self.block_size
@@ -168,6 +170,6 @@ class ModelDrafter:
         )
         set_attention_metadata(meta)
         try:
-            return self._forward(d[0], d[1], prev)
+            return self._forward(d[0], d[1], prev, step)
         finally:
             set_attention_metadata(None)

@@ -346,6 +346,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         finally:
             set_attention_metadata(None)
             set_state_metadata(None)
+        if self.drafter is not None and self.drafter.needs_hidden_states:
+            self._last_hidden = hidden  # an MTP head drafts from them
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[rows]).float()
