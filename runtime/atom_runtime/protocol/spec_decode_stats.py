@@ -58,7 +58,10 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         self.acceptance_lengths[num_accepted] += 1
 
     def reset(self) -> None:
-        self.__init__(self.num_speculative_tokens)
+        k = self.num_speculative_tokens
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+        self.acceptance_lengths = [0] * (k + 1)
 
     @property
     def acceptance_rate(self) -> float:
