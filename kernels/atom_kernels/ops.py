@@ -587,6 +587,34 @@ def _check_small_m(x, weight, bias, act, weight_scale=None, weight_block_size=No
     _check_fp8_weight(weight, weight_scale, weight_block_size)
 
 
+@op(triton="gemv_rows.linear_few_rows", on="x")
+def linear_few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows x (`[M, K]`, 2 <= M <= 16, contiguous rows)
+    and a row-major weight (`[N, K]`): a speculative verify step's projection at batch 1 (its
+    last token and drafts), a weight read shared by every row. Triton on a GPU
+    (`gemv_rows.py`: one read of the weight for all rows; CUDA-graph capturable); `F.linear`
+    elsewhere. `act="silu_mul"`: SwiGLU over [gate; up] rows, `[M, N / 2]`."""
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be a 2-D [N, K] matrix with contiguous rows"
+        )
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or not 2 <= x.shape[0] <= 16 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [M, {k}], 2 <= M <= 16, contiguous rows")
+    if act == "silu_mul" and n % 2:
+        raise ValueError(f"act='silu_mul' needs [gate; up] weight rows; got an odd N={n}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+
+
 @op(triton="gemv.linear_rope_store_small_m", on="x")
 def linear_rope_store_small_m(
     x: torch.Tensor,
