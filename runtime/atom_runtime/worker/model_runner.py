@@ -51,7 +51,8 @@ from atom_runtime.worker.cuda_graphs import (
     default_capture_sizes,
     default_prefill_buckets,
 )
-from atom_runtime.worker.kernel_choice import select_small_m_kernels
+from atom_runtime.worker.few_rows_choice import choose_few_rows_kernels
+from atom_runtime.worker.kernel_choice import choose_small_m_kernels, select_small_m_kernels
 from atom_runtime.worker.sampler import Sampler, SamplerOutput
 from atom_runtime.worker.step_inputs import StepInputPreparation
 from atom_runtime.worker.verify_sampler import verify
@@ -114,6 +115,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.small_m_kernels = select_small_m_kernels(
             self.model, self.device, self.num_blocks, self.block_size
         )
+        self.few_row_kernels = self._choose_verify_kernels()
         self.sampler = Sampler(self.device, model_config.vocab_size)
         # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
         # first logits row, rows), and where the sampling rows sit among the logits rows (None:
@@ -133,6 +135,19 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.prefill_graphs = PrefillGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
+
+    def _choose_verify_kernels(self) -> dict[str, str]:
+        """Speculative decoding: the few-row path of the target's projections for a batch-1
+        verify step (k + 1 rows), and the drafting model's one-row and few-row paths."""
+        if self.spec is None:
+            return {}
+        rows = 1 + self.spec.num_speculative_tokens
+        choice = choose_few_rows_kernels(self.model, self.device, rows)
+        drafting = getattr(self.drafter, "model", None) or getattr(self.drafter, "head", None)
+        if drafting is not None:
+            choose_small_m_kernels(drafting, self.device)
+            choose_few_rows_kernels(drafting, self.device, rows)
+        return choice
 
     def _dense_rows(self, fresh_chunks: tuple[int, ...] | None) -> int:
         """`AttentionMetadata.dense_rows` for a step with these fresh chunks: the bucket of a
