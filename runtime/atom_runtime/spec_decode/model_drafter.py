@@ -24,6 +24,7 @@ import torch
 
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.layers.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.protocol.worker import StepInputs
 from atom_runtime.spec_decode.proposer import StepChunk
 from atom_runtime.system.device import to_device_many
 
@@ -53,6 +54,11 @@ class ModelDrafter:
         self.device = device
         self.block_size = block_size
         self.max_positions = max_positions  # rotary tables end there
+        # Captured one-token steps of the drafting model, set by the model runner on a GPU
+        # (its DecodeGraphs: `replay(StepInputs, fill_pending)` -> logits, or None when no
+        # graph fits): drafts 2..k of a draft model then cost their GPU time, not a launch a
+        # kernel.
+        self.decode_graphs = None
 
     def attention_layers(self) -> list:
         raise NotImplementedError
@@ -126,17 +132,42 @@ class ModelDrafter:
             rounds = [live[i] for i in keep]
             positions = np.asarray([r.positions[-1] + step for r in rounds], dtype=np.int64)
             tokens = np.asarray([r.drafts[-1] for r in rounds], dtype=np.int64)
-            prev = (
-                last[torch.tensor(keep, device=last.device)] if self.needs_hidden_states else None
-            )
+            logits = self._replay(rounds, tokens, positions)
+            if logits is not None:
+                for r, token in zip(rounds, logits.argmax(dim=-1).tolist(), strict=True):
+                    r.drafts.append(token)
+                continue
+            rows = torch.tensor(keep, device=last.device)
+            prev = last[rows] if self.needs_hidden_states else None
             cu = np.arange(len(rounds) + 1, dtype=np.int32)
-            out = self._run(
-                rounds, tokens, positions, (positions + 1).astype(np.int32), cu, 1, prev
-            )
+            seq_lens = (positions + 1).astype(np.int32)
+            out = self._run(rounds, tokens, positions, seq_lens, cu, 1, prev, step)
             self._take_drafts(rounds, out, [True] * len(rounds))
             if self.needs_hidden_states:
-                last = last.clone()
-                last[torch.tensor(keep, device=last.device)] = out
+                last = last.index_copy(0, rows, out)
+
+    def _replay(self, rounds: list[_Round], tokens, positions) -> torch.Tensor | None:
+        """The logits of a one-token step through the captured graphs, or None (none set, none
+        large enough, or a drafter that reads hidden states)."""
+        if self.decode_graphs is None or self.needs_hidden_states:
+            return None
+        bs = self.block_size
+        width = max(len(r.seq.block_table) for r in rounds)
+        tables = np.zeros((len(rounds), width), dtype=np.int32)
+        for i, r in enumerate(rounds):
+            tables[i, : len(r.seq.block_table)] = np.frombuffer(r.seq.block_table, dtype=np.int32)
+        slots = tables[np.arange(len(rounds)), positions // bs].astype(np.int64) * bs
+        inputs = StepInputs(
+            input_ids=tokens,
+            positions=positions,
+            slot_mapping=slots + positions % bs,
+            block_tables=tables,
+            seq_lens=(positions + 1).astype(np.int32),
+            cu_seqlens_q=np.arange(len(rounds) + 1, dtype=np.int32),
+            max_seqlen_q=1,
+            sample_rows=np.arange(len(rounds), dtype=np.int64),
+        )
+        return self.decode_graphs.replay(inputs, None)
 
     def _take_drafts(self, rounds: list[_Round], hidden: torch.Tensor, want: list[bool]) -> None:
         picked = [i for i, w in enumerate(want) if w]

@@ -46,6 +46,10 @@ class _CapturedGraphs:
 
     def __init__(self) -> None:
         self.graphs: dict = {}
+        # Each graph's hidden states (the model's output before the LM head), and the last
+        # replay's (speculative decoding: an MTP head drafts from them).
+        self.hidden: dict = {}
+        self.last_hidden: torch.Tensor | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
@@ -61,6 +65,8 @@ class _CapturedGraphs:
     def clear(self) -> None:
         """Drop the graphs and their buffers, so their memory can be freed."""
         self.graphs.clear()
+        self.hidden.clear()
+        self.last_hidden = None
         self.inputs = {}
         self._host_sets = []
 
@@ -125,8 +131,10 @@ class DecodeGraphs(_CapturedGraphs):
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = model.compute_logits(model(ids, pos)).float()
+                    hidden = model(ids, pos)
+                    logits = model.compute_logits(hidden).float()
                 self.graphs[bs] = (graph, logits)
+                self.hidden[bs] = hidden
                 set_attention_metadata(None)
                 set_state_metadata(None)
         torch.cuda.synchronize(dev)
@@ -197,6 +205,7 @@ class DecodeGraphs(_CapturedGraphs):
             fill_pending(dev["input_ids"], inputs.pending_sources)
         graph, logits = self.graphs[bs]
         graph.replay()
+        self.last_hidden = self.hidden[bs][:n]
         return logits[:n]
 
     def clear(self) -> None:
@@ -286,10 +295,12 @@ class PrefillGraphs(_CapturedGraphs):
                     torch.cuda.synchronize(dev)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        logits = model.compute_logits(model(ids, pos)[rows]).float()
+                        hidden = model(ids, pos)
+                        logits = model.compute_logits(hidden[rows]).float()
                 finally:
                     set_attention_metadata(None)
                 self.graphs[(t, s)] = (graph, logits)
+                self.hidden[(t, s)] = hidden
         torch.cuda.synchronize(dev)
         bufs["seq_lens"].zero_()
         bufs["cu_seqlens_q"].zero_()
@@ -361,4 +372,5 @@ class PrefillGraphs(_CapturedGraphs):
         graph, logits = self.graphs[bucket]
         graph.replay()
         self.replays += 1
+        self.last_hidden = self.hidden[bucket][:t]
         return logits[:k]

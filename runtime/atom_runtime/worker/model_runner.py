@@ -55,6 +55,7 @@ from atom_runtime.worker.few_rows_choice import choose_few_rows_kernels
 from atom_runtime.worker.kernel_choice import choose_small_m_kernels, select_small_m_kernels
 from atom_runtime.worker.sampler import Sampler, SamplerOutput
 from atom_runtime.worker.step_inputs import StepInputPreparation
+from atom_runtime.worker.verify_graphs import VerifyGraphs
 from atom_runtime.worker.verify_sampler import verify
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self._last_hidden: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
         self.prefill_graphs = PrefillGraphs()
+        self.verify_graphs = VerifyGraphs()
+        self.draft_graphs = DecodeGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
 
@@ -222,6 +225,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.graphs.capture(
             self.model, self.device, sizes, max_blocks, stateful=self.state is not None
         )
+        if self.spec is not None:
+            self._capture_verify_graphs(sizes, max_blocks)
         # Short prefill and mixed steps: dense models only (a hybrid model's chunked GDN
         # prefill plans its chunks on the host).
         max_tokens = min(self.config.prefill_graph_max_tokens, self.max_num_batched_tokens)
@@ -237,6 +242,24 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                     "failed (%s: %s); --prefill-graph-max-tokens 0 skips the attempt",
                     type(exc).__name__, exc,
                 )  # fmt: skip
+
+    def _capture_verify_graphs(self, sizes: list[int], max_blocks: int) -> None:
+        """Speculative decoding: verify steps of up to 16 sequences of k + 1 rows."""
+        rows = 1 + self.spec.num_speculative_tokens
+        verify_sizes = [s for s in sizes if s <= 16] or sizes[:1]
+        if self.spec.method == "draft_model":  # the draft's one-token steps
+            self.draft_graphs.capture(self.drafter.model, self.device, verify_sizes, max_blocks)
+            self.drafter.decode_graphs = self.draft_graphs
+        try:
+            self.verify_graphs.capture(
+                self.model, self.device, verify_sizes, max_blocks + -(-rows // self.block_size),
+                rows, stateful=self.state is not None,
+            )  # fmt: skip
+        except Exception as exc:  # a GPU stack that cannot capture the verify path
+            self.verify_graphs.clear()
+            torch.cuda.synchronize(self.device)
+            log.warning("verify steps run eagerly: capturing their CUDA graphs failed (%s: %s)",
+                        type(exc).__name__, exc)  # fmt: skip
 
     def _warm_up_prefill_attention(self, max_context: int) -> None:
         """Which prefill-attention kernel a step compiles depends on its chunk lengths, batch and
@@ -296,15 +319,22 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if inputs.decode_only and self.graphs:
             logits = self.graphs.replay(inputs, self._fill_pending)
             if logits is not None:
+                self._keep_hidden(self.graphs.last_hidden)
                 rows = inputs.sample_rows
                 if len(rows) == len(inputs.input_ids):
                     return logits
                 # A one-token prompt chunk short of the prompt's end is decode-shaped but does
                 # not sample: keep only the sample rows.
                 return logits[to_device(rows, self.device)] if len(rows) else None
+        if not inputs.decode_only and self.verify_graphs:
+            logits = self.verify_graphs.replay(inputs)
+            if logits is not None:
+                self._keep_hidden(self.verify_graphs.last_hidden)
+                return logits
         if not inputs.decode_only and self.prefill_graphs:
             logits = self.prefill_graphs.replay(inputs, self._fill_pending)
             if logits is not None:
+                self._keep_hidden(self.prefill_graphs.last_hidden)
                 return logits if len(logits) else None
         dev = self.device
         decode_only = inputs.decode_only
@@ -361,11 +391,15 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         finally:
             set_attention_metadata(None)
             set_state_metadata(None)
-        if self.drafter is not None and self.drafter.needs_hidden_states:
-            self._last_hidden = hidden  # an MTP head drafts from them
+        self._keep_hidden(hidden)
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _keep_hidden(self, hidden: torch.Tensor) -> None:
+        """The step's hidden states, for a drafter that drafts from them (an MTP head)."""
+        if self.drafter is not None and self.drafter.needs_hidden_states:
+            self._last_hidden = hidden
 
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
         """One token per sampling sequence (rows of `logits` in the order of `samplers`); a step
@@ -397,6 +431,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             self.state.release()
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.verify_graphs.clear()
+        self.draft_graphs.clear()
         self._last_samplers, self._last_token_ids = [], None
         self.sampler.generators.clear()
         if self.device.type == "cuda":
