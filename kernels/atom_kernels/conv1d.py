@@ -163,24 +163,13 @@ def _conv1d_verify_state_kernel(
     )
 
 
-def causal_conv1d_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """See `atom_kernels.ops.causal_conv1d_`. No host syncs (CUDA-graph capturable)."""
+def _conv(x, weight, bias, conv_state, query_start_loc, read_slots, resume, activation):
+    """The conv launch: y for every token, each sequence's window read from its slot in
+    `read_slots` (nothing written). Returns (y, the launch's block of channels)."""
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("causal_conv1d_ needs x with contiguous rows and a contiguous weight")
     num_tokens, dim = x.shape
-    width = weight.shape[1]
-    batch = slot_ids.shape[0]
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
-    resume = has_initial_state.view(torch.uint8)
     s0, s1, s2 = conv_state.stride()
     block_d = min(256, triton.next_power_of_2(dim))
     if num_tokens:
@@ -192,15 +181,32 @@ def causal_conv1d_(
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
         _conv1d_kernel[grid](
             x, weight, bias if bias is not None else weight, conv_state, out, seq_of_token,
-            query_start_loc, slot_ids, resume, num_tokens, dim, x.stride(0), out.stride(0),
-            s0, s1, s2, WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            query_start_loc, read_slots, resume, num_tokens, dim, x.stride(0), out.stride(0),
+            s0, s1, s2, WIDTH=weight.shape[1], HAS_BIAS=bias is not None,
+            SILU=activation == "silu", BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
-    if batch:
-        _conv1d_state_kernel[(batch, triton.cdiv(dim, block_d))](
-            x, conv_state, query_start_loc, slot_ids, resume, dim, x.stride(0), s0, s1, s2,
-            WIDTH=width, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_D=block_d,
-            num_warps=4,
+    return out, block_d
+
+
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """See `atom_kernels.ops.causal_conv1d_`. No host syncs (CUDA-graph capturable)."""
+    resume = has_initial_state.view(torch.uint8)
+    out, block_d = _conv(x, weight, bias, conv_state, query_start_loc, slot_ids, resume, activation)
+    width, dim = weight.shape[1], x.shape[1]
+    if slot_ids.shape[0]:
+        _conv1d_state_kernel[(slot_ids.shape[0], triton.cdiv(dim, block_d))](
+            x, conv_state, query_start_loc, slot_ids, resume, dim, x.stride(0),
+            *conv_state.stride(), WIDTH=width, BLOCK_W=triton.next_power_of_2(width - 1),
+            BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -217,31 +223,13 @@ def causal_conv1d_verify_(
 ) -> torch.Tensor:
     """See `atom_kernels.ops.causal_conv1d_verify_`. No host syncs (CUDA-graph capturable):
     the conv reading each row's slot slots[b, 0], then the per-token windows."""
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("causal_conv1d_verify_ needs x with contiguous rows, a contiguous weight")
-    num_tokens, dim = x.shape
-    width = weight.shape[1]
-    batch = slots.shape[0]
-    read = slots[:, 0].contiguous()
-    out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     resume = has_initial_state.view(torch.uint8)
-    s0, s1, s2 = conv_state.stride()
-    block_d = min(256, triton.next_power_of_2(dim))
-    if num_tokens:
-        positions = torch.arange(num_tokens, device=x.device, dtype=torch.int32)
-        seq_of_token = torch.searchsorted(query_start_loc[1:], positions, right=True)
-        seq_of_token = seq_of_token.to(torch.int32)
-        block_t = min(16, triton.next_power_of_2(num_tokens))
-        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
-        _conv1d_kernel[grid](
-            x, weight, bias if bias is not None else weight, conv_state, out, seq_of_token,
-            query_start_loc, read, resume, num_tokens, dim, x.stride(0), out.stride(0),
-            s0, s1, s2, WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
-    if batch:
-        _conv1d_verify_state_kernel[(batch, triton.cdiv(dim, block_d))](
-            x, conv_state, query_start_loc, slots, resume, dim, x.stride(0), s0, s1, s2,
+    read = slots[:, 0].contiguous()
+    out, block_d = _conv(x, weight, bias, conv_state, query_start_loc, read, resume, activation)
+    width, dim = weight.shape[1], x.shape[1]
+    if slots.shape[0]:
+        _conv1d_verify_state_kernel[(slots.shape[0], triton.cdiv(dim, block_d))](
+            x, conv_state, query_start_loc, slots, resume, dim, x.stride(0), *conv_state.stride(),
             WIDTH=width, NUM_OUT=slots.shape[1], BLOCK_W=triton.next_power_of_2(width - 1),
             BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip

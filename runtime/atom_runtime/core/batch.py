@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atom_runtime.core.sequence import Sequence
+from atom_runtime.protocol.engine_core import StepOutputs
 
 
 @dataclass
@@ -43,3 +44,9 @@ class StepOutput:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     num_tokens: list[int] | None = None
+
+    def add_logprobs(self, outputs: StepOutputs, row: int, want: int | None) -> None:
+        """Row `row`'s logprob and its top `want` alternatives into the step's outputs."""
+        outputs.logprobs.append(self.logprobs[row])
+        outputs.top_ids.append(self.top_ids[row][:want] if want else [])
+        outputs.top_logprobs.append(self.top_logprobs[row][:want] if want else [])

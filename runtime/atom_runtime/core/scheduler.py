@@ -359,10 +359,7 @@ class Scheduler(SpeculativeSteps):
                 ids.append(seq.request_id)
                 tokens.append(token)
                 if with_logprobs:
-                    want = seq.sampling_params.logprobs
-                    outputs.logprobs.append(output.logprobs[row])
-                    outputs.top_ids.append(output.top_ids[row][:want] if want else [])
-                    outputs.top_logprobs.append(output.top_logprobs[row][:want] if want else [])
+                    output.add_logprobs(outputs, row, seq.sampling_params.logprobs)
                 if first or seq.is_finished:
                     updates.append(request_update(seq, with_token=True))
             self.generation_tokens += len(tokens)

@@ -100,10 +100,7 @@ class SpeculativeSteps:
                 ids.append(seq.request_id)
                 tokens.append(token)
                 if with_logprobs:
-                    want = seq.sampling_params.logprobs
-                    outputs.logprobs.append(output.logprobs[r])
-                    outputs.top_ids.append(output.top_ids[r][:want] if want else [])
-                    outputs.top_logprobs.append(output.top_logprobs[r][:want] if want else [])
+                    output.add_logprobs(outputs, r, seq.sampling_params.logprobs)
                 if seq.is_finished:
                     break
             # A stop on an accepted draft: its KV was computed, the rest of the run's was not kept.

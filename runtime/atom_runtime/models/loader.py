@@ -261,15 +261,7 @@ def build_model(
             model = Qwen3NextForCausalLM(cfg)
         else:
             model = LlamaForCausalLM(cfg)
-    model.to(dtype=dtype)
-    for buf_name, buf in model.named_buffers():
-        if buf_name.endswith("cos_sin_cache"):
-            buf.data = buf.data.float()
-    for param in model.parameters():
-        if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
-            param.data = param.data.float()
-    if load_format == "dummy":
-        _fill_dummy(model, seed)
+    if _in_dtype(model, dtype, load_format, seed):
         return model.eval()
     if load_format not in ("auto", "safetensors", "gguf"):
         raise ValueError(
@@ -317,14 +309,9 @@ def build_mtp_head(
         )
     from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
 
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         head = Qwen3NextMtp(cfg, target)
-    head.to(dtype=dtype)
-    for buf_name, buf in head.named_buffers():
-        if buf_name.endswith("cos_sin_cache"):
-            buf.data = buf.data.float()
-    if load_format == "dummy":
-        _fill_dummy(head, seed)
+    if _in_dtype(head, dtype, load_format, seed):
         return head.eval()
     if is_gguf(path):
         raise ValueError("mtp: GGUF files carry no MTP head here")
@@ -333,6 +320,22 @@ def build_mtp_head(
     if missing:
         raise ValueError(f"checkpoint is missing MTP tensors: {sorted(missing)[:8]}")
     return head.eval()
+
+
+def _in_dtype(module, dtype: torch.dtype, load_format: str, seed: int) -> bool:
+    """Cast a freshly built module to the run dtype (rotary tables stay fp32) and, for
+    `load_format="dummy"`, fill it with random weights; True when it is then complete."""
+    module.to(dtype=dtype)
+    for buf_name, buf in module.named_buffers():
+        if buf_name.endswith("cos_sin_cache"):
+            buf.data = buf.data.float()
+    for param in module.parameters():
+        if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
+            param.data = param.data.float()
+    if load_format == "dummy":
+        _fill_dummy(module, seed)
+        return True
+    return False
 
 
 def _is_tied(model, name: str) -> bool:

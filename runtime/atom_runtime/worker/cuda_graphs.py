@@ -38,6 +38,21 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def capture_forward(model: nn.Module, ids, pos, pool, rows=None):
+    """Warm the forward and LM head up twice (Triton compiles and autotunes outside the
+    capture), then capture them into a graph of the memory pool `pool`: (graph, logits of
+    `rows` (None: every row), fp32; the hidden states of every row)."""
+    for _ in range(2):
+        hidden = model(ids, pos)
+        model.compute_logits(hidden if rows is None else hidden[rows]).float()
+    torch.cuda.synchronize(ids.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = model(ids, pos)
+        logits = model.compute_logits(hidden if rows is None else hidden[rows]).float()
+    return graph, logits, hidden
+
+
 class _CapturedGraphs:
     """What both kinds of captured graphs hold: the graphs with their output logits, the device
     input buffers they read, and two pinned host staging sets used in turn (with async
@@ -126,15 +141,8 @@ class DecodeGraphs(_CapturedGraphs):
                         )
                     )
                 ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
-                for _ in range(2):  # warm up: Triton compiles and autotunes outside capture
-                    model.compute_logits(model(ids, pos)).float()
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = model(ids, pos)
-                    logits = model.compute_logits(hidden).float()
+                graph, logits, self.hidden[bs] = capture_forward(model, ids, pos, pool)
                 self.graphs[bs] = (graph, logits)
-                self.hidden[bs] = hidden
                 set_attention_metadata(None)
                 set_state_metadata(None)
         torch.cuda.synchronize(dev)
@@ -290,13 +298,7 @@ class PrefillGraphs(_CapturedGraphs):
                 rows = bufs["sample_rows"][:s]
                 set_attention_metadata(meta)
                 try:
-                    for _ in range(2):  # Triton compiles and autotunes outside the capture
-                        model.compute_logits(model(ids, pos)[rows]).float()
-                    torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = model(ids, pos)
-                        logits = model.compute_logits(hidden[rows]).float()
+                    graph, logits, hidden = capture_forward(model, ids, pos, pool, rows)
                 finally:
                     set_attention_metadata(None)
                 self.graphs[(t, s)] = (graph, logits)

@@ -25,7 +25,7 @@ from atom_runtime.layers.forward_context import (
     set_attention_metadata,
     set_state_metadata,
 )
-from atom_runtime.worker.cuda_graphs import _CapturedGraphs
+from atom_runtime.worker.cuda_graphs import _CapturedGraphs, capture_forward
 
 if TYPE_CHECKING:
     from atom_runtime.protocol.worker import StepInputs
@@ -95,18 +95,11 @@ class VerifyGraphs(_CapturedGraphs):
                     )
                 ids, pos = bufs["input_ids"][:n], bufs["positions"][:n]
                 try:
-                    for _ in range(2):  # Triton compiles and autotunes outside the capture
-                        model.compute_logits(model(ids, pos)).float()
-                    torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = model(ids, pos)
-                        logits = model.compute_logits(hidden).float()
+                    graph, logits, self.hidden[b] = capture_forward(model, ids, pos, pool)
                 finally:
                     set_attention_metadata(None)
                     set_state_metadata(None)
                 self.graphs[b] = (graph, logits)
-                self.hidden[b] = hidden
         torch.cuda.synchronize(dev)
         self.inputs = bufs
         self.sizes, self.rows, self.stateful, self._max_blocks = sizes, rows, stateful, max_blocks
