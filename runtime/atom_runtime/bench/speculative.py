@@ -82,39 +82,38 @@ def add_arguments(lat: argparse.ArgumentParser) -> None:
 
 
 def run_copy_prompts(make_llm, args: argparse.Namespace, result: dict) -> None:
-    """Each copy-heavy prompt at batch 1, plain then speculative: decode tok/s and acceptance."""
+    """Each copy-heavy prompt at batch 1, plain then speculative, side by side (two engines:
+    under a drifting load on a shared machine each pair is measured in the same minute):
+    decode tok/s and acceptance."""
     from atom_runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
+    engines = {"plain": make_llm(False), "spec": make_llm(True)}
     runs: dict[str, dict] = {}
-    for label, spec in (("plain", False), ("spec", True)):
-        llm = make_llm(spec)
-        try:
-            tok = llm.get_tokenizer()
-            if tok is None:
-                raise ValueError("--prompt-set copy: the model has no tokenizer")
-            for name, (text, chat) in COPY_PROMPTS.items():
-                ids = (
-                    tok.encode_chat([{"role": "user", "content": text}])
-                    if chat
-                    else tok.encode(text)
-                )
+    try:
+        tok = engines["plain"].get_tokenizer()
+        if tok is None:
+            raise ValueError("--prompt-set copy: the model has no tokenizer")
+        for name, (text, chat) in COPY_PROMPTS.items():
+            ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
+            entry = runs.setdefault(name, {"prompt_tokens": len(ids)})
+            for label, llm in engines.items():
                 stats = llm.engine.scheduler.spec_stats
                 if stats is not None:
                     stats.reset()
                 tokens, tok_s = decode_rate(llm, ids, params)
-                entry = runs.setdefault(name, {"prompt_tokens": len(ids)})
                 entry[label] = {"output_tokens": tokens, "decode_tok_s": tok_s}
                 if stats is not None:
                     entry[label]["acceptance"] = stats.summary()
-        finally:
+    finally:
+        for llm in engines.values():
             llm.shutdown()
     result["copy_prompts"] = runs
     for name, entry in runs.items():
         plain, spec = entry["plain"], entry["spec"]
         acc = spec.get("acceptance", {})
         print(
-            f"atom  W7 {name:6s}: {plain['decode_tok_s']:.1f} -> {spec['decode_tok_s']:.1f} "
+            f"atom  W7 {name:6s}: {plain['decode_tok_s']:.2f} -> {spec['decode_tok_s']:.2f} "
             f"tok/s ({spec['decode_tok_s'] / plain['decode_tok_s']:.2f}x), acceptance "
             f"{acc.get('acceptance_rate', 0):.2f}, {acc.get('mean_acceptance_length', 0):.2f} "
             f"tokens a step, {spec['output_tokens']} tokens"
