@@ -31,7 +31,7 @@ from atom_runtime.models.qwen3_next import (
 class Qwen3NextMtp(nn.Module):
     def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
         super().__init__()
-        n = cfg.num_mtp_layers
+        n = cfg.num_nextn_predict_layers
         if n < 1:
             raise ValueError(f"{cfg.model_type}: the config declares no MTP layers")
         # The layer shape of the target's full-attention layers; MoE whenever it has experts.

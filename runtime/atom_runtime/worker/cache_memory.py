@@ -46,8 +46,7 @@ class CacheMemory:
         """One block of every attention layer's cache, as each layer's `cache_spec` says (K and
         V per KV head, or one latent row a token for MLA)."""
         per_token = sum(
-            layer.cache_spec().bytes_per_token(self.dtype)
-            for layer in self.kv_layers()
+            layer.cache_spec().bytes_per_token(self.dtype) for layer in self.kv_layers()
         )
         return self.block_size * per_token
 
