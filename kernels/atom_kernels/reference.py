@@ -292,8 +292,15 @@ def linear_small_m(
     return silu_and_mul(y) if act == "silu_mul" else y
 
 
-# The same product for a few rows (a speculative verify step's).
-linear_few_rows = linear_small_m
+def linear_few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear` of a few rows (a verify step's), then SwiGLU when `act="silu_mul"`."""
+    return linear_small_m(x, weight, bias, act=act)
 
 
 def linear_rope_store_small_m(
