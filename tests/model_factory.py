@@ -284,9 +284,14 @@ def hybrid_references_on_torch() -> None:
 _references_on_torch = False
 
 
-def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """Write a random `kind` model (see CONFIGS, MOE_CONFIGS, HYBRID_CONFIGS, MLA_CONFIGS;
-    `overrides` replace config fields) to folder; returns the folder."""
+def make_tiny_model(
+    folder: Path, kind: str, seed: int = 0, mtp_layers: int = 0, **overrides
+) -> Path:
+    """Write a random `kind` model (see CONFIGS, MOE_CONFIGS, HYBRID_CONFIGS,
+    MLA_CONFIGS; `overrides`
+    replace config fields) to folder; returns the folder. `mtp_layers` (hybrid kinds): a
+    multi-token-prediction head of that many layers too, as the released checkpoints carry it
+    (`mtp.*` tensors in their own file, declared in config.json; transformers ignores both)."""
     import transformers
 
     from atom_runtime.models.loader import default_model_path
@@ -303,6 +308,9 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
     spec.update(overrides)
     model_type = spec.pop("model_type")
     spec.pop("architectures")
+    if mtp_layers:
+        name = "num_nextn_predict_layers" if kind == "qwen3_next" else "mtp_num_hidden_layers"
+        spec[name] = mtp_layers
     config = transformers.AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -317,6 +325,8 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
             if name.endswith("e_score_correction_bias"):  # zeros by default: make it count
                 b.normal_(0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)
+    if mtp_layers:
+        _write_mtp_head(folder, model, config, mtp_layers)
     try:
         tok = Tokenizer.from_gguf(default_model_path())
     except FileNotFoundError:
@@ -333,3 +343,35 @@ def make_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path
         )
     )
     return folder
+
+
+def _write_mtp_head(folder: Path, model, config, num_layers: int) -> None:
+    """Random `mtp.*` tensors shaped as a Qwen3.5 / Qwen3-Next MTP head: `fc`, its two input
+    norms and the final one, and per layer the tensors of one of the model's full-attention
+    layers (its MLP a MoE layer's when the model has experts)."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    types = config.layer_types
+    full = types.index("full_attention")
+    moe = next(
+        (i for i in range(len(types)) if any(f"layers.{i}.mlp.experts" in n for n in state)),
+        full,
+    )
+    gen = torch.Generator().manual_seed(1234)
+
+    def rand(t: torch.Tensor, norm: bool) -> torch.Tensor:
+        scale = 0.1 if norm else 0.08
+        return (torch.randn(t.shape, generator=gen) * scale).contiguous()
+
+    h = config.hidden_size
+    out = {"mtp.fc.weight": rand(torch.empty(h, 2 * h), False)}
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = rand(torch.empty(h), True)
+    for layer in range(num_layers):
+        for name, t in state.items():
+            for source, keep in ((full, ".mlp." not in name), (moe, ".mlp." in name)):
+                prefix = f"model.layers.{source}."
+                if name.startswith(prefix) and keep:
+                    out[f"mtp.layers.{layer}.{name[len(prefix) :]}"] = rand(t, "norm" in name)
+    save_file(out, str(folder / "mtp.safetensors"))

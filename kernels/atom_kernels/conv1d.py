@@ -103,24 +103,73 @@ def _conv1d_state_kernel(
     tl.store(row + j[:, None] * state_stride_w, new.to(state_ptr.dtype.element_ty), mask=keep)
 
 
-def causal_conv1d_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """See `atom_kernels.ops.causal_conv1d_`. No host syncs (CUDA-graph capturable)."""
+@triton.jit
+def _conv1d_verify_state_kernel(
+    x_ptr,
+    state_ptr,
+    query_start_loc_ptr,
+    slots_ptr,
+    has_initial_state_ptr,
+    dim,
+    x_stride,
+    state_stride_s,
+    state_stride_d,
+    state_stride_w,
+    WIDTH: tl.constexpr,
+    NUM_OUT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The window after each token j < NUM_OUT of sequence b into slot slots[b, j]: the last W-1
+    inputs of [old window (slot slots[b, 0]) ; x_b[: j + 1]]. Windows j >= 1 first, then a
+    barrier, then window 0, which overwrites the slot the others read."""
+    b = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(query_start_loc_ptr + b)
+    length = tl.load(query_start_loc_ptr + b + 1) - start
+    read = tl.load(slots_ptr + b * NUM_OUT)
+    resume = tl.load(has_initial_state_ptr + b) != 0
+    w = tl.arange(0, BLOCK_W)
+    d_ok = (d < dim)[None, :]
+    old_row = (
+        state_ptr + read.to(tl.int64) * state_stride_s + d[None, :].to(tl.int64) * state_stride_d
+    )
+    first = tl.zeros((BLOCK_W, BLOCK_D), dtype=tl.float32)
+    for jj in tl.static_range(NUM_OUT):
+        j = NUM_OUT - 1 - jj
+        to = tl.load(slots_ptr + b * NUM_OUT + j)
+        rows = tl.where((read >= 0) & (to >= 0) & (j < length), WIDTH - 1, 0)
+        keep = (w < rows)[:, None] & d_ok
+        idx = j + 1 + w  # position in [old window (W-1) ; x]
+        from_x = (idx >= WIDTH - 1)[:, None]
+        from_old = (idx < tl.where(resume, WIDTH - 1, 0))[:, None]
+        src_x = x_ptr + (start + idx - (WIDTH - 1)).to(tl.int64)[:, None] * x_stride + d[None, :]
+        xv = tl.load(src_x, mask=keep & from_x, other=0.0)
+        old = tl.load(old_row + idx[:, None] * state_stride_w, mask=keep & from_old, other=0.0)
+        new = tl.where(from_x, xv.to(tl.float32), old.to(tl.float32))
+        if j == 0:
+            first = new
+        else:
+            row = state_ptr + to.to(tl.int64) * state_stride_s
+            row += d[None, :].to(tl.int64) * state_stride_d
+            tl.store(
+                row + w[:, None] * state_stride_w, new.to(state_ptr.dtype.element_ty), mask=keep
+            )
+    tl.debug_barrier()
+    to0 = tl.where(length > 0, read, -1)
+    keep0 = (w < tl.where(to0 >= 0, WIDTH - 1, 0))[:, None] & d_ok
+    tl.store(
+        old_row + w[:, None] * state_stride_w, first.to(state_ptr.dtype.element_ty), mask=keep0
+    )
+
+
+def _conv(x, weight, bias, conv_state, query_start_loc, read_slots, resume, activation):
+    """The conv launch: y for every token, each sequence's window read from its slot in
+    `read_slots` (nothing written). Returns (y, the launch's block of channels)."""
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("causal_conv1d_ needs x with contiguous rows and a contiguous weight")
     num_tokens, dim = x.shape
-    width = weight.shape[1]
-    batch = slot_ids.shape[0]
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
-    resume = has_initial_state.view(torch.uint8)
     s0, s1, s2 = conv_state.stride()
     block_d = min(256, triton.next_power_of_2(dim))
     if num_tokens:
@@ -132,14 +181,56 @@ def causal_conv1d_(
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))
         _conv1d_kernel[grid](
             x, weight, bias if bias is not None else weight, conv_state, out, seq_of_token,
-            query_start_loc, slot_ids, resume, num_tokens, dim, x.stride(0), out.stride(0),
-            s0, s1, s2, WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            query_start_loc, read_slots, resume, num_tokens, dim, x.stride(0), out.stride(0),
+            s0, s1, s2, WIDTH=weight.shape[1], HAS_BIAS=bias is not None,
+            SILU=activation == "silu", BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
-    if batch:
-        _conv1d_state_kernel[(batch, triton.cdiv(dim, block_d))](
-            x, conv_state, query_start_loc, slot_ids, resume, dim, x.stride(0), s0, s1, s2,
-            WIDTH=width, BLOCK_W=triton.next_power_of_2(width - 1), BLOCK_D=block_d,
-            num_warps=4,
+    return out, block_d
+
+
+def causal_conv1d_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """See `atom_kernels.ops.causal_conv1d_`. No host syncs (CUDA-graph capturable)."""
+    resume = has_initial_state.view(torch.uint8)
+    out, block_d = _conv(x, weight, bias, conv_state, query_start_loc, slot_ids, resume, activation)
+    width, dim = weight.shape[1], x.shape[1]
+    if slot_ids.shape[0]:
+        _conv1d_state_kernel[(slot_ids.shape[0], triton.cdiv(dim, block_d))](
+            x, conv_state, query_start_loc, slot_ids, resume, dim, x.stride(0),
+            *conv_state.stride(), WIDTH=width, BLOCK_W=triton.next_power_of_2(width - 1),
+            BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def causal_conv1d_verify_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """See `atom_kernels.ops.causal_conv1d_verify_`. No host syncs (CUDA-graph capturable):
+    the conv reading each row's slot slots[b, 0], then the per-token windows."""
+    resume = has_initial_state.view(torch.uint8)
+    read = slots[:, 0].contiguous()
+    out, block_d = _conv(x, weight, bias, conv_state, query_start_loc, read, resume, activation)
+    width, dim = weight.shape[1], x.shape[1]
+    if slots.shape[0]:
+        _conv1d_verify_state_kernel[(slots.shape[0], triton.cdiv(dim, block_d))](
+            x, conv_state, query_start_loc, slots, resume, dim, x.stride(0), *conv_state.stride(),
+            WIDTH=width, NUM_OUT=slots.shape[1], BLOCK_W=triton.next_power_of_2(width - 1),
+            BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return out

@@ -116,12 +116,15 @@ def _gdn_recurrent_kernel(
     state_stride_s,
     state_stride_h,
     state_stride_k,
+    out_slots_ptr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     GROUP: tl.constexpr,
     L2NORM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
+    NUM_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -131,7 +134,10 @@ def _gdn_recurrent_kernel(
     v_ok = dv < DV
     start = tl.load(query_start_loc_ptr + b)
     end = tl.load(query_start_loc_ptr + b + 1)
-    slot = tl.load(slot_ids_ptr + b)
+    if PER_TOKEN:  # a verify step: read slots[b, 0], keep the state after token j in slots[b, j]
+        slot = tl.load(out_slots_ptr + b * NUM_OUT)
+    else:
+        slot = tl.load(slot_ids_ptr + b)
     real = slot >= 0
     resume = tl.load(has_initial_state_ptr + b) != 0
     # Scalar conditions fold into the bounds (the interpreter rejects block & scalar masks).
@@ -164,7 +170,14 @@ def _gdn_recurrent_kernel(
         o = tl.where(real, o, 0.0)
         o_ptrs = out_ptr + t64 * out_stride_t + h * out_stride_h + dv
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
-    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_write[:, None] & v_ok[None, :])
+        if PER_TOKEN:
+            to = tl.load(out_slots_ptr + b * NUM_OUT + tl.minimum(i, NUM_OUT - 1))
+            k_keep = dk < tl.where(real & (to >= 0) & (i < NUM_OUT), DK, 0)
+            t_ptrs = state_ptr + to.to(tl.int64) * state_stride_s + h * state_stride_h
+            t_ptrs += dk[:, None] * state_stride_k + dv[None, :]
+            tl.store(t_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_keep[:, None] & v_ok[None, :])
+    if not PER_TOKEN:
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_write[:, None] & v_ok[None, :])
 
 
 def gated_delta_rule_recurrent_(
@@ -180,9 +193,11 @@ def gated_delta_rule_recurrent_(
     scale: float,
     use_qk_l2norm: bool = True,
     out: torch.Tensor | None = None,
+    out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See `atom_kernels.ops.gated_delta_rule_`; token-by-token for every row. No host syncs
-    (CUDA-graph capturable)."""
+    (CUDA-graph capturable). With `out_slots` ([B, W], `ops.gated_delta_rule_verify_`) each
+    row reads slot out_slots[b, 0] and leaves its state after token j in out_slots[b, j]."""
     for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
@@ -205,7 +220,10 @@ def gated_delta_rule_recurrent_(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
+        out_slots if out_slots is not None else slot_ids,
         DK=dk, DV=dv, GROUP=hv // hk, L2NORM=use_qk_l2norm, BLOCK_K=block_k, BLOCK_V=block_v,
+        PER_TOKEN=out_slots is not None,
+        NUM_OUT=out_slots.shape[1] if out_slots is not None else 1,
         num_warps=4,
     )  # fmt: skip
     return out
@@ -465,3 +483,24 @@ def gated_delta_rule_(
     if PREFILL_KERNEL == "fla" and q.is_cuda and _fla_chunk() is not None:
         return gated_delta_rule_chunked_fla_(*args, use_qk_l2norm)
     return gated_delta_rule_chunked_(*args, use_qk_l2norm)
+
+
+def gated_delta_rule_verify_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """See `atom_kernels.ops.gated_delta_rule_verify_`: the recurrent kernel, keeping the state
+    after every token of a row in its slot. No host syncs (CUDA-graph capturable)."""
+    return gated_delta_rule_recurrent_(
+        q, k, v, g, beta, state, query_start_loc, slots[:, 0].contiguous(), has_initial_state,
+        scale, use_qk_l2norm, out_slots=slots,
+    )  # fmt: skip

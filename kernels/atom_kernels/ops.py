@@ -606,6 +606,34 @@ def _check_small_m(x, weight, bias, act, weight_scale=None, weight_block_size=No
     _check_fp8_weight(weight, weight_scale, weight_block_size)
 
 
+@op(triton="gemv_rows.linear_few_rows", on="x")
+def linear_few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows x (`[M, K]`, 2 <= M <= 16, contiguous rows)
+    and a row-major weight (`[N, K]`): a speculative verify step's projection at batch 1 (its
+    last token and drafts), a weight read shared by every row. Triton on a GPU
+    (`gemv_rows.py`: one read of the weight for all rows; CUDA-graph capturable); `F.linear`
+    elsewhere. `act="silu_mul"`: SwiGLU over [gate; up] rows, `[M, N / 2]`."""
+    if act not in (None, "silu_mul"):
+        raise ValueError(f"act={act!r}: expected None or 'silu_mul'")
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be a 2-D [N, K] matrix with contiguous rows"
+        )
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or not 2 <= x.shape[0] <= 16 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [M, {k}], 2 <= M <= 16, contiguous rows")
+    if act == "silu_mul" and n % 2:
+        raise ValueError(f"act='silu_mul' needs [gate; up] weight rows; got an odd N={n}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+
+
 @op(triton="gemv.linear_rope_store_small_m", on="x")
 def linear_rope_store_small_m(
     x: torch.Tensor,
@@ -923,6 +951,40 @@ def _check_rows(query_start_loc, slot_ids, has_initial_state, device) -> None:
             raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
 
 
+def _check_conv(x, weight, bias, conv_state, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
+    d = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != d or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [{d}, W] with W >= 2, got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (d,):
+        raise ValueError(f"bias must be [{d}], got {tuple(bias.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (d, width - 1):
+        raise ValueError(f"conv_state must be [S, {d}, {width - 1}], got {tuple(conv_state.shape)}")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation={activation!r}: expected 'silu' or None")
+
+
+def _check_gdn(q, k, v, g, beta, state) -> None:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must both be [T, Hk, Dk], got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    t, hk, dk = q.shape
+    if v.dim() != 3 or v.shape[0] != t or v.shape[1] % hk:
+        raise ValueError(
+            f"v must be [{t}, Hv, Dv] with Hv a multiple of {hk}, got {tuple(v.shape)}"
+        )
+    hv, dv = v.shape[1], v.shape[2]
+    if tuple(g.shape) != (t, hv) or g.dtype != torch.float32:
+        raise ValueError(f"g must be fp32 [{t}, {hv}], got {g.dtype} {tuple(g.shape)}")
+    if tuple(beta.shape) != (t, hv):
+        raise ValueError(f"beta must be [{t}, {hv}], got {tuple(beta.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"state must be [S, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
+
+
 @op(triton="conv1d.causal_conv1d_", on="x")
 def causal_conv1d_(
     x: torch.Tensor,
@@ -942,18 +1004,7 @@ def causal_conv1d_(
     slot is overwritten in place with the last W-1 inputs of that concatenation (so a
     sequence shorter than W-1 keeps part of the old state). Returns y `[T, D]` in x's dtype,
     `act(conv + bias)` (activation "silu" or None); padding rows (slot -1) give zeros."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
-    d = x.shape[1]
-    if weight.dim() != 2 or weight.shape[0] != d or weight.shape[1] < 2:
-        raise ValueError(f"weight must be [{d}, W] with W >= 2, got {tuple(weight.shape)}")
-    width = weight.shape[1]
-    if bias is not None and tuple(bias.shape) != (d,):
-        raise ValueError(f"bias must be [{d}], got {tuple(bias.shape)}")
-    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (d, width - 1):
-        raise ValueError(f"conv_state must be [S, {d}, {width - 1}], got {tuple(conv_state.shape)}")
-    if activation not in (None, "silu"):
-        raise ValueError(f"activation={activation!r}: expected 'silu' or None")
+    _check_conv(x, weight, bias, conv_state, activation)
     _check_rows(query_start_loc, slot_ids, has_initial_state, x.device)
 
 
@@ -979,23 +1030,70 @@ def gated_delta_rule_(
     L2-normalised over Dk when `use_qk_l2norm` (eps 1e-6), q scaled by `scale`, then per token
     `S = S * exp(g); S = S + k^T (beta * (v - k S)); o = q S`. Returns o `[T, Hv, Dv]` in v's
     dtype (zeros on padding rows)."""
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(
-            f"q and k must both be [T, Hk, Dk], got {tuple(q.shape)}, {tuple(k.shape)}"
-        )
-    t, hk, dk = q.shape
-    if v.dim() != 3 or v.shape[0] != t or v.shape[1] % hk:
-        raise ValueError(
-            f"v must be [{t}, Hv, Dv] with Hv a multiple of {hk}, got {tuple(v.shape)}"
-        )
-    hv, dv = v.shape[1], v.shape[2]
-    if tuple(g.shape) != (t, hv) or g.dtype != torch.float32:
-        raise ValueError(f"g must be fp32 [{t}, {hv}], got {g.dtype} {tuple(g.shape)}")
-    if tuple(beta.shape) != (t, hv):
-        raise ValueError(f"beta must be [{t}, {hv}], got {tuple(beta.shape)}")
-    if state.dim() != 4 or tuple(state.shape[1:]) != (hv, dk, dv):
-        raise ValueError(f"state must be [S, {hv}, {dk}, {dv}], got {tuple(state.shape)}")
+    _check_gdn(q, k, v, g, beta, state)
     _check_rows(query_start_loc, slot_ids, has_initial_state, q.device)
+
+
+def _check_verify_slots(slots, query_start_loc, device) -> None:
+    b = query_start_loc.shape[0] - 1
+    if slots.dim() != 2 or slots.dtype != torch.int32 or slots.shape[0] != b:
+        raise ValueError(f"slots must be int32 [{b}, W], got {slots.dtype} {tuple(slots.shape)}")
+    if not slots.is_contiguous():
+        raise ValueError("slots must be contiguous")
+    if slots.device != device:
+        raise ValueError(f"slots is on {slots.device}, the inputs on {device}")
+
+
+@op(triton="conv1d.causal_conv1d_verify_", on="x")
+def causal_conv1d_verify_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """`causal_conv1d_` for a speculative verify step, keeping the window after every token.
+
+    slots int32 `[B, W]`: sequence b reads its window from slot `slots[b, 0]` (unless
+    `has_initial_state[b]` is False) and the window after its token j (the last W-1 inputs of
+    `[state ; x_b[: j + 1]]`) is written to slot `slots[b, j]` for j < W where that is >= 0. A
+    row with `slots[b, 0] < 0` is not one of these sequences: zero output, nothing read or
+    written (so one batch can run prompt chunks through `causal_conv1d_` and verified rows
+    through this, each with the other's rows masked). Returns y `[T, D]` like
+    `causal_conv1d_`."""
+    _check_conv(x, weight, bias, conv_state, activation)
+    _check_verify_slots(slots, query_start_loc, x.device)
+    _check_rows(query_start_loc, slots[:, 0].contiguous(), has_initial_state, x.device)
+
+
+@op(triton="gdn.gated_delta_rule_verify_", on="q")
+def gated_delta_rule_verify_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """`gated_delta_rule_` for a speculative verify step, keeping the state after every token.
+
+    slots int32 `[B, W]`: sequence b starts from slot `slots[b, 0]` (zeros when
+    `has_initial_state[b]` is False), runs its tokens one by one and leaves the state after
+    token j in slot `slots[b, j]` for j < W where that is >= 0 (slot 0 after the first token
+    is the usual choice: the reads happen first). A row with `slots[b, 0] < 0` is not one of
+    these sequences (zero output, no state touched). Returns o `[T, Hv, Dv]` like
+    `gated_delta_rule_`."""
+    _check_gdn(q, k, v, g, beta, state)
+    _check_verify_slots(slots, query_start_loc, q.device)
+    _check_rows(query_start_loc, slots[:, 0].contiguous(), has_initial_state, q.device)
 
 
 @op(triton="norm.gated_rms_norm", on="x")

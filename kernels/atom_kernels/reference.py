@@ -333,6 +333,17 @@ def linear_small_m(
     return silu_and_mul(y) if act == "silu_mul" else y
 
 
+def linear_few_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str | None = None,
+) -> torch.Tensor:
+    """`F.linear` of a few rows (a verify step's), then SwiGLU when `act="silu_mul"`."""
+    return linear_small_m(x, weight, bias, act=act)
+
+
 def linear_rope_store_small_m(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -622,6 +633,43 @@ def causal_conv1d_(
     return y
 
 
+def causal_conv1d_verify_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """`causal_conv1d_` reading sequence b's window from slot `slots[b, 0]` and writing the
+    window after each of its tokens j to slot `slots[b, j]` (when j < W and it is >= 0)."""
+    width = weight.shape[1]
+    y = torch.zeros_like(x)
+    wf = weight.float()
+    starts, rows = query_start_loc.tolist(), slots.tolist()
+    for b, (row, resume) in enumerate(zip(rows, has_initial_state.tolist(), strict=True)):
+        start, end = starts[b], starts[b + 1]
+        if row[0] < 0 or end == start:
+            continue  # not a verified row: nothing read or written
+        if resume:
+            history = conv_state[row[0]].float().t()  # [W-1, D], oldest first
+        else:
+            history = x.new_zeros(width - 1, x.shape[1], dtype=torch.float32)
+        full = torch.cat([history, x[start:end].float()])  # a copy: read before any write
+        out = (full.unfold(0, width, 1) * wf).sum(-1)
+        if bias is not None:
+            out = out + bias.float()
+        if activation == "silu":
+            out = torch.nn.functional.silu(out)
+        y[start:end] = out.to(y.dtype)
+        for j in range(min(end - start, len(row))):
+            if row[j] >= 0:
+                conv_state[row[j]] = full[j + 1 : j + width].t().to(conv_state.dtype)
+    return y
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(sum(x^2) + eps)` over the last dim (fla's and transformers' l2norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -742,6 +790,43 @@ def gated_delta_rule_(
         out, s1 = gdn_chunked(qs, ks, vs, gs, bs, s0)
         o[start:end] = out.transpose(0, 1).to(o.dtype)
         state[slot] = s1.to(state.dtype)
+    return o
+
+
+def gated_delta_rule_verify_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """The gated delta rule token by token, sequence b starting from slot `slots[b, 0]` and
+    leaving the state after each of its tokens j in slot `slots[b, j]` (when j < W, >= 0)."""
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    starts, rows = query_start_loc.tolist(), slots.tolist()
+    for b, (row, resume) in enumerate(zip(rows, has_initial_state.tolist(), strict=True)):
+        start, end = starts[b], starts[b + 1]
+        if row[0] < 0 or end == start:
+            continue
+        qs, ks, vs, gs, bs = _gdn_inputs(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], scale,
+            use_qk_l2norm,
+        )  # fmt: skip
+        if resume:
+            s = state[row[0]].float().clone()
+        else:
+            s = torch.zeros(state.shape[1:], dtype=torch.float32, device=state.device)
+        for j in range(end - start):
+            out, s = gdn_recurrent_step(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], s)
+            o[start + j] = out.to(o.dtype)
+            if j < len(row) and row[j] >= 0:
+                state[row[j]] = s.to(state.dtype)
     return o
 
 

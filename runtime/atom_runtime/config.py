@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -99,6 +100,9 @@ class EngineConfig:
     # halve the state's bytes, the bulk of a large decode batch's traffic; the kernels compute
     # in fp32 either way (docs/hybrid-models.md: the accuracy it costs).
     mamba_ssm_cache_dtype: str = "auto"
+    # Speculative decoding (docs/speculative-decoding.md): JSON with vLLM's SpeculativeConfig
+    # fields; `LLM(speculative_config={...})` passes a dict, kept here as its JSON text.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         for check in (_check_sizes, _check_choices, _check_parallel, _check_state_checkpoints):
@@ -108,6 +112,19 @@ class EngineConfig:
 
             # Raises naming the field, or what to set when there is no transfer key.
             KVTransferConfig.from_cli(self.kv_transfer_config).load_key()
+        spec = self.speculative()
+        if spec is not None:
+            spec.check_engine(self.tensor_parallel_size, self.async_scheduling)
+
+    def speculative(self):
+        """The checked `SpeculativeConfig`, or None without speculation."""
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = json.dumps(self.speculative_config)
+        if self.speculative_config is None:
+            return None
+        from atom_runtime.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_cli(self.speculative_config)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -440,6 +457,13 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> 
 
 def add_kv_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
     g = parser.add_argument_group("KV events and transfer")
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="JSON with vLLM's SpeculativeConfig fields: method (ngram|draft_model|mtp), "
+        "num_speculative_tokens, model (draft_model), prompt_lookup_min/max (ngram), "
+        "draft_tensor_parallel_size (1); docs/speculative-decoding.md",
+    )
     g.add_argument(
         "--kv-events-config", default=None, help="JSON with vLLM's KVEventsConfig fields"
     )

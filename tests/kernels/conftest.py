@@ -36,6 +36,7 @@ KERNEL_MODULES = (
     "atom_kernels.state_copy",
     "atom_kernels.gemv",
     "atom_kernels.mla_attention",
+    "atom_kernels.gemv_rows",
 )
 
 

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stream) or dynamic (its default); auto: static, but dynamic for hybrid models, whose "
         "static-cache compile did not finish in minutes on the H200",
     )
+    from atom_runtime.bench import speculative as bench_spec
+
+    bench_spec.add_arguments(lat)  # W7
     for p in (tp, lat):
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
         p.add_argument("--output-json", default=None)
@@ -167,6 +170,10 @@ def _run_offline(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "argv": sys.argv[1:],
     }
+    if getattr(args, "spec_cost_sweep", False) and config.speculative_config is None:
+        raise ValueError("--spec-cost-sweep: needs --speculative-config (the drafter to time)")
+    if getattr(args, "prompt_set", "random") == "copy":
+        return _run_copy_prompts(config, args, result)
     llm = LLM(config.model, **kwargs)
     runner = getattr(llm.engine.executor, "runner", llm.engine.executor)
     result["resident_weights"] = bench_bound.resident_weights(runner.model)
@@ -176,6 +183,10 @@ def _run_offline(args: argparse.Namespace) -> int:
     if one_row:
         result["one_row_paths"] = one_row
         print("atom  one-row paths: " + ", ".join(f"{k} {v}" for k, v in one_row.items()))
+    few = dict(getattr(getattr(llm.engine, "executor", None), "few_row_kernels", None) or {})
+    if few:  # speculative decoding: the verify step's projections
+        result["few_row_paths"] = few
+        print("atom  few-row paths: " + ", ".join(f"{k} {v}" for k, v in few.items()))
     run = run_throughput if args.workload == "throughput" else run_latency
     peer_run = run(llm, args, result)
     if args.peer == "transformers":
@@ -183,6 +194,26 @@ def _run_offline(args: argparse.Namespace) -> int:
         del llm
         _free()
         peer_run(llm_model_path(config))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _run_copy_prompts(config: EngineConfig, args: argparse.Namespace, result: dict) -> int:
+    """W7's real-acceptance run: copy-heavy prompts without and with --speculative-config."""
+    from atom_runtime.bench import speculative as bench_spec
+    from atom_runtime.llm import LLM
+
+    if config.speculative_config is None:
+        raise ValueError("--prompt-set copy: needs --speculative-config (it compares the two)")
+    kwargs = {k: v for k, v in vars(config).items() if k != "model"}
+
+    def make_llm(spec: bool):
+        return LLM(config.model, **{**kwargs, "speculative_config": kwargs["speculative_config"]
+                                    if spec else None})  # fmt: skip
+
+    bench_spec.run_copy_prompts(make_llm, args, result)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -241,9 +272,21 @@ def run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str
 def run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
     """W2: one request's steady-state ms per token and the bound. Returns the peer's run of the
     same prompt, for after the engine is shut down."""
+    from atom_runtime.bench import speculative as bench_spec
+
     vocab = llm.engine.model_config.vocab_size
     prompt = _clip_vocab(w1_prompts(1, args.input_len, args.input_len, seed=1), vocab)[0]
-    ms = [decode_ms_per_token(llm, prompt, args.output_len) for _ in range(args.iters)]
+    spec = llm.engine.speculative
+    if spec is not None and args.spec_cost_sweep:
+        bench_spec.run_cost_sweep(llm, prompt, args, result)
+    measure = decode_ms_per_token if spec is None else bench_spec.ms_per_token
+    ms = [measure(llm, prompt, args.output_len) for _ in range(args.iters)]
+    if spec is not None:
+        acc = result["speculative"] = llm.engine.scheduler.spec_stats.summary()
+        print(
+            f"atom  W7: {spec.method}, k = {spec.num_speculative_tokens}: acceptance "
+            f"{acc['acceptance_rate']:.2f}, {acc['mean_acceptance_length']:.2f} tokens a step"
+        )
     result.update(
         input_len=args.input_len,
         output_len=args.output_len,

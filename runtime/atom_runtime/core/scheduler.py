@@ -33,13 +33,15 @@ from collections.abc import Callable
 from atom_runtime.core.batch import ScheduledBatch, StepOutput
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.sequence import FinishReason, Sequence, SequenceStatus
+from atom_runtime.core.spec_schedule import SpeculativeSteps
 from atom_runtime.protocol.engine_core import RequestUpdate, StepOutputs
+from atom_runtime.protocol.spec_decode_stats import SpecDecodingStats
 from atom_runtime.state.chains import CheckpointChains
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 
 
-class Scheduler:
+class Scheduler(SpeculativeSteps):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -49,8 +51,16 @@ class Scheduler:
         eos_token_ids: list[int],
         state_pool: StateSlotPool | None = None,
         checkpoints: EngineCheckpoints | None = None,
+        num_speculative_tokens: int = 0,
+        spec_lookahead: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        # Speculative decoding (core/spec_schedule.py): k drafts a step at most, and the slots a
+        # drafting model writes past a step's tokens.
+        if num_speculative_tokens:
+            self.num_speculative_tokens = num_speculative_tokens
+            self.spec_lookahead = spec_lookahead
+            self.spec_stats = SpecDecodingStats(num_speculative_tokens)
         self.state_pool = state_pool
         if checkpoints is not None and state_pool is None:
             raise ValueError("checkpoints: state checkpoints need a state slot pool")
@@ -86,6 +96,8 @@ class Scheduler:
         """Zero the token counters (after the engine's warm-up request)."""
         self.prefix_queries = self.prefix_hits = 0
         self.prompt_tokens = self.generation_tokens = 0
+        if self.spec_stats is not None:
+            self.spec_stats.reset()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,18 +119,21 @@ class Scheduler:
                 i += 1
                 continue
             num_new, boundary = self._plan(seq, budget)
-            while not self._allocate(seq, num_new):
+            drafts = self._drafts_for(seq, num_new, budget) if self.num_speculative_tokens else []
+            while not self._allocate_step(seq, num_new, drafts):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
                     break
             else:
+                num_new += seq.num_spec
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
                 budget -= num_new
                 i += 1
-                if boundary is not None:
+                # A verify step's boundary is known once its acceptance is (`_apply_verified`).
+                if boundary is not None and not seq.num_spec:
                     boundaries.append((seq, boundary))
 
         # 2. Waiting sequences, while budget, sequence slots and blocks last. No preemption here:
@@ -145,7 +160,7 @@ class Scheduler:
                     resume = hit
                 num_cached = len(resume) * bs
                 num_new = min(seq.num_tokens - num_cached, budget)
-                if not self._allocate(seq, num_new, resume):
+                if not self._allocate_step(seq, num_new, [], resume):
                     if found is not None:
                         ck.store.release(found.ref)
                     break
@@ -320,7 +335,9 @@ class Scheduler:
         first token and with its finish) and the sequences it finished."""
         live = [seq for seq in batch.seqs if not seq.is_finished]
         outputs = StepOutputs()
-        if output is not None:
+        if output is not None and output.num_tokens is not None:
+            self._apply_verified(batch.batch_id, output, outputs)
+        elif output is not None:
             now = time.time()
             ids, tokens, updates = outputs.request_ids, outputs.token_ids, outputs.updates
             with_logprobs = output.logprobs is not None
@@ -342,10 +359,7 @@ class Scheduler:
                 ids.append(seq.request_id)
                 tokens.append(token)
                 if with_logprobs:
-                    want = seq.sampling_params.logprobs
-                    outputs.logprobs.append(output.logprobs[row])
-                    outputs.top_ids.append(output.top_ids[row][:want] if want else [])
-                    outputs.top_logprobs.append(output.top_logprobs[row][:want] if want else [])
+                    output.add_logprobs(outputs, row, seq.sampling_params.logprobs)
                 if first or seq.is_finished:
                     updates.append(request_update(seq, with_token=True))
             self.generation_tokens += len(tokens)
@@ -407,6 +421,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Recompute from scratch: its slot goes back too (the state is rebuilt from token 0).
         self._release(seq)
+        seq.spec_token_ids = []  # proposed again once it decodes
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -78,6 +78,11 @@ class Sequence:
         # further step.
         self.num_pending = 0
         self.final_pending = False
+        # Speculative decoding (sync scheduling only): the drafts proposed to follow the last
+        # token, and how many of them the step in flight runs after it (placed at the tail of
+        # token_ids by the scheduler, taken off again by `take_verified`).
+        self.spec_token_ids: list[int] = []
+        self.num_spec = 0
         # Penalties read the output tokens themselves, a grammar's mask needs the last token
         # consumed: such a sequence never runs on pending ones (the scheduler skips it while
         # its token is in flight).
@@ -165,7 +170,35 @@ class Sequence:
             del self.token_ids[len(self.token_ids) - self.num_pending :]
             self.num_pending = 0
 
+    def place_drafts(self, drafts: list[int]) -> None:
+        """Put the drafts this step verifies after the last token (the model runner reads a
+        step's inputs from token_ids)."""
+        if self.num_spec or self.num_pending:
+            raise RuntimeError(f"{self!r}: drafts placed over a step still in flight")
+        self.token_ids.extend(drafts)
+        self.num_spec = len(drafts)
+
+    def take_verified(self, num_accepted: int) -> None:
+        """The verify step is back: drop its pending token and its drafts (the accepted ones
+        come back among the tokens it emitted) and count only the accepted drafts' KV as
+        computed."""
+        if not 0 <= num_accepted <= self.num_spec:
+            raise ValueError(f"num_accepted: {num_accepted} outside [0, {self.num_spec}]")
+        self.drop_pending()
+        self.final_pending = False
+        if self.num_spec:
+            del self.token_ids[len(self.token_ids) - self.num_spec :]
+            self.num_computed_tokens -= self.num_spec - num_accepted
+            self.num_spec = 0
+
+    def _drop_drafts(self) -> None:
+        """Finished (aborted) with drafts placed: they were never tokens of its text."""
+        if self.num_spec:
+            self.drop_pending()
+            self.take_verified(0)
+
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self._drop_drafts()
         self.drop_pending()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -33,7 +33,7 @@ from atom_runtime.core.batch import ScheduledBatch, StepOutput
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.block_pool import BlockPool
 from atom_runtime.core.scheduler import Scheduler, request_update
-from atom_runtime.core.sequence import Sequence
+from atom_runtime.core.sequence import Sequence, SequenceStatus
 from atom_runtime.kv_events import KVEventsConfig, make_publisher
 from atom_runtime.kv_transfer import make_transfer_agent
 from atom_runtime.models.preflight import preflight
@@ -53,6 +53,7 @@ from atom_runtime.system.threads import configure_cpu_threads
 from atom_runtime.text.structured_outputs import Guides
 from atom_runtime.worker.executor import make_executor
 from atom_runtime.worker.sampler import SamplerOutput
+from atom_runtime.worker.verify_sampler import flatten_verified
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ class EngineCore:
             event_token_ids=self.kv_events_config.include_token_ids,
         )
         hybrid = self.model_config.is_hybrid
-        self.state_pool = StateSlotPool(self.executor.num_state_slots) if hybrid else None
+        # Speculative decoding (docs/speculative-decoding.md): a hybrid sequence holds a state
+        # slot per verified position.
+        self.speculative = config.speculative()
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.state_pool = StateSlotPool(self.executor.num_state_slots, 1 + k) if hybrid else None
         prefix_caching = config.enable_prefix_caching
         self.checkpoints: EngineCheckpoints | None = None
         if hybrid and prefix_caching:
@@ -126,6 +131,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             state_pool=self.state_pool,
             checkpoints=self.checkpoints,
+            num_speculative_tokens=k,
+            spec_lookahead=self.speculative.lookahead if self.speculative else 0,
         )
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
@@ -138,8 +145,11 @@ class EngineCore:
             self.scheduler.on_finish = self.kv_transfer.on_finished
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
+            # Speculation needs each step's acceptance before the next is scheduled.
             self.async_scheduling = (
-                self.executor.device.type == "cuda" and config.tensor_parallel_size == 1
+                self.executor.device.type == "cuda"
+                and config.tensor_parallel_size == 1
+                and self.speculative is None
             )
         self._in_flight: _InFlight | None = None
         with self.startup.phase("warm_up"):
@@ -310,6 +320,8 @@ class EngineCore:
         if launched is not None and not self.async_scheduling:
             outputs = self._complete(launched)  # nothing was in flight: the only outputs
             self._in_flight = None
+            if self.speculative is not None:
+                self._propose(launched.batch)
         self.publisher.publish(self.pool.drain_events())
         self.publisher.raise_if_failed()
         return outputs
@@ -320,6 +332,13 @@ class EngineCore:
         samplers, sampled = self.executor.execute(batch)
         self.scheduler.commit(batch, samplers)
         return _InFlight.start(batch, samplers, sampled)
+
+    def _propose(self, batch: ScheduledBatch) -> None:
+        """Drafts for the step's sequences still running, for the next step to verify."""
+        live = [seq for seq in batch.seqs if seq.status is SequenceStatus.RUNNING]
+        if live:
+            for seq, drafts in zip(live, self.executor.propose(live), strict=True):
+                seq.spec_token_ids = drafts
 
     def _complete(self, step: _InFlight) -> StepOutputs:
         """Read a launched step's samples back and hand them to the scheduler."""
@@ -349,6 +368,7 @@ class EngineCore:
             state_slot_bytes=self.executor.state_bytes_per_slot if self.state_pool else 0,
             kv_transfer=self.kv_transfer.snapshot() if self.kv_transfer is not None else None,
             state_checkpoints=self.checkpoints.counters if self.checkpoints else None,
+            spec_decoding=s.spec_stats,
         )
 
     def cached_block_hashes(self) -> list[int]:
@@ -393,6 +413,7 @@ class _InFlight:
                         sampled.logprobs,
                         sampled.top_ids,
                         sampled.top_logprobs,
+                        sampled.num_tokens,
                     )
                 )
             )
@@ -407,6 +428,9 @@ class _InFlight:
         if self.done is not None:
             self.done.synchronize()
         s = self.sampled
+        if s.num_tokens is not None:  # a verify step: one row per emitted token
+            counts, *rows = flatten_verified(s)
+            return StepOutput(self.samplers, *rows, num_tokens=counts)
         return StepOutput(
             self.samplers,
             *(

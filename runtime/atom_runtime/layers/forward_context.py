@@ -81,6 +81,12 @@ class StateMetadata:
     query_start_loc: torch.Tensor  # int32 [B+1]: token offsets of each sequence's new tokens
     slot_ids: torch.Tensor  # int32 [B]: each sequence's committed state slot (-1: padding row)
     has_initial_state: torch.Tensor  # bool [B]: False starts from zero state (a fresh prefill)
+    # A speculative verify step: int32 [B, 1 + k], the slots a verified row reads (column 0)
+    # and leaves the state after each of its tokens in (`ops.gated_delta_rule_verify_`); -1
+    # rows are the step's prompt chunks, which run through the plain ops on `slot_ids` (-1 for
+    # the verified rows). `spec_only`: every row is verified (the plain ops are skipped).
+    spec_slots: torch.Tensor | None = None
+    spec_only: bool = False
 
 
 _state: StateMetadata | None = None

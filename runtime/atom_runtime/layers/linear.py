@@ -21,6 +21,9 @@ from atom_runtime.layers.norm import RMSNorm, SummedRow
 from atom_runtime.layers.weights import copy_weight
 from atom_runtime.system.distributed import all_reduce, tp_rank, tp_size
 
+# The most rows the few-row product (`ops.linear_few_rows`) takes.
+FEW_ROWS = 16
+
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
@@ -69,6 +72,9 @@ class LinearBase(nn.Module):
         # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else
         # each in its own kernel).
         self.gemv = False
+        # Inputs of 2..16 rows (a speculative verify step at batch 1) go to the few-row Triton
+        # product (`ops.linear_few_rows`) when it won for this layer's group at start-up.
+        self.gemv_rows = False
         self.fuse_norm = False
         self.fuse_act = False
         self.fuse_rope = False
@@ -85,6 +91,8 @@ class LinearBase(nn.Module):
             fused = self.act_after if self.fuse_act else None
             y = ops.linear_small_m(x, self.weight, self._bias(), act=fused, **self.gemv_scales())
             return y if fused is not None else self._activate(y)
+        if self.gemv_rows and 1 < x.shape[0] <= FEW_ROWS:
+            return ops.linear_few_rows(x, self.weight, self._bias(), act=self.act_after)
         if self.pads_for_attention and (rows := dense_rows()) > x.shape[0]:
             return self._padded_linear(x, rows)
         return self._activate(self._matmul(x))

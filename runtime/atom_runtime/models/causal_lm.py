@@ -101,27 +101,35 @@ class CausalLM(nn.Module):
                 continue
             target = self.load_special(name, tensor)
             if target is None:
-                target = self._load_ordinary(name, tensor, params)
+                target = load_ordinary(name, tensor, params, self.stacked_params)
             loaded.add(target)
         return loaded
 
-    def _load_ordinary(self, name: str, tensor, params: dict[str, nn.Parameter]) -> str:
-        target, shard = name, None
-        for fragment, (fused, shard_id) in self.stacked_params.items():
-            if f".{fragment}." in name:
-                target, shard = name.replace(f".{fragment}.", f".{fused}."), shard_id
-                break
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        loader = getattr(param, "weight_loader", None)
-        if shard is not None:
-            loader(param, tensor, shard)
-        elif loader is not None:
-            loader(param, tensor)
-        else:
-            try:
-                copy_weight(param.data, tensor)
-            except ValueError as exc:
-                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
-        return target
+
+def load_ordinary(
+    name: str,
+    tensor,
+    params: dict[str, nn.Parameter],
+    stacked: dict[str, tuple[str, str | int]] = STACKED_PROJECTIONS,
+) -> str:
+    """Copy one checkpoint tensor into its parameter (`params` by name; a projection stored
+    apart but run fused goes into its shard of the fused one). Returns the parameter's name."""
+    target, shard = name, None
+    for fragment, (fused, shard_id) in stacked.items():
+        if f".{fragment}." in name:
+            target, shard = name.replace(f".{fragment}.", f".{fused}."), shard_id
+            break
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    loader = getattr(param, "weight_loader", None)
+    if shard is not None:
+        loader(param, tensor, shard)
+    elif loader is not None:
+        loader(param, tensor)
+    else:
+        try:
+            copy_weight(param.data, tensor)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
+    return target

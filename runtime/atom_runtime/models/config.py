@@ -289,6 +289,7 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
     parsed.linear_value_head_dim = need("linear_value_head_dim")
     parsed.linear_conv_kernel_dim = cfg["linear_conv_kernel_dim"]
     parsed.gdn_projection_layout = "interleaved" if model_type == "qwen3_next" else "split"
+    parsed.num_nextn_predict_layers = _num_mtp_layers(cfg)
     parsed.num_experts = num_experts
     if num_experts:
         parsed.num_experts_per_tok = cfg["num_experts_per_tok"]
@@ -399,3 +400,14 @@ def _gpt_oss_from_hf(cfg: dict) -> ModelConfig:
     if sliding:
         _add_window(parsed, cfg.get("sliding_window"), sliding)
     return parsed
+
+
+def _num_mtp_layers(cfg: dict) -> int:
+    """MTP layers a config declares, under either name in use."""
+    for name in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        value = cfg.get(name)
+        if value is not None:
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: must be a non-negative integer, got {value!r}")
+            return value
+    return 0

@@ -256,13 +256,7 @@ def _construct(cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
             model = GptOssForCausalLM(cfg)
         else:
             model = LlamaForCausalLM(cfg)
-    model.to(dtype=dtype)
-    for buf_name, buf in model.named_buffers():
-        if buf_name.endswith("cos_sin_cache"):
-            buf.data = buf.data.float()
-    for param in model.parameters():
-        if getattr(param, "keep_fp32", False):  # e.g. a MoE router kept in fp32, as trained
-            param.data = param.data.float()
+    _to_run_dtype(model, dtype)
     return model
 
 
@@ -420,6 +414,53 @@ def _planned_bytes(t) -> int:
 def _gguf_bytes(path: Path) -> int:
     """The dequantized (fp32) bytes of a GGUF file's tensors: what the bar counts."""
     return sum(int(np.prod(t.shape)) * 4 for t in open_gguf(path).tensors)
+
+
+def build_mtp_head(
+    path: Path,
+    cfg: ModelConfig,
+    target,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+):
+    """The target's multi-token-prediction head (models/mtp.py), its tensors read from the
+    target's checkpoint (`mtp.*`) or dummy ones."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"{cfg.model_type}: the checkpoint declares no MTP layers")
+    if not cfg.is_hybrid:
+        raise ValueError(
+            f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5 and "
+            "Qwen3-Next have theirs; DeepSeek-V3's comes with its model)"
+        )
+    from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
+
+    with torch.device(device), _default_dtype(dtype):
+        head = Qwen3NextMtp(cfg, target)
+    _to_run_dtype(head, dtype)
+    if load_format == "dummy":
+        _fill_dummy(head, seed)
+        return head.eval()
+    if is_gguf(path):
+        raise ValueError("mtp: GGUF files carry no MTP head here")
+    loaded = head.load_weights(iter_safetensors(path if path.is_dir() else path.parent))
+    missing = {n for n, _ in head.named_parameters() if n not in loaded}
+    if missing:
+        raise ValueError(f"checkpoint is missing MTP tensors: {sorted(missing)[:8]}")
+    return head.eval()
+
+
+def _to_run_dtype(module, dtype: torch.dtype) -> None:
+    """Cast a freshly built module to the run dtype; rotary tables and parameters marked
+    `keep_fp32` (a MoE router, as trained) stay fp32."""
+    module.to(dtype=dtype)
+    for buf_name, buf in module.named_buffers():
+        if buf_name.endswith("cos_sin_cache"):
+            buf.data = buf.data.float()
+    for param in module.parameters():
+        if getattr(param, "keep_fp32", False):
+            param.data = param.data.float()
 
 
 def _is_tied(model, name: str) -> bool:

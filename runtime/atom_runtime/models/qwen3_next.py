@@ -208,7 +208,7 @@ class GatedDeltaNet(nn.Module):
         meta = get_state_metadata()
         t = proj.shape[0]
         ks, vs, nv = self.key_size, self.value_size, self.num_v_heads
-        if t == meta.slot_ids.shape[0]:
+        if t == meta.slot_ids.shape[0] and meta.spec_slots is None:
             # One token per row (the scheduler never runs a row without tokens, so as many
             # tokens as rows means a decode batch; decided from shapes, no host sync): conv,
             # gates, recurrence and gated norm in one launch.
@@ -221,18 +221,17 @@ class GatedDeltaNet(nn.Module):
         z = proj[:, self.conv_dim : self.conv_dim + vs]
         b = proj[:, self.conv_dim + vs : self.conv_dim + vs + nv]
         a = proj[:, self.conv_dim + vs + nv :]
-        mixed = ops.causal_conv1d_(
+        mixed = self._run_rows(ops.causal_conv1d_, ops.causal_conv1d_verify_, meta, (
             proj[:, : self.conv_dim], self.conv_weight, None, self.conv_state,
-            meta.query_start_loc, meta.slot_ids, meta.has_initial_state, activation="silu",
-        )  # fmt: skip
+            meta.query_start_loc,
+        ), (meta.has_initial_state, "silu"))  # fmt: skip
         q = mixed[:, :ks].reshape(t, self.num_k_heads, self.k_dim)
         k = mixed[:, ks : 2 * ks].reshape(t, self.num_k_heads, self.k_dim)
         v = mixed[:, 2 * ks :].reshape(t, nv, self.v_dim)
         g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)
-        o = ops.gated_delta_rule_(
-            q, k, v, g, beta, self.ssm_state, meta.query_start_loc, meta.slot_ids,
-            meta.has_initial_state, self.k_dim**-0.5, use_qk_l2norm=True,
-        )  # fmt: skip
+        o = self._run_rows(ops.gated_delta_rule_, ops.gated_delta_rule_verify_, meta, (
+            q, k, v, g, beta, self.ssm_state, meta.query_start_loc,
+        ), (meta.has_initial_state, self.k_dim**-0.5, True))  # fmt: skip
         o = ops.gated_rms_norm(
             o.reshape(t * nv, self.v_dim),
             z.reshape(t * nv, self.v_dim),
@@ -240,6 +239,18 @@ class GatedDeltaNet(nn.Module):
             self.norm.eps,
         )
         return self.out_proj.forward_adding(o.reshape(t, vs), residual, next_norm)
+
+    @staticmethod
+    def _run_rows(plain, verified, meta, head: tuple, tail: tuple) -> torch.Tensor:
+        """A state op over the step's rows: `plain` on `meta.slot_ids`, and in a speculative
+        verify step `verified` on `meta.spec_slots` (keeping the state after every token), each
+        with the other's rows masked (zero output there), summed."""
+        if meta.spec_slots is None:
+            return plain(*head, meta.slot_ids, *tail)
+        out = verified(*head, meta.spec_slots, *tail)
+        if not meta.spec_only:
+            out = out + plain(*head, meta.slot_ids, *tail)
+        return out
 
 
 class HybridDecoderLayer(nn.Module):
@@ -313,31 +324,42 @@ class Qwen3NextForCausalLM(CausalLM):
         """The common loader, then a check that every stacked shared expert got its router rows
         and all of its tensors (their parameters count as loaded after any one of them)."""
         loaded = super().load_weights(weights)
-        missing = [
-            f"{name}.{tensor}"
-            for name, module in self.named_modules()
-            if isinstance(module, SparseMoE) and module.stacked_shared
-            for tensor in SparseMoE.STACKED_TENSORS
-            if tensor not in module.stacked_loaded
-        ]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+        check_stacked_experts(self)
         return loaded
 
     def load_special(self, name: str, tensor) -> str | None:
-        """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
-        router it joins): their own loaders."""
-        m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
-        if m and m.group(2).startswith("in_proj"):
-            self.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
-            return f"{m.group(1)}.linear_attn.in_proj.weight"
-        if m and m.group(2) == "conv1d":
-            gdn = self.get_submodule(f"{m.group(1)}.linear_attn")
-            gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
-            return f"{m.group(1)}.linear_attn.conv_weight"
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.((?:shared_expert\w*|gate)\..+)", name)
-        if m:
-            moe = self.get_submodule(m.group(1))
-            if isinstance(moe, SparseMoE) and moe.stacked_shared:
-                return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
-        return load_routed_expert(self, name, tensor)
+        return load_hybrid_special(self, name, tensor)
+
+
+def check_stacked_experts(model: nn.Module) -> None:
+    """Every stacked shared expert got its router rows and all of its tensors (their
+    parameters count as loaded after any one of them)."""
+    missing = [
+        f"{name}.{tensor}"
+        for name, module in model.named_modules()
+        if isinstance(module, SparseMoE) and module.stacked_shared
+        for tensor in SparseMoE.STACKED_TENSORS
+        if tensor not in module.stacked_loaded
+    ]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}")
+
+
+def load_hybrid_special(model: nn.Module, name: str, tensor) -> str | None:
+    """GDN projections, the conv weight, MoE experts and a stacked shared expert (with the
+    router it joins) of `model`'s `model.layers.N`: their own loaders. Returns the parameter
+    loaded, or None for an ordinary tensor."""
+    m = re.fullmatch(r"(model\.layers\.\d+)\.linear_attn\.(\w+)\.weight", name)
+    if m and m.group(2).startswith("in_proj"):
+        model.get_submodule(f"{m.group(1)}.linear_attn").load_projection(m.group(2), tensor)
+        return f"{m.group(1)}.linear_attn.in_proj.weight"
+    if m and m.group(2) == "conv1d":
+        gdn = model.get_submodule(f"{m.group(1)}.linear_attn")
+        gdn.conv_weight.weight_loader(gdn.conv_weight, tensor)
+        return f"{m.group(1)}.linear_attn.conv_weight"
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp)\.((?:shared_expert\w*|gate)\..+)", name)
+    if m:
+        moe = model.get_submodule(m.group(1))
+        if isinstance(moe, SparseMoE) and moe.stacked_shared:
+            return f"{m.group(1)}.{moe.load_stacked_shared(m.group(2), tensor)}"
+    return load_routed_expert(model, name, tensor)

@@ -14,6 +14,7 @@ import numpy as np
 
 from atom_runtime.protocol.checkpoint_counters import StateCheckpointCounters
 from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
+from atom_runtime.protocol.spec_decode_stats import SpecDecodingStats
 from atom_runtime.sampling_params import SamplingParams
 
 
@@ -119,6 +120,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     kv_transfer: KVTransferStats | None = None  # with --kv-transfer-config
     # Hybrid models with state checkpoints on: their counters (None otherwise).
     state_checkpoints: StateCheckpointCounters | None = None
+    # With --speculative-config: drafted and accepted tokens (None otherwise).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 # -- client (API server) -> EngineCore process -----------------------------------------------------

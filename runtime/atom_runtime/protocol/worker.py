@@ -32,6 +32,10 @@ class StepInputs(msgspec.Struct, tag="step", array_like=True):
     # from it (bool [B]; False: the first chunk since admission, which starts from zero state).
     state_slots: np.ndarray | None = None
     has_initial_state: np.ndarray | None = None
+    # A speculative verify step of a hybrid model: int32 [B, 1 + k], the slots each verified
+    # row reads and leaves its per-token states in (-1 rows: prompt chunks, whose
+    # `state_slots` entry is used instead; a verified row's `state_slots` entry is -1).
+    spec_slots: np.ndarray | None = None
     # State checkpoints: the unit table (int64 [R, 3], maintenance.UnitCopyTable.rows) of the
     # copies to run before this forward; each rank translates it for its own shard.
     state_copy: np.ndarray | None = None

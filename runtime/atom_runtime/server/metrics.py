@@ -82,6 +82,8 @@ class EngineStatsCollector(Collector):
             yield slot_info
         if s.state_checkpoints is not None:  # hybrid models with state checkpoints on
             yield from s.state_checkpoints.prometheus_families()
+        if s.spec_decoding is not None:  # with --speculative-config
+            yield from s.spec_decoding.prometheus_families()
         counters = (
             ("atom:prompt_tokens", "Prompt tokens computed.", s.prompt_tokens),
             ("atom:generation_tokens", "Tokens generated.", s.generation_tokens),

@@ -65,6 +65,13 @@ class CacheMemory:
         )  # fmt: skip
         return dtype
 
+    def kv_layers(self) -> list:
+        """Every paged attention layer the cache serves: the model's, then a drafting model's
+        (speculative decoding), which index the same block ids."""
+        drafter = getattr(self, "drafter", None)
+        extra = drafter.attention_layers() if drafter is not None else []
+        return [*self.model.attention_layers(), *extra]
+
     @property
     def bytes_per_block(self) -> int:
         """One block of every cache tensor, as each layer's `cache_spec` says (K and V per KV
@@ -77,17 +84,19 @@ class CacheMemory:
 
     def _cache_pairs(self) -> list[list]:
         """The attention layers by the cache tensors they write: one layer each, or with KV
-        groups the i-th layer of each group on the same tensors."""
+        groups the i-th layer of each group on the same tensors; a drafting model's layers
+        (speculative decoding) one each."""
         attn = self.model.attention_layers()
+        drafted = [[layer] for layer in self.kv_layers()[len(attn) :]]
         if self.model_config.kv_window is None:
-            return [[layer] for layer in attn]
+            return [[layer] for layer in attn] + drafted
         full = [layer for layer in attn if not layer.sliding_window]
         window = [layer for layer in attn if layer.sliding_window]
         pairs = [[] for _ in range(max(len(full), len(window)))]
         for group in (full, window):
             for i, layer in enumerate(group):
                 pairs[i].append(layer)
-        return pairs
+        return pairs + drafted
 
     @property
     def state_bytes_per_slot(self) -> int:
@@ -111,33 +120,37 @@ class CacheMemory:
             budget = self._profile_gpu_budget()
         else:
             budget = envs.CPU_KVCACHE_SPACE.number() * (1 << 30)
+        # A sequence holds slots_per_request slots (speculative decoding: one per verified
+        # position), planned as one unit.
+        per_request = self.state_slots_per_request
         plan = plan_state_slots(
             budget,
-            self.state.bytes_per_slot,
+            self.state.bytes_per_slot * per_request,
             self.bytes_per_block,
             self.config.max_num_seqs,
             fixed_blocks=override,
         )
         if plan.num_blocks < 1:
             raise RuntimeError(
-                f"no room for the KV cache next to {plan.num_slots} state slots: raise "
-                "--gpu-memory-utilization or lower --max-num-seqs"
+                f"no room for the KV cache next to {plan.num_slots * per_request} state slots: "
+                "raise --gpu-memory-utilization or lower --max-num-seqs"
             )
-        self._planned_slots = plan.num_slots
+        self._planned_slots = plan.num_slots * per_request
         return plan.num_blocks
 
     def _allocate_state_slots(self) -> None:
         """Allocate the slots every rank agreed on; cap max_num_seqs to them (a running sequence
-        holds one slot)."""
+        holds `state_slots_per_request`)."""
         self.num_state_slots = all_reduce_min(self._planned_slots, self.device)
         self.state.allocate(self.num_state_slots)
-        if self.config.max_num_seqs > self.num_state_slots:
+        fit = self.num_state_slots // self.state_slots_per_request
+        if self.config.max_num_seqs > fit:
             log.warning(
                 "max_num_seqs capped from %d to %d: the state slots that fit in memory",
                 self.config.max_num_seqs,
-                self.num_state_slots,
+                fit,
             )
-            self.config.max_num_seqs = self.num_state_slots
+            self.config.max_num_seqs = fit
         log.info(
             "hybrid state: %d slots of %.2f MiB each (%d stateful layers, recurrent state in "
             "%s), %.2f GiB in all",
@@ -263,5 +276,5 @@ class CacheMemory:
                 layer.bind_cache(tensors)
 
     def _release_kv_cache(self) -> None:
-        for layer in self.model.attention_layers():
+        for layer in self.kv_layers():
             layer.bind_cache([torch.empty(0) for _ in layer.cache_spec().tensors])

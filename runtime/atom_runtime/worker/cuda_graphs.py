@@ -38,6 +38,21 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def capture_forward(model: nn.Module, ids, pos, pool, rows=None):
+    """Warm the forward and LM head up twice (Triton compiles and autotunes outside the
+    capture), then capture them into a graph of the memory pool `pool`: (graph, logits of
+    `rows` (None: every row), fp32; the hidden states of every row)."""
+    for _ in range(2):
+        hidden = model(ids, pos)
+        model.compute_logits(hidden if rows is None else hidden[rows]).float()
+    torch.cuda.synchronize(ids.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = model(ids, pos)
+        logits = model.compute_logits(hidden if rows is None else hidden[rows]).float()
+    return graph, logits, hidden
+
+
 class _CapturedGraphs:
     """What both kinds of captured graphs hold: the graphs with their output logits, the device
     input buffers they read, and two pinned host staging sets used in turn (with async
@@ -46,6 +61,10 @@ class _CapturedGraphs:
 
     def __init__(self) -> None:
         self.graphs: dict = {}
+        # Each graph's hidden states (the model's output before the LM head), and the last
+        # replay's (speculative decoding: an MTP head drafts from them).
+        self.hidden: dict = {}
+        self.last_hidden: torch.Tensor | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
@@ -61,6 +80,8 @@ class _CapturedGraphs:
     def clear(self) -> None:
         """Drop the graphs and their buffers, so their memory can be freed."""
         self.graphs.clear()
+        self.hidden.clear()
+        self.last_hidden = None
         self.inputs = {}
         self._host_sets = []
 
@@ -134,12 +155,7 @@ class DecodeGraphs(_CapturedGraphs):
                         )
                     )
                 ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
-                for _ in range(2):  # warm up: Triton compiles and autotunes outside capture
-                    model.compute_logits(model(ids, pos)).float()
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = model.compute_logits(model(ids, pos)).float()
+                graph, logits, self.hidden[bs] = capture_forward(model, ids, pos, pool)
                 self.graphs[bs] = (graph, logits)
                 set_attention_metadata(None)
                 set_state_metadata(None)
@@ -220,6 +236,7 @@ class DecodeGraphs(_CapturedGraphs):
             fill_pending(dev["input_ids"], inputs.pending_sources)
         graph, logits = self.graphs[bs]
         graph.replay()
+        self.last_hidden = self.hidden[bs][:n]
         return logits[:n]
 
     def _copy_table(self, host: dict[str, torch.Tensor], name: str, table: np.ndarray) -> None:
@@ -314,15 +331,11 @@ class PrefillGraphs(_CapturedGraphs):
                 rows = bufs["sample_rows"][:s]
                 set_attention_metadata(meta)
                 try:
-                    for _ in range(2):  # Triton compiles and autotunes outside the capture
-                        model.compute_logits(model(ids, pos)[rows]).float()
-                    torch.cuda.synchronize(dev)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = model.compute_logits(model(ids, pos)[rows]).float()
+                    graph, logits, hidden = capture_forward(model, ids, pos, pool, rows)
                 finally:
                     set_attention_metadata(None)
                 self.graphs[(t, s)] = (graph, logits)
+                self.hidden[(t, s)] = hidden
         torch.cuda.synchronize(dev)
         bufs["seq_lens"].zero_()
         bufs["cu_seqlens_q"].zero_()
@@ -394,4 +407,5 @@ class PrefillGraphs(_CapturedGraphs):
         graph, logits = self.graphs[bucket]
         graph.replay()
         self.replays += 1
+        self.last_hidden = self.hidden[bucket][:t]
         return logits[:k]

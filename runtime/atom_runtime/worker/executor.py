@@ -86,6 +86,9 @@ class Executor(Protocol):
     def copy_state(self, unit_rows) -> None:
         """Run state-checkpoint copies alone (no forward pass follows; hybrid models)."""
 
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Speculative decoding: drafts for the last step's live sequences."""
+
     def release(self, request_ids) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""
 
@@ -284,6 +287,10 @@ class TPExecutor:
         call_id = self._send_call("copy_state", [[list(r) for r in unit_rows.tolist()]])
         self._guarded(self.runner.copy_state, unit_rows)
         self._collect(call_id)
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Drafts come from rank 0 alone (n-gram lookup: a drafting model needs one rank)."""
+        return self.runner.propose(seqs)
 
     def release(self, request_ids) -> None:
         self.runner.release(request_ids)

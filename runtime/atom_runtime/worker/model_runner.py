@@ -36,6 +36,7 @@ from atom_runtime.layers.forward_context import (
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.protocol.worker import StepInputs
+from atom_runtime.spec_decode.proposer import StepChunk, make_drafter
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
 )
@@ -52,10 +53,13 @@ from atom_runtime.worker.cuda_graphs import (
     default_capture_sizes,
     default_prefill_buckets,
 )
+from atom_runtime.worker.few_rows_choice import choose_few_rows_kernels
 from atom_runtime.worker.gdn_decode_choice import choose_gdn_decode_launch
-from atom_runtime.worker.kernel_choice import select_small_m_kernels
+from atom_runtime.worker.kernel_choice import choose_small_m_kernels, select_small_m_kernels
 from atom_runtime.worker.sampler import Sampler, SamplerOutput
 from atom_runtime.worker.step_inputs import StepInputPreparation
+from atom_runtime.worker.verify_graphs import VerifyGraphs
+from atom_runtime.worker.verify_sampler import verify
 
 log = logging.getLogger(__name__)
 # Fresh prompts attend densely (varlen_attention.py: cuDNN / flash attention over the step's own
@@ -105,12 +109,19 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         for layer in attn:  # MLA: up-project no more context rows a step than profiled
             if hasattr(layer, "max_upprojected_rows"):
                 layer.max_upprojected_rows = self.max_num_batched_tokens
-        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache.
+        # Speculative decoding: the drafter (its attention layers share the cache's block ids).
+        self.spec = config.speculative()
+        self.drafter = make_drafter(self.spec, config, model_config, self.model, self.dtype)
+        if self.drafter is not None and self.kv_cache_dtype != self.dtype:
+            self._use_kv_cache_dtype(self.kv_layers()[len(attn) :])  # the drafter's cache too
+        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache; with
+        # speculation a sequence holds one slot per verified position (1 + k).
         state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
         self.state = None
         if state_layers:
             ssm_dtype = ssm_state_dtype(config.mamba_ssm_cache_dtype)
             self.state = StateTensors(state_layers, self.dtype, self.device, ssm_dtype)
+        self.state_slots_per_request = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
         self.num_state_slots = 0
         self._planned_slots = 0
         with phases.phase("kv_cache"):
@@ -127,6 +138,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             self.small_m_kernels = select_small_m_kernels(
                 self.model, self.device, self.num_blocks, self.block_size, self.compile_cache
             )
+            self.few_row_kernels = self._choose_verify_kernels()
         self.sampler = Sampler(self.device, model_config.vocab_size)
         # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
         # first logits row, rows), and where the sampling rows sit among the logits rows (None:
@@ -137,10 +149,30 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         # take tokens from them before they are read back (async scheduling).
         self._last_samplers: list[Sequence] = []
         self._last_token_ids: torch.Tensor | None = None
+        # The last step's chunks (speculative decoding, for a drafter that reads them): a
+        # sequence's first position and first row; and its hidden states, for one that reads
+        # them (an MTP head).
+        self._step_chunks: dict[int, StepChunk] | None = None
+        self._last_hidden: torch.Tensor | None = None
         self.graphs = DecodeGraphs()
         self.prefill_graphs = PrefillGraphs()
+        self.verify_graphs = VerifyGraphs()
+        self.draft_graphs = DecodeGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
+
+    def _choose_verify_kernels(self) -> dict[str, str]:
+        """Speculative decoding: the few-row path of the target's projections for a batch-1
+        verify step (k + 1 rows), and the drafting model's one-row and few-row paths."""
+        if self.spec is None:
+            return {}
+        rows = 1 + self.spec.num_speculative_tokens
+        choice = choose_few_rows_kernels(self.model, self.device, rows)
+        drafting = getattr(self.drafter, "model", None) or getattr(self.drafter, "head", None)
+        if drafting is not None:
+            choose_small_m_kernels(drafting, self.device)
+            choose_few_rows_kernels(drafting, self.device, rows)
+        return choice
 
     def _dense_rows(self, fresh_chunks: tuple[int, ...] | None) -> int:
         """`AttentionMetadata.dense_rows` for a step with these fresh chunks: the bucket of a
@@ -226,6 +258,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             self.model, self.device, sizes, max_blocks, stateful=self.state is not None,
             windowed=windowed,
         )  # fmt: skip
+        if self.spec is not None:
+            self._capture_verify_graphs(sizes, max_blocks)
         # Short prefill and mixed steps: dense models with one block table only (a hybrid
         # model's chunked GDN prefill plans its chunks on the host).
         max_tokens = min(self.config.prefill_graph_max_tokens, self.max_num_batched_tokens)
@@ -241,6 +275,24 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                     "failed (%s: %s); --prefill-graph-max-tokens 0 skips the attempt",
                     type(exc).__name__, exc,
                 )  # fmt: skip
+
+    def _capture_verify_graphs(self, sizes: list[int], max_blocks: int) -> None:
+        """Speculative decoding: verify steps of up to 16 sequences of k + 1 rows."""
+        rows = 1 + self.spec.num_speculative_tokens
+        verify_sizes = [s for s in sizes if s <= 16] or sizes[:1]
+        if self.spec.method == "draft_model":  # the draft's one-token steps
+            self.draft_graphs.capture(self.drafter.model, self.device, verify_sizes, max_blocks)
+            self.drafter.decode_graphs = self.draft_graphs
+        try:
+            self.verify_graphs.capture(
+                self.model, self.device, verify_sizes, max_blocks + -(-rows // self.block_size),
+                rows, stateful=self.state is not None,
+            )  # fmt: skip
+        except Exception as exc:  # a GPU stack that cannot capture the verify path
+            self.verify_graphs.clear()
+            torch.cuda.synchronize(self.device)
+            log.warning("verify steps run eagerly: capturing their CUDA graphs failed (%s: %s)",
+                        type(exc).__name__, exc)  # fmt: skip
 
     def _warm_up_prefill_attention(self, max_context: int) -> None:
         """Which prefill-attention kernel a step compiles depends on its chunk lengths, batch and
@@ -314,15 +366,22 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if inputs.decode_only and self.graphs:
             logits = self.graphs.replay(inputs, self._fill_pending)
             if logits is not None:
+                self._keep_hidden(self.graphs.last_hidden)
                 rows = inputs.sample_rows
                 if len(rows) == len(inputs.input_ids):
                     return logits
                 # A one-token prompt chunk short of the prompt's end is decode-shaped but does
                 # not sample: keep only the sample rows.
                 return logits[to_device(rows, self.device)] if len(rows) else None
+        if not inputs.decode_only and self.verify_graphs:
+            logits = self.verify_graphs.replay(inputs)
+            if logits is not None:
+                self._keep_hidden(self.verify_graphs.last_hidden)
+                return logits
         if not inputs.decode_only and self.prefill_graphs:
             logits = self.prefill_graphs.replay(inputs, self._fill_pending)
             if logits is not None:
+                self._keep_hidden(self.prefill_graphs.last_hidden)
                 return logits if len(logits) else None
         dev = self.device
         decode_only = inputs.decode_only
@@ -341,6 +400,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         if inputs.window_block_tables is not None:
             host["window_slot_mapping"] = inputs.window_slot_mapping
             host["window_block_tables"] = inputs.window_block_tables
+        if inputs.spec_slots is not None:
+            host["spec_slots"] = inputs.spec_slots
         # One pinned staging buffer and one copy for the whole step (device.to_device_many).
         d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
         fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
@@ -379,6 +440,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
                     query_start_loc=d["cu_seqlens_q"],
                     slot_ids=d["state_slots"],
                     has_initial_state=d["has_initial_state"],
+                    spec_slots=d.get("spec_slots"),
+                    spec_only=inputs.spec_slots is not None
+                    and bool((inputs.spec_slots[:, 0] >= 0).all()),
                 )
             )
         try:
@@ -386,16 +450,37 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         finally:
             set_attention_metadata(None)
             set_state_metadata(None)
+        self._keep_hidden(hidden)
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[rows]).float()
 
+    def _keep_hidden(self, hidden: torch.Tensor) -> None:
+        """The step's hidden states, for a drafter that drafts from them (an MTP head)."""
+        if self.drafter is not None and self.drafter.needs_hidden_states:
+            self._last_hidden = hidden
+
     def sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> SamplerOutput:
-        """One token per sampling sequence (rows of `logits` in the order of `samplers`)."""
+        """One token per sampling sequence (rows of `logits` in the order of `samplers`); a step
+        that verifies drafts: the accepted ones and one more, per sampler (`verify_sampler`)."""
+        if self.drafter is not None and any(seq.num_spec for seq in samplers):
+            return verify(self.sampler, logits, samplers, self.eos_token_ids)
         return self.sampler(logits, samplers, self.eos_token_ids)
 
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Drafts for the last step's live sequences (speculative decoding), from its drafter."""
+        if self.drafter is None:
+            raise RuntimeError("propose: this engine has no speculative_config")
+        chunks = self._step_chunks or {}
+        found = [chunks.get(id(seq)) for seq in seqs]
+        return self.drafter.propose(seqs, found, self._last_hidden)
+
     def release(self, request_ids) -> None:
+        request_ids = list(request_ids)
         self.sampler.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
 
     def shutdown(self) -> None:
         """Drop the KV cache, the captured graphs and the generators, so their memory is freed
@@ -405,6 +490,8 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             self.state.release()
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.verify_graphs.clear()
+        self.draft_graphs.clear()
         self._last_samplers, self._last_token_ids = [], None
         self.sampler.generators.clear()
         if self.device.type == "cuda":

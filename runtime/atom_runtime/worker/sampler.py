@@ -64,6 +64,10 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [S] the sampled token's logprob
     top_ids: torch.Tensor | None = None  # [S, k]
     top_logprobs: torch.Tensor | None = None  # [S, k]
+    # A verify step (speculative decoding): each sampler emits num_tokens[s] tokens, and the
+    # tensors above gain a dimension: token_ids [S, K + 1] (-1 past them), logprobs [S, K + 1],
+    # top_* [S, K + 1, k].
+    num_tokens: torch.Tensor | None = None
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -123,23 +127,39 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-    """logits: [S, V] fp32 (one row per sequence that samples this step)."""
+def target_distributions(
+    logits: torch.Tensor, t: SamplingTensors
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """What each row samples from: (the raw logprobs when logprobs are wanted, the argmax after
+    penalties, bias, masks and bans, and the probabilities after temperature, top-k, top-p and
+    min-p; None when every row is greedy). logits: [S, V] fp32."""
     raw_logprobs = logits.log_softmax(dim=-1) if t.max_logprobs >= 0 else None
     logits = apply_bias_and_allowed(apply_penalties(logits, t), t)
     if t.banned_rows is not None:
         logits = logits.index_put((t.banned_rows, t.banned_tokens), torch.tensor(float("-inf")))
     greedy = logits.argmax(dim=-1)
     if t.all_greedy:
+        return raw_logprobs, greedy, None
+    temp = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
+    probs = apply_top_k_top_p_min_p(logits / temp, t).softmax(dim=-1)
+    return raw_logprobs, greedy, probs
+
+
+def exponential_noise(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Exp(1) draws shaped like probs; a seeded row's from its request's generator."""
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in (t.generators or {}).items():
+        q[row].exponential_(generator=gen)
+    return q
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """logits: [S, V] fp32 (one row per sequence that samples this step)."""
+    raw_logprobs, greedy, probs = target_distributions(logits, t)
+    if probs is None:
         token_ids = greedy
     else:
-        temp = torch.where(t.temperature > 0, t.temperature, 1.0).unsqueeze(1)
-        scaled = apply_top_k_top_p_min_p(logits / temp, t)
-        probs = scaled.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in (t.generators or {}).items():
-            q[row].exponential_(generator=gen)
-        drawn = (probs / q).argmax(dim=-1)
+        drawn = (probs / exponential_noise(probs, t)).argmax(dim=-1)
         token_ids = torch.where(t.temperature > 0, drawn, greedy)
     out = SamplerOutput(token_ids=token_ids)
     if raw_logprobs is not None:
@@ -166,7 +186,7 @@ class Sampler:
         token ids) in rows short of their min_tokens."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"logits: {logits.shape[0]} rows for {len(seqs)} sequences")
-        if all(_plain_greedy(seq) for seq in seqs):
+        if all(plain_greedy(seq) for seq in seqs):
             return SamplerOutput(token_ids=greedy_argmax(logits))
         return sample(logits, self.tensors(seqs, eos_token_ids))
 
@@ -275,7 +295,7 @@ def _argmax_chunk(vocab: int) -> int:
     return next((c for c in range(1024, 63, -1) if vocab % c == 0), 0)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
     """Argmax alone decides this row: greedy, no logprobs, no penalties, no logit edits, no
     banned tokens."""
     p = seq.sampling_params

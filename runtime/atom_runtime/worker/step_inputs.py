@@ -10,12 +10,20 @@ import torch
 from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import PENDING_TOKEN, Sequence
 from atom_runtime.protocol.worker import StepInputs
+from atom_runtime.spec_decode.proposer import StepChunk
 from atom_runtime.system.device import to_device
 
 
 class StepInputPreparation:
     """ModelRunner's part that builds each step's inputs (a mixin: it reads the runner's block
     size, state tensors and the last step's samples)."""
+
+    def _new_step_chunks(self) -> dict[int, StepChunk] | None:
+        """A fresh record of where each sequence's tokens sit in this step, for a drafter that
+        reads it (speculative decoding); None otherwise."""
+        drafter = self.drafter
+        self._step_chunks = {} if drafter is not None and drafter.needs_step_chunks else None
+        return self._step_chunks
 
     def _pending_sources(self, rows: list[int], seqs: list[Sequence]) -> np.ndarray:
         """For input rows holding a pending token: where the last step's samples hold it."""
@@ -53,11 +61,14 @@ class StepInputPreparation:
         pending_rows, pending_seqs = [], []
         offset = 0
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        chunks = self._new_step_chunks()
         tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + n
             ids_parts.append(np.frombuffer(seq.token_ids, dtype=np.int32)[start:end])
+            if chunks is not None:
+                chunks[id(seq)] = StepChunk(start, offset)
             pos = np.arange(start, end, dtype=np.int64)
             table = np.frombuffer(seq.block_table, dtype=np.int32)  # a view, no copy
             tables[i, : len(table)] = table
@@ -78,8 +89,10 @@ class StepInputPreparation:
                 self._prompt_jobs.append((seq, wanted.start, len(sample_rows), len(wanted)))
                 sample_rows.extend(range(first, first + len(wanted)))
             if end == seq.num_tokens:  # the chunk reaches the last known token: sample
-                sampler_pos.append(len(sample_rows))
-                sample_rows.append(offset - 1)
+                # (and a verify row samples at its last token and at each of its drafts)
+                rows = range(offset - 1 - seq.num_spec, offset)
+                sampler_pos.extend(range(len(sample_rows), len(sample_rows) + len(rows)))
+                sample_rows.extend(rows)
                 samplers.append(seq)
         cu = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
@@ -136,6 +149,11 @@ class StepInputPreparation:
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = np.frombuffer(s.block_table, dtype=np.int32)
         rows = [i for i, (s, p) in enumerate(zip(seqs, pos, strict=True)) if p + 1 == s.num_tokens]
+        chunks = self._new_step_chunks()
+        if chunks is not None:
+            chunks.update(
+                (id(s), StepChunk(p, i)) for i, (s, p) in enumerate(zip(seqs, pos, strict=True))
+            )
         positions = np.array(pos, dtype=np.int64)
         inputs = StepInputs(
             input_ids=np.array(ids, dtype=np.int64),
@@ -183,3 +201,19 @@ class StepInputPreparation:
         inputs.has_initial_state = np.array(
             [seq.num_computed_tokens > 0 for seq in seqs], dtype=np.bool_
         )
+        if any(seq.num_spec for seq in seqs):
+            inputs.spec_slots = _spec_slots(seqs, np.diff(inputs.cu_seqlens_q), inputs.state_slots)
+
+
+def _spec_slots(seqs: list[Sequence], q_lens: np.ndarray, state_slots: np.ndarray) -> np.ndarray:
+    """A verify step's per-token state slots (`StepInputs.spec_slots`): a row running drafts or
+    one token reads its committed slot and leaves the state after its token i in its slot i;
+    a prompt chunk keeps the plain path (its `state_slots` entry), the verified rows leave it
+    (-1 there)."""
+    width = max(len(seq.state_slots) for seq in seqs)
+    out = np.full((len(seqs), width), -1, dtype=np.int32)
+    for i, (seq, n) in enumerate(zip(seqs, q_lens.tolist(), strict=True)):
+        if seq.num_spec or n == 1:
+            out[i, :n] = seq.state_slots[:n]
+            state_slots[i] = -1
+    return out

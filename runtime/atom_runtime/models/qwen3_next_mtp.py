@@ -1,0 +1,89 @@
+"""The MTP head of Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (`mtp.*` in their checkpoints; config
+`mtp_num_hidden_layers` or `num_nextn_predict_layers`).
+
+For (hidden state h_j of the target at position j, token t_{j+1}):
+x = fc([pre_fc_norm_embedding(embed(t_{j+1})) ; pre_fc_norm_hidden(h_j)]), then one
+gated-attention decoder layer (the target's full-attention layer shape, its MLP a MoE when the
+model has experts), then `norm`; the target's LM head gives the logits of t_{j+2}. Every norm
+scales by (1 + weight), as the target's do. Single GPU (the engine refuses `mtp` under tensor
+parallelism).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from atom_runtime.layers.linear import LinearBase
+from atom_runtime.models.causal_lm import CausalLM, load_ordinary
+from atom_runtime.models.config import ModelConfig
+from atom_runtime.models.mtp import mtp_tensor_name
+from atom_runtime.models.qwen3_next import (
+    HybridDecoderLayer,
+    OffsetRMSNorm,
+    check_stacked_experts,
+    load_hybrid_special,
+)
+
+
+class Qwen3NextMtp(nn.Module):
+    def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
+        super().__init__()
+        n = cfg.num_nextn_predict_layers
+        if n < 1:
+            raise ValueError(f"{cfg.model_type}: the config declares no MTP layers")
+        # The layer shape of the target's full-attention layers; MoE whenever it has experts.
+        layer_cfg = dataclasses.replace(
+            cfg,
+            num_hidden_layers=n,
+            layer_types=["full_attention"] * n,
+            mlp_only_layers=[],
+            decoder_sparse_step=1,
+        )
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.num_layers = n
+        self.fc = LinearBase(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = OffsetRMSNorm(h, eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(h, eps)
+        self.model = nn.Module()  # `model.layers.N`: the names the hybrid loaders expect
+        self.model.layers = nn.ModuleList(HybridDecoderLayer(layer_cfg, i) for i in range(n))
+        self.norm = OffsetRMSNorm(h, eps)
+        for layer in self.model.layers:
+            object.__setattr__(layer, "next_norm", self.norm)
+        # The target's embedding and LM head, shared (not submodules: they stay its weights).
+        object.__setattr__(self, "target", target)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        step: int = 0,
+    ) -> torch.Tensor:
+        embedded = self.pre_fc_norm_embedding(self.target.model.embed_tokens(input_ids))
+        x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous_hidden)], dim=-1))
+        hidden, residual = self.model.layers[step % self.num_layers](positions, x, None)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+    def attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for checkpoint_name, tensor in weights:
+            name = mtp_tensor_name(checkpoint_name)
+            if name is None:
+                continue
+            if name.startswith("layers."):
+                name = "model." + name
+            target = load_hybrid_special(self, name, tensor)
+            loaded.add(target or load_ordinary(name, tensor, params))
+        check_stacked_experts(self)
+        return loaded

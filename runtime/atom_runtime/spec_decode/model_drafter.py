@@ -1,0 +1,206 @@
+"""What a drafting model does after every step (a draft model, an MTP head): catch its own KV up
+on the tokens the target just computed, then propose k tokens, one forward each, greedily.
+
+Its KV cache uses the target's block ids (the same block tables and slots: the runner allocates
+its layers beside the target's), so it needs no block manager: every position the target keeps
+KV for, the drafter computes too, in the step after; and its k - 1 further inputs go into the
+slots the scheduler reserved past the step's tokens (`SpeculativeConfig.lookahead`), overwritten
+by the real tokens later. A sequence preempted and readmitted starts over (its catch-up begins at
+the target's first position), so the caches stay in step.
+
+Positions: a draft model reads token j at position j. An MTP head reads (the target's hidden
+state at position j, token j + 1) at position j and predicts token j + 2; its further steps
+read its own last hidden state in place of the target's (vLLM's MTP and EAGLE do the same).
+Drafts are the argmax (deterministic proposals: the rejection sampler keeps the target's
+distribution exactly whatever the drafter proposes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atom_runtime.core.sequence import Sequence
+from atom_runtime.layers.forward_context import AttentionMetadata, set_attention_metadata
+from atom_runtime.protocol.worker import StepInputs
+from atom_runtime.spec_decode.proposer import StepChunk
+from atom_runtime.system.device import to_device_many
+
+
+@dataclass
+class _Round:
+    """One sequence's catch-up and drafting."""
+
+    seq: Sequence
+    positions: np.ndarray  # int64: the catch-up positions
+    tokens: np.ndarray  # int64: the token read at each
+    hidden_rows: np.ndarray | None  # int64: the step's rows holding the target's hidden states
+    wanted: int  # drafts to propose (0: catch up only)
+    drafts: list[int]
+
+
+class ModelDrafter:
+    """The shared loop of drafting models; a subclass runs its model (`_forward`, `_logits`)
+    and says where its inputs sit (`token_shift`: 0 for a draft model, 1 for an MTP head)."""
+
+    needs_step_chunks = True
+    needs_hidden_states = False
+    token_shift = 0
+
+    def __init__(self, k: int, device: torch.device, block_size: int, max_positions: int) -> None:
+        self.k = k
+        self.device = device
+        self.block_size = block_size
+        self.max_positions = max_positions  # rotary tables end there
+        # Captured one-token steps of the drafting model, set by the model runner on a GPU
+        # (its DecodeGraphs: `replay(StepInputs, fill_pending)` -> logits, or None when no
+        # graph fits): drafts 2..k of a draft model then cost their GPU time, not a launch a
+        # kernel.
+        self.decode_graphs = None
+
+    def attention_layers(self) -> list:
+        raise NotImplementedError
+
+    def release(self, request_ids) -> None:
+        """Nothing kept per request: the KV lives in the target's blocks."""
+
+    def _forward(self, ids, positions, hidden: torch.Tensor | None, step: int) -> torch.Tensor:
+        """The model's final hidden states over the rows; `step`: 0 for the catch-up, i for
+        draft i + 1."""
+        raise NotImplementedError
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(
+        self, seqs: list[Sequence], chunks: list[StepChunk | None], hidden: torch.Tensor | None
+    ) -> list[list[int]]:
+        rounds = [self._round(seq, chunk) for seq, chunk in zip(seqs, chunks, strict=True)]
+        live = [r for r in rounds if r is not None and len(r.positions)]
+        if live:
+            last = self._catch_up(live, hidden)
+            self._draft(live, last)
+        return [r.drafts if r is not None else [] for r in rounds]
+
+    def _round(self, seq: Sequence, chunk: StepChunk | None) -> _Round | None:
+        """What seq's catch-up reads, and how many drafts its slots leave room for."""
+        if chunk is None:
+            return None
+        shift = self.token_shift
+        ready = seq.num_computed_tokens == seq.num_tokens - 1
+        # A draft model also reads the last token (its KV is the target's next input's);
+        # an MTP head pairs each computed position with the token after it.
+        end = seq.num_tokens - shift if ready else seq.num_computed_tokens
+        positions = np.arange(chunk.start, end, dtype=np.int64)
+        tokens = np.frombuffer(seq.token_ids, dtype=np.int32)[chunk.start + shift : end + shift]
+        rows = None
+        if self.needs_hidden_states:
+            rows = np.arange(chunk.row, chunk.row + len(positions), dtype=np.int64)
+        wanted = 0
+        if ready and len(positions):
+            # Draft i + 1 is read at position end - 1 + i: its slot must be allocated.
+            capacity = min(len(seq.block_table) * self.block_size, self.max_positions)
+            wanted = max(0, min(self.k, capacity - end + 1))
+        return _Round(seq, positions, tokens.astype(np.int64), rows, wanted, [])
+
+    def _catch_up(self, live: list[_Round], hidden: torch.Tensor | None) -> torch.Tensor:
+        """One forward over every round's catch-up positions; the first drafts from each last
+        row. Returns the last row's hidden state of each round."""
+        lens = [len(r.positions) for r in live]
+        cu = np.zeros(len(live) + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        positions = np.concatenate([r.positions for r in live])
+        tokens = np.concatenate([r.tokens for r in live])
+        seq_lens = np.asarray([r.positions[-1] + 1 for r in live], dtype=np.int32)
+        prev = None
+        if self.needs_hidden_states:
+            rows = np.concatenate([r.hidden_rows for r in live])
+            prev = hidden[torch.from_numpy(rows).to(hidden.device)]
+        out = self._run(live, tokens, positions, seq_lens, cu, max(lens), prev)
+        last = out[torch.from_numpy(cu[1:] - 1).to(out.device, dtype=torch.int64)]
+        self._take_drafts([r for r in live], last, [r.wanted > 0 for r in live])
+        return last
+
+    def _draft(self, live: list[_Round], last: torch.Tensor) -> None:
+        """Drafts 2..k: one single-token forward each, over the rounds still wanting more."""
+        for step in range(1, self.k):
+            keep = [i for i, r in enumerate(live) if r.wanted > step]
+            if not keep:
+                return
+            rounds = [live[i] for i in keep]
+            positions = np.asarray([r.positions[-1] + step for r in rounds], dtype=np.int64)
+            tokens = np.asarray([r.drafts[-1] for r in rounds], dtype=np.int64)
+            logits = self._replay(rounds, tokens, positions)
+            if logits is not None:
+                for r, token in zip(rounds, logits.argmax(dim=-1).tolist(), strict=True):
+                    r.drafts.append(token)
+                continue
+            rows = torch.tensor(keep, device=last.device)
+            prev = last[rows] if self.needs_hidden_states else None
+            cu = np.arange(len(rounds) + 1, dtype=np.int32)
+            seq_lens = (positions + 1).astype(np.int32)
+            out = self._run(rounds, tokens, positions, seq_lens, cu, 1, prev, step)
+            self._take_drafts(rounds, out, [True] * len(rounds))
+            if self.needs_hidden_states:
+                last = last.index_copy(0, rows, out)
+
+    def _replay(self, rounds: list[_Round], tokens, positions) -> torch.Tensor | None:
+        """The logits of a one-token step through the captured graphs, or None (none set, none
+        large enough, or a drafter that reads hidden states)."""
+        if self.decode_graphs is None or self.needs_hidden_states:
+            return None
+        bs = self.block_size
+        width = max(len(r.seq.block_table) for r in rounds)
+        tables = np.zeros((len(rounds), width), dtype=np.int32)
+        for i, r in enumerate(rounds):
+            tables[i, : len(r.seq.block_table)] = np.frombuffer(r.seq.block_table, dtype=np.int32)
+        slots = tables[np.arange(len(rounds)), positions // bs].astype(np.int64) * bs
+        inputs = StepInputs(
+            input_ids=tokens,
+            positions=positions,
+            slot_mapping=slots + positions % bs,
+            block_tables=tables,
+            seq_lens=(positions + 1).astype(np.int32),
+            cu_seqlens_q=np.arange(len(rounds) + 1, dtype=np.int32),
+            max_seqlen_q=1,
+            sample_rows=np.arange(len(rounds), dtype=np.int64),
+        )
+        return self.decode_graphs.replay(inputs, None)
+
+    def _take_drafts(self, rounds: list[_Round], hidden: torch.Tensor, want: list[bool]) -> None:
+        picked = [i for i, w in enumerate(want) if w]
+        if not picked:
+            return
+        rows = torch.tensor(picked, device=hidden.device)
+        ids = self._logits(hidden[rows]).argmax(dim=-1).tolist()
+        for i, token in zip(picked, ids, strict=True):
+            rounds[i].drafts.append(token)
+
+    def _run(self, rounds, tokens, positions, seq_lens, cu, max_q, prev, step=0) -> torch.Tensor:
+        """The drafting model over packed rows of `rounds` (cu: each round's row offsets), its
+        KV written at the rounds' slots. Returns the hidden states of every row."""
+        bs = self.block_size
+        width = max(len(r.seq.block_table) for r in rounds)
+        tables = np.zeros((len(rounds), width), dtype=np.int32)
+        slots = np.empty(len(positions), dtype=np.int64)
+        for i, r in enumerate(rounds):
+            table = np.frombuffer(r.seq.block_table, dtype=np.int32)
+            tables[i, : len(table)] = table
+            pos = positions[cu[i] : cu[i + 1]]
+            slots[cu[i] : cu[i + 1]] = table[pos // bs].astype(np.int64) * bs + pos % bs
+        d = to_device_many([tokens, positions, slots, tables, seq_lens, cu], self.device)
+        meta = AttentionMetadata(
+            slot_mapping=d[2],
+            block_tables=d[3],
+            seq_lens=d[4],
+            decode_only=max_q == 1,
+            cu_seqlens_q=None if max_q == 1 else d[5],
+            max_seqlen_q=max_q,
+        )
+        set_attention_metadata(meta)
+        try:
+            return self._forward(d[0], d[1], prev, step)
+        finally:
+            set_attention_metadata(None)

@@ -1,0 +1,33 @@
+"""N-gram drafts: the continuation of the longest earlier suffix match, its latest occurrence
+with k tokens after it, the earliest when a loop leaves none; nothing when nothing matches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atom_runtime.spec_decode.ngram import ngram_drafts
+
+
+def _drafts(tokens, k=3, low=1, high=3):
+    return ngram_drafts(np.asarray(tokens, dtype=np.int32), k, low, high)
+
+
+def test_the_longest_suffix_match_wins():
+    # "7 8" occurs after 1 and after 4; the suffix "4 7 8" matches only the second.
+    assert _drafts([1, 7, 8, 9, 9, 4, 7, 8, 5, 6, 4, 7, 8]) == [5, 6, 4]
+
+
+def test_the_latest_occurrence_with_k_tokens_after_it():
+    assert _drafts([5, 1, 2, 3, 5, 4, 4, 4, 5], k=2, high=1) == [4, 4]
+    # The latest earlier "5" has two tokens after it, not three: the one before that wins.
+    assert _drafts([5, 1, 2, 7, 5, 6, 5], k=3, high=1) == [1, 2, 7]
+
+
+def test_a_loop_closing_on_itself_takes_the_earliest_occurrence():
+    assert _drafts([9, 9, 9, 9, 9], k=3, low=2, high=3) == [9, 9]
+
+
+def test_no_match_below_the_minimum_gives_no_drafts():
+    assert _drafts([1, 2, 3, 4, 5]) == []
+    assert _drafts([1, 2, 3, 1, 9, 2, 3], low=3, high=3) == []  # "2 3" only: below 3
+    assert _drafts([4]) == []
