@@ -17,7 +17,7 @@ from torch import nn
 
 from atom_kernels import ops
 from atom_runtime.layers.linear import FEW_ROWS, LinearBase
-from atom_runtime.worker.kernel_choice import _that_build, graph_times, small_m_groups, small_m_mode
+from atom_runtime.worker.kernel_choice import that_build, graph_times, small_m_groups, small_m_mode
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _rows_win(key: str, layers: list[LinearBase], rows: int, device: torch.devic
     def rows_path(layer: LinearBase):
         return ops.linear_few_rows(x, layer.weight, layer._bias(), act=act)
 
-    if not _that_build([rows_path], lambda fn: fn(first), f"{rows}-row {key}"):
+    if not that_build([rows_path], lambda fn: fn(first), f"{rows}-row {key}"):
         return False
     t_cublas, t_rows = graph_times(
         lambda: [cublas(m) for m in layers], lambda: [rows_path(m) for m in layers]
@@ -77,7 +77,7 @@ def _tune_launch(layers: list[LinearBase], x: torch.Tensor) -> None:
     k = like.shape[1]
     mp = torch.cuda.get_device_properties(like.device).multi_processor_count
     act = layers[0].act_after
-    usable = _that_build(
+    usable = that_build(
         gemv_rows.launch_candidates(n_out, k, mp),
         lambda cfg: gemv_rows.linear_few_rows(x, like, act=act, config=cfg),
         f"{x.shape[0]}-row {n_out}x{k} launch",
