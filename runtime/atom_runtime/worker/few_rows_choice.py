@@ -17,7 +17,7 @@ from torch import nn
 
 from atom_kernels import ops
 from atom_runtime.layers.linear import FEW_ROWS, LinearBase
-from atom_runtime.worker.kernel_choice import that_build, graph_times, small_m_groups, small_m_mode
+from atom_runtime.worker.kernel_choice import graph_times, small_m_groups, small_m_mode, that_build
 
 log = logging.getLogger(__name__)
 
