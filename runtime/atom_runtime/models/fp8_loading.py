@@ -163,7 +163,10 @@ class Fp8CheckpointStream:
     def _keep_kv_scale(self, match: re.Match, tensor) -> None:
         prefix = match.group(1) or match.group(3)
         which = match.group(2) or f"{match.group(4)}_scale"
-        value = float(_read(tensor).float().reshape(-1)[0])
+        read = _read(tensor)
+        if read.is_meta:
+            return  # the tensor-parallel read plan's dry run (models/loader.py): no values
+        value = float(read.float().reshape(-1)[0])
         try:
             attn = self.model.get_submodule(f"{_text_model_name(prefix)}.attn")
         except AttributeError:
@@ -173,6 +176,21 @@ class Fp8CheckpointStream:
             return  # a cache without FP8 scales (MLA's latent cache)
         for key in ("k_scale", "v_scale") if which == "kv_scale" else (which,):
             scales[key] = value
+
+
+def refuse_undeclared_fp8(weights: Iterable) -> Iterator[tuple[str, object]]:
+    """The (name, tensor) stream of a checkpoint whose config declares no FP8 quantization,
+    passed through; an FP8 tensor or an FP8 weight scale in it fails the load naming the missing
+    quantization_config (whichever of a weight and its scale the file holds first: the weight
+    loaders would otherwise say only that the scale "has no place in the model")."""
+    for name, tensor in weights:
+        if _stored_fp8(tensor) or _WEIGHT_SCALE.match(name):
+            raise ValueError(
+                f"checkpoint tensor {name!r} is FP8 (or an FP8 weight's scale) but config.json "
+                "has no quantization_config saying how to read it (is the quantization_config "
+                "missing? FP8 checkpoints declare quant_method fp8 or compressed-tensors)"
+            )
+        yield name, tensor
 
 
 def _text_model_name(name: str) -> str:

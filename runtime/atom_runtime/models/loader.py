@@ -213,7 +213,7 @@ def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtyp
     for a half-precision model)."""
     phases = startup.recorder()
     start = time.perf_counter()
-    source = _weight_source(path, cfg, load_format, model, device)
+    source = _weight_source(path, cfg, load_format, device, qcfg)
     stream = None
     with _progress(source.total_bytes, source.label) as bar:
         tensors = bar.follow(source.tensors)
@@ -223,6 +223,9 @@ def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtyp
             stream = Fp8CheckpointStream(model, tensors, dtype, qcfg)
             loaded = model.load_weights(stream)
         else:
+            from atom_runtime.models.fp8_loading import refuse_undeclared_fp8
+
+            tensors = refuse_undeclared_fp8(tensors)
             loaded = model.load_weights((n, t.to(dtype)) for n, t in tensors)
     read_done = start + source.read_seconds() if source.read_seconds() else time.perf_counter()
     _synchronize(device)
@@ -283,8 +286,9 @@ class _Source:
     read_seconds: Callable[[], float] = lambda: 0.0
 
 
-def _weight_source(path: Path, cfg: ModelConfig, load_format: str, model, device) -> _Source:
-    """Where the tensors come from for this load format (LOAD_FORMATS in config.py)."""
+def _weight_source(path: Path, cfg: ModelConfig, load_format: str, device, qcfg) -> _Source:
+    """Where the tensors come from for this load format (LOAD_FORMATS in config.py); `qcfg`
+    (an FP8 checkpoint's QuantConfig, or None) shapes the tensor-parallel read plan."""
     if is_gguf(path):
         if load_format not in ("auto", "gguf"):
             raise ValueError(f"load_format: {load_format} cannot read a GGUF file ({path})")
@@ -303,18 +307,30 @@ def _weight_source(path: Path, cfg: ModelConfig, load_format: str, model, device
     if load_format != "auto":
         raise ValueError(f"load_format: {load_format!r} is not understood")
     entries = [e for f in checkpoint_files(folder) for e in read_header(f)]
-    plan = _rank_read_plan(cfg, entries) if tp_size() > 1 else None
+    plan = _rank_read_plan(cfg, entries, qcfg) if tp_size() > 1 else None
     stream = WeightStream(entries, plan)
     label = f"streamed, {stream.readers} reader threads"
     return _Source(iter(stream), stream.total_bytes(), label, lambda: stream.read_seconds)
 
 
-def _rank_read_plan(cfg: ModelConfig, entries: list) -> ReadPlan | None:
+def _rank_read_plan(cfg: ModelConfig, entries: list, qcfg=None) -> ReadPlan | None:
     """The rows this rank reads (weight_stream.plan_reads: the weight loaders run on a
-    meta-device model). None (read every tensor whole) if the dry run fails."""
+    meta-device model; for an FP8 checkpoint its FP8 layers and the stream that routes weights
+    and scales to them, as the real load does). None (read every tensor whole) if the dry run
+    fails."""
     try:
         meta = _construct(cfg, torch.float32, torch.device("meta"))
-        return plan_reads(entries, meta.load_weights)
+        load = meta.load_weights
+        if qcfg is not None and not qcfg.online:
+            from atom_runtime.models import fp8_loading
+
+            fp8_loading.prepare_fp8_layers(meta, qcfg, dummy=False)
+
+            def load(weights):
+                stream = fp8_loading.Fp8CheckpointStream(meta, weights, torch.float32, qcfg)
+                return meta.load_weights(stream)
+
+        return plan_reads(entries, load)
     except Exception as e:  # a loader the dry run cannot follow: correct, only more bytes read
         log.debug("reading whole tensors: the read plan's dry run failed (%s)", e)
         return None
