@@ -26,6 +26,7 @@ from atom_runtime.layers.forward_context import (
     set_attention_metadata,
     set_state_metadata,
 )
+from atom_runtime.models.quant_config import KV_DTYPE_REFUSED
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
     StatePoolPlan,
@@ -51,9 +52,9 @@ class CacheMemory:
             return self.dtype
         if not all(hasattr(layer, "use_kv_cache_dtype") for layer in layers):
             raise ValueError(
-                f"kv_cache_dtype: {self.config.kv_cache_dtype!r} is not supported for "
-                f"{self.model_config.model_type} (the latent cache of multi-head latent "
-                "attention has no FP8 kernels yet); use --kv-cache-dtype auto"
+                KV_DTYPE_REFUSED.format(
+                    dtype=self.config.kv_cache_dtype, model=self.model_config.model_type
+                )
             )
         dtype = fp8_dtype_for_platform(self.device)
         for layer in layers:
