@@ -58,7 +58,10 @@ def test_fp8_tensors_without_a_quantization_config_are_refused_by_name(
     config = json.loads((folder / "config.json").read_text())
     del config["quantization_config"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight.* is FP8.*quantization_config missing"):
+    with pytest.raises(
+        ValueError,
+        match="model.layers.0.mlp.down_proj.weight.* is FP8.*quantization_config missing",
+    ):
         build_model(folder, load_model_config(folder), load_format, torch.float32,
                     torch.device("cpu"))  # fmt: skip
 
