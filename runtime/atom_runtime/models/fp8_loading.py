@@ -98,8 +98,9 @@ class Fp8CheckpointStream:
         self._scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight
 
     def __iter__(self) -> Iterator[tuple[str, object]]:
+        skipped = getattr(self.model, "checkpoint_name", lambda name: name)  # (an MTP head)
         for name, tensor in self.weights:
-            if self.model.checkpoint_name(name) is None:
+            if skipped(name) is None:
                 continue  # skipped by the model (rotary tables, MTP layers): not read at all
             kv = _KV_SCALE.match(name)
             if kv is not None:
@@ -191,6 +192,34 @@ def refuse_undeclared_fp8(weights: Iterable) -> Iterator[tuple[str, object]]:
                 "missing? FP8 checkpoints declare quant_method fp8 or compressed-tensors)"
             )
         yield name, tensor
+
+
+def checkpoint_loader(meta: nn.Module, qcfg: QuantConfig | None):
+    """`load_weights` of a meta-device model as the real load runs it (the tensor-parallel read
+    plan's dry run, models/weight_stream.py): for an FP8 checkpoint, with its FP8 layers and
+    through the stream that routes weights and scales to them."""
+    if qcfg is None or qcfg.online:
+        return meta.load_weights
+    prepare_fp8_layers(meta, qcfg, dummy=False)
+    return lambda weights: meta.load_weights(
+        Fp8CheckpointStream(meta, weights, torch.float32, qcfg)
+    )
+
+
+def mtp_head_stream(weights: Iterable, head: nn.Module, cfg, dtype: torch.dtype) -> Iterable:
+    """The multi-token-prediction head's checkpoint stream (models/loader.py build_mtp_head):
+    an FP8 checkpoint's head is dequantized at load (its layers are not made FP8: one draft
+    layer is little of a step's bytes)."""
+    from atom_runtime.models.mtp import mtp_tensor_name
+    from atom_runtime.models.quant_config import resolve_quantization
+
+    qcfg = resolve_quantization(cfg.quantization_config, None, cfg.model_type)
+    if qcfg is None:
+        return refuse_undeclared_fp8(weights)
+    # Only the head's tensors: the target's FP8 weights would be read and dequantized for
+    # nothing (their scales do not pair with any of the head's parameters).
+    mine = ((n, t) for n, t in weights if mtp_tensor_name(n) is not None)
+    return Fp8CheckpointStream(head, mine, dtype, qcfg)
 
 
 def _text_model_name(name: str) -> str:

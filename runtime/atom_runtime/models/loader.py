@@ -319,18 +319,10 @@ def _rank_read_plan(cfg: ModelConfig, entries: list, qcfg=None) -> ReadPlan | No
     and scales to them, as the real load does). None (read every tensor whole) if the dry run
     fails."""
     try:
+        from atom_runtime.models.fp8_loading import checkpoint_loader
+
         meta = _construct(cfg, torch.float32, torch.device("meta"))
-        load = meta.load_weights
-        if qcfg is not None and not qcfg.online:
-            from atom_runtime.models import fp8_loading
-
-            fp8_loading.prepare_fp8_layers(meta, qcfg, dummy=False)
-
-            def load(weights):
-                stream = fp8_loading.Fp8CheckpointStream(meta, weights, torch.float32, qcfg)
-                return meta.load_weights(stream)
-
-        return plan_reads(entries, load)
+        return plan_reads(entries, checkpoint_loader(meta, qcfg))
     except Exception as e:  # a loader the dry run cannot follow: correct, only more bytes read
         log.debug("reading whole tensors: the read plan's dry run failed (%s)", e)
         return None
@@ -450,6 +442,7 @@ def build_mtp_head(
             f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5 and "
             "Qwen3-Next have theirs; DeepSeek-V3's comes with its model)"
         )
+    from atom_runtime.models import fp8_loading
     from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
 
     with torch.device(device), _default_dtype(dtype):
@@ -460,7 +453,8 @@ def build_mtp_head(
         return head.eval()
     if is_gguf(path):
         raise ValueError("mtp: GGUF files carry no MTP head here")
-    loaded = head.load_weights(iter_safetensors(path if path.is_dir() else path.parent))
+    tensors = iter_safetensors(path if path.is_dir() else path.parent)
+    loaded = head.load_weights(fp8_loading.mtp_head_stream(tensors, head, cfg, dtype))
     missing = {n for n, _ in head.named_parameters() if n not in loaded}
     if missing:
         raise ValueError(f"checkpoint is missing MTP tensors: {sorted(missing)[:8]}")

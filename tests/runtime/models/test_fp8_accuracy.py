@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from atom_kernels.fp8_formats import is_fp8
-from atom_runtime import LLM
+from atom_runtime import LLM, SamplingParams
 from atom_runtime.layers import fp8_linear
 from atom_runtime.layers.linear import LinearBase
 from tests.fp8_checkpoints import teacher_forced, write_fp8_checkpoint, write_online_twin
@@ -192,3 +192,32 @@ def test_checkpoint_kv_scales_reach_the_fp8_cache(checkpoints, tmp_path):
         (1.0, 1.0),
         (1.0, 1.0),
     ]
+
+
+def test_fp8_mtp_head_is_dequantized_and_is_its_twins_head(tmp_path):
+    """Qwen3-Next FP8 checkpoints carry the MTP head in FP8 too (`mtp.*` with their scales): it
+    loads dequantized, the same head as the dequantized twin's, and with `--speculative-config
+    mtp` the engine drafts and keeps greedy output."""
+    from tests.model_factory import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "qwen3_next", mtp_layers=1)
+    fp8_dir, twin = write_fp8_checkpoint(src, tmp_path, "block", 16)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name, folder in (("fp8", fp8_dir), ("twin", twin)):
+        llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, speculative_config=spec)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            head = llm.engine.executor.drafter.head
+            runs[name] = (
+                [o.outputs[0].token_ids for o in outs],
+                {n: p.detach().clone() for n, p in head.named_parameters()},
+                llm.engine.scheduler.spec_stats.num_draft_tokens,
+            )
+        finally:
+            llm.shutdown()
+    (ids, head, drafts), (twin_ids, twin_head, _) = runs["fp8"], runs["twin"]
+    assert ids == twin_ids and drafts > 0
+    assert head.keys() == twin_head.keys() and "fc.weight" in head
+    assert all(torch.equal(head[n], twin_head[n]) for n in head)
