@@ -74,7 +74,20 @@ def write_fp8_checkpoint(
     fp8_dir, ref_dir = dst / f"fp8_{layout}", dst / f"ref_{layout}"
     fp8_dir.mkdir(parents=True, exist_ok=True)
     ref_dir.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(str(src / "model.safetensors"))
+    for file in sorted(src.glob("*.safetensors")):  # the model, and an MTP head's own file
+        fp8, ref = _quantize_file(load_file(str(file)), layout, block, input_scale)
+        save_file(fp8, str(fp8_dir / file.name))
+        save_file(ref, str(ref_dir / file.name))
+    config = json.loads((src / "config.json").read_text())
+    (ref_dir / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = quantization_config(layout, block)
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    for d in (fp8_dir, ref_dir):
+        _copy_side_files(src, d)
+    return fp8_dir, ref_dir
+
+
+def _quantize_file(tensors: dict, layout: str, block: int, input_scale: float) -> tuple[dict, dict]:
     fp8, ref = {}, {}
     for name, w in tensors.items():
         if not quantized_name(name):
@@ -95,15 +108,7 @@ def write_fp8_checkpoint(
             fp8[f"{stem}.input_scale"] = torch.tensor([input_scale])
             ref[name] = dequantize_fp8(q, s)
         fp8[name] = q
-    save_file(fp8, str(fp8_dir / "model.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    (ref_dir / "config.json").write_text(json.dumps(config))
-    config["quantization_config"] = quantization_config(layout, block)
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    for d in (fp8_dir, ref_dir):
-        _copy_side_files(src, d)
-    return fp8_dir, ref_dir
+    return fp8, ref
 
 
 def write_online_twin(src: Path, dst: Path) -> Path:

@@ -18,6 +18,7 @@ import yaml
 from atom_operator.kv_events_wiring import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_operator.render import render_children
 from atom_operator.render.router import render_router_deployment
+from atom_operator.schema.engine_features import KV_CACHE_DTYPES, QUANTIZATIONS
 from atom_operator.spec import has_router
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
@@ -27,7 +28,8 @@ from atom_runtime.router.config import RouterConfig
 from atom_runtime.router.discovery import ServiceTarget
 from atom_runtime.server import cli as serve_cli
 
-EXAMPLES = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.yaml"))
+EXAMPLES_DIR = Path(__file__).parent.parent.joinpath("examples")
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 
 # What the operator renders for runtime features being built beside it (issues 33, 35, 36, 38,
 # 39): flag -> how many values follow it. Until the runtime defines one, the parse tests below
@@ -103,13 +105,20 @@ def transfer_key(monkeypatch):
 def _containers(path: Path, command: str):
     for doc in yaml.safe_load_all(path.read_text()):
         doc.setdefault("metadata", {}).setdefault("uid", "uid-1")
-        for child in render_children(doc):
-            if child["kind"] != "Deployment":
-                continue
-            for c in child["spec"]["template"]["spec"]["containers"]:
-                args = c.get("args") or []
-                if args[:1] == [command]:
-                    yield child["metadata"]["name"], args[1:]
+        yield from _containers_of(doc, command)
+
+
+def _containers_of(doc: dict, command: str) -> list[tuple[str, list[str]]]:
+    """(Deployment name, arguments after `command`) of each container running `command`."""
+    found = []
+    for child in render_children(doc):
+        if child["kind"] != "Deployment":
+            continue
+        for c in child["spec"]["template"]["spec"]["containers"]:
+            args = c.get("args") or []
+            if args[:1] == [command]:
+                found.append((child["metadata"]["name"], args[1:]))
+    return found
 
 
 def _engine_containers(path: Path):
@@ -272,3 +281,18 @@ def test_status_knows_the_routers_defaults():
     }
     assert (parsed.kv_events_port, parsed.kv_events_replay_port) == (5557, 5558)
     assert router_kv_events_problem(["router"], port=5557, replay_port=5558) == ""
+
+
+@pytest.mark.parametrize("quantization", [None, *QUANTIZATIONS])
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_every_fp8_choice_of_the_crd_renders_a_value_atom_serve_runs(quantization, kv_cache_dtype):
+    """spec.engine.quantization / kvCacheDtype: each value the CRD allows becomes the runtime's
+    EngineConfig field (issue 35), on the FP8 example's engine."""
+    (doc,) = yaml.safe_load_all(EXAMPLES_DIR.joinpath("amd-mi300x-fp8.yaml").read_text())
+    doc["metadata"]["uid"] = "uid-1"
+    doc["spec"]["engine"]["kvCacheDtype"] = kv_cache_dtype
+    if quantization is not None:
+        doc["spec"]["engine"]["quantization"] = quantization
+    (name, args), *_ = _containers_of(doc, "serve")
+    config = EngineConfig.from_args(_serve_parser().parse_args(args))
+    assert (config.quantization, config.kv_cache_dtype) == (quantization, kv_cache_dtype), name

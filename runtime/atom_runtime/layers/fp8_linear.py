@@ -101,7 +101,8 @@ def load_weight_scale(layer: nn.Module, param: nn.Parameter, loaded, shard_id=No
         if value.numel() != 1:
             raise ValueError(f"per-tensor weight scale of {value.numel()} values")
         rows = param.data.narrow(0, dst, size) if dim == 0 else param.data
-        rows.fill_(value.item())
+        # (Not fill_(value.item()): the tensor-parallel read plan runs this on meta tensors.)
+        rows.copy_(value.to(rows.device).expand_as(rows))
         return
     if scheme.weight == "channel":
         if dim == 1:  # a row-split layer keeps every output row

@@ -98,8 +98,9 @@ class Fp8CheckpointStream:
         self._scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight
 
     def __iter__(self) -> Iterator[tuple[str, object]]:
+        skipped = getattr(self.model, "checkpoint_name", lambda name: name)  # (an MTP head)
         for name, tensor in self.weights:
-            if self.model.checkpoint_name(name) is None:
+            if skipped(name) is None:
                 continue  # skipped by the model (rotary tables, MTP layers): not read at all
             kv = _KV_SCALE.match(name)
             if kv is not None:
@@ -163,7 +164,10 @@ class Fp8CheckpointStream:
     def _keep_kv_scale(self, match: re.Match, tensor) -> None:
         prefix = match.group(1) or match.group(3)
         which = match.group(2) or f"{match.group(4)}_scale"
-        value = float(_read(tensor).float().reshape(-1)[0])
+        read = _read(tensor)
+        if read.is_meta:
+            return  # the tensor-parallel read plan's dry run (models/loader.py): no values
+        value = float(read.float().reshape(-1)[0])
         try:
             attn = self.model.get_submodule(f"{_text_model_name(prefix)}.attn")
         except AttributeError:
@@ -173,6 +177,49 @@ class Fp8CheckpointStream:
             return  # a cache without FP8 scales (MLA's latent cache)
         for key in ("k_scale", "v_scale") if which == "kv_scale" else (which,):
             scales[key] = value
+
+
+def refuse_undeclared_fp8(weights: Iterable) -> Iterator[tuple[str, object]]:
+    """The (name, tensor) stream of a checkpoint whose config declares no FP8 quantization,
+    passed through; an FP8 tensor or an FP8 weight scale in it fails the load naming the missing
+    quantization_config (whichever of a weight and its scale the file holds first: the weight
+    loaders would otherwise say only that the scale "has no place in the model")."""
+    for name, tensor in weights:
+        if _stored_fp8(tensor) or _WEIGHT_SCALE.match(name):
+            raise ValueError(
+                f"checkpoint tensor {name!r} is FP8 (or an FP8 weight's scale) but config.json "
+                "has no quantization_config saying how to read it (is the quantization_config "
+                "missing? FP8 checkpoints declare quant_method fp8 or compressed-tensors)"
+            )
+        yield name, tensor
+
+
+def checkpoint_loader(meta: nn.Module, qcfg: QuantConfig | None):
+    """`load_weights` of a meta-device model as the real load runs it (the tensor-parallel read
+    plan's dry run, models/weight_stream.py): for an FP8 checkpoint, with its FP8 layers and
+    through the stream that routes weights and scales to them."""
+    if qcfg is None or qcfg.online:
+        return meta.load_weights
+    prepare_fp8_layers(meta, qcfg, dummy=False)
+    return lambda weights: meta.load_weights(
+        Fp8CheckpointStream(meta, weights, torch.float32, qcfg)
+    )
+
+
+def mtp_head_stream(weights: Iterable, head: nn.Module, cfg, dtype: torch.dtype) -> Iterable:
+    """The multi-token-prediction head's checkpoint stream (models/loader.py build_mtp_head):
+    an FP8 checkpoint's head is dequantized at load (its layers are not made FP8: one draft
+    layer is little of a step's bytes)."""
+    from atom_runtime.models.mtp import mtp_tensor_name
+    from atom_runtime.models.quant_config import resolve_quantization
+
+    qcfg = resolve_quantization(cfg.quantization_config, None, cfg.model_type)
+    if qcfg is None:
+        return refuse_undeclared_fp8(weights)
+    # Only the head's tensors: the target's FP8 weights would be read and dequantized for
+    # nothing (their scales do not pair with any of the head's parameters).
+    mine = ((n, t) for n, t in weights if mtp_tensor_name(n) is not None)
+    return Fp8CheckpointStream(head, mine, dtype, qcfg)
 
 
 def _text_model_name(name: str) -> str:

@@ -213,7 +213,7 @@ def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtyp
     for a half-precision model)."""
     phases = startup.recorder()
     start = time.perf_counter()
-    source = _weight_source(path, cfg, load_format, model, device)
+    source = _weight_source(path, cfg, load_format, device, qcfg)
     stream = None
     with _progress(source.total_bytes, source.label) as bar:
         tensors = bar.follow(source.tensors)
@@ -223,6 +223,9 @@ def _load_checkpoint(model, path: Path, cfg: ModelConfig, load_format: str, dtyp
             stream = Fp8CheckpointStream(model, tensors, dtype, qcfg)
             loaded = model.load_weights(stream)
         else:
+            from atom_runtime.models.fp8_loading import refuse_undeclared_fp8
+
+            tensors = refuse_undeclared_fp8(tensors)
             loaded = model.load_weights((n, t.to(dtype)) for n, t in tensors)
     read_done = start + source.read_seconds() if source.read_seconds() else time.perf_counter()
     _synchronize(device)
@@ -283,8 +286,9 @@ class _Source:
     read_seconds: Callable[[], float] = lambda: 0.0
 
 
-def _weight_source(path: Path, cfg: ModelConfig, load_format: str, model, device) -> _Source:
-    """Where the tensors come from for this load format (LOAD_FORMATS in config.py)."""
+def _weight_source(path: Path, cfg: ModelConfig, load_format: str, device, qcfg) -> _Source:
+    """Where the tensors come from for this load format (LOAD_FORMATS in config.py); `qcfg`
+    (an FP8 checkpoint's QuantConfig, or None) shapes the tensor-parallel read plan."""
     if is_gguf(path):
         if load_format not in ("auto", "gguf"):
             raise ValueError(f"load_format: {load_format} cannot read a GGUF file ({path})")
@@ -303,18 +307,22 @@ def _weight_source(path: Path, cfg: ModelConfig, load_format: str, model, device
     if load_format != "auto":
         raise ValueError(f"load_format: {load_format!r} is not understood")
     entries = [e for f in checkpoint_files(folder) for e in read_header(f)]
-    plan = _rank_read_plan(cfg, entries) if tp_size() > 1 else None
+    plan = _rank_read_plan(cfg, entries, qcfg) if tp_size() > 1 else None
     stream = WeightStream(entries, plan)
     label = f"streamed, {stream.readers} reader threads"
     return _Source(iter(stream), stream.total_bytes(), label, lambda: stream.read_seconds)
 
 
-def _rank_read_plan(cfg: ModelConfig, entries: list) -> ReadPlan | None:
+def _rank_read_plan(cfg: ModelConfig, entries: list, qcfg=None) -> ReadPlan | None:
     """The rows this rank reads (weight_stream.plan_reads: the weight loaders run on a
-    meta-device model). None (read every tensor whole) if the dry run fails."""
+    meta-device model; for an FP8 checkpoint its FP8 layers and the stream that routes weights
+    and scales to them, as the real load does). None (read every tensor whole) if the dry run
+    fails."""
     try:
+        from atom_runtime.models.fp8_loading import checkpoint_loader
+
         meta = _construct(cfg, torch.float32, torch.device("meta"))
-        return plan_reads(entries, meta.load_weights)
+        return plan_reads(entries, checkpoint_loader(meta, qcfg))
     except Exception as e:  # a loader the dry run cannot follow: correct, only more bytes read
         log.debug("reading whole tensors: the read plan's dry run failed (%s)", e)
         return None
@@ -434,6 +442,7 @@ def build_mtp_head(
             f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5 and "
             "Qwen3-Next have theirs; DeepSeek-V3's comes with its model)"
         )
+    from atom_runtime.models import fp8_loading
     from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
 
     with torch.device(device), _default_dtype(dtype):
@@ -444,7 +453,8 @@ def build_mtp_head(
         return head.eval()
     if is_gguf(path):
         raise ValueError("mtp: GGUF files carry no MTP head here")
-    loaded = head.load_weights(iter_safetensors(path if path.is_dir() else path.parent))
+    tensors = iter_safetensors(path if path.is_dir() else path.parent)
+    loaded = head.load_weights(fp8_loading.mtp_head_stream(tensors, head, cfg, dtype))
     missing = {n for n, _ in head.named_parameters() if n not in loaded}
     if missing:
         raise ValueError(f"checkpoint is missing MTP tensors: {sorted(missing)[:8]}")

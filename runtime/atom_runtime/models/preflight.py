@@ -5,7 +5,9 @@ is read, so a mistake costs a second and one line instead of a minute of loading
 its own progress bars), reads its config (config.json, or a GGUF header), and refuses, naming
 the flag: a tensor-parallel size the model's heads or widths do not split into, a
 `--max-model-len` beyond the model's context length, a folder without weights (unless
-`--load-format dummy`), a `--tokenizer` that does not exist. Torch-free (models/source.py).
+`--load-format dummy`), a `--tokenizer` that does not exist, a `quantization_config` or
+`--quantization` the engine cannot run (models/quant_config.py), `--kv-cache-dtype fp8` for a
+model whose cache has no FP8 kernels. Torch-free (models/source.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atom_runtime.models.config import ModelConfig
+from atom_runtime.models.quant_config import KV_DTYPE_REFUSED, check_quantization
 from atom_runtime.models.source import (
     is_gguf,
     load_model_config,
@@ -37,6 +40,8 @@ def check_model(
     max_model_len: int | None = None,
     load_format: str = "auto",
     tokenizer: str | None = None,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> CheckedModel:
     """The resolved model and its config, or ValueError / FileNotFoundError naming the problem
     (and the flag to change) in one line."""
@@ -54,6 +59,9 @@ def check_model(
         )
     if load_format not in ("dummy", "gguf") and not is_gguf(path):
         _check_weights_exist(path)
+    check_quantization(config.quantization_config, quantization, config.model_type)
+    if kv_cache_dtype != "auto" and config.mla is not None:
+        raise ValueError(KV_DTYPE_REFUSED.format(dtype=kv_cache_dtype, model=config.model_type))
     if tokenizer is not None:
         tok = Path(tokenizer).expanduser()
         if not tok.exists() and not looks_like_repo_id(tokenizer):
@@ -71,6 +79,8 @@ def preflight(config) -> CheckedModel:
         max_model_len=config.max_model_len,
         load_format=config.load_format,
         tokenizer=config.tokenizer,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from atom_runtime.layers.fp8_scheme import Fp8Scheme
+
+if TYPE_CHECKING:  # torch-free at import: the start-up check (check_quantization) runs early
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,11 @@ QUANTIZATION_CHOICES = ("fp8",)  # --quantization
 ONLINE = "online"
 _FP8_KEYS_IGNORED = ("ignored_layers", "modules_to_not_convert")
 _CT_FORMATS = ("float-quantized",)
+# --kv-cache-dtype fp8 for multi-head latent attention (refused at start-up and by the runner).
+KV_DTYPE_REFUSED = (
+    "kv_cache_dtype: {dtype!r} is not supported for {model} (the latent cache of multi-head "
+    "latent attention has no FP8 kernels yet); use --kv-cache-dtype auto"
+)
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,19 @@ def _fp8_ignored(name: str, ignore: tuple[str, ...]) -> bool:
         elif name == entry or name.startswith(entry + "."):
             return True
     return False
+
+
+def check_quantization(hf_quant: dict | None, flag: str | None, model_type: str = "") -> None:
+    """The start-up check (models/preflight.py, before any process starts or weight is read):
+    raises what `resolve_quantization` raises, torch-free. A compressed-tensors config gets its
+    top-level fields checked here; its config groups need compressed-tensors' types, whose
+    import (torch and transformers) would cost the API server seconds, and are checked when the
+    engine loads the model."""
+    if isinstance(hf_quant, dict) and hf_quant.get("quant_method") == "compressed-tensors":
+        resolve_quantization(None, flag, model_type)  # the flag's value
+        _ct_top_level(hf_quant)
+        return
+    resolve_quantization(hf_quant, flag, model_type)
 
 
 def resolve_quantization(
@@ -192,9 +212,7 @@ def _compressed_tensors(cfg: dict) -> QuantConfig:
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    for key in ("sparsity_config", "transform_config"):
-        if cfg.get(key):
-            raise ValueError(f"quantization_config.{key}: {cfg[key]!r} is not supported")
+    _ct_top_level(cfg)
     try:
         parsed = QuantizationConfig.model_validate(
             {k: v for k, v in cfg.items() if k not in ("sparsity_config", "transform_config")}
@@ -224,6 +242,19 @@ def _compressed_tensors(cfg: dict) -> QuantConfig:
     return QuantConfig(
         "compressed-tensors", tuple(groups), tuple(parsed.ignore or ()), kv is not None
     )
+
+
+def _ct_top_level(cfg: dict) -> None:
+    """The compressed-tensors fields refused without its types: sparsity and transforms, and a
+    `format` other than float-quantized."""
+    for key in ("sparsity_config", "transform_config"):
+        if cfg.get(key):
+            raise ValueError(f"quantization_config.{key}: {cfg[key]!r} is not supported")
+    if "format" in cfg and cfg["format"] not in _CT_FORMATS:
+        raise ValueError(
+            f"quantization_config.format: {cfg['format']!r} is not supported (float-quantized "
+            "FP8 only; int4/int8/NVFP4/MXFP4 packings are not)"
+        )
 
 
 def _ct_scheme(key: str, scheme) -> Fp8Scheme:

@@ -127,12 +127,15 @@ class _Recorder:
     def __init__(self, entry: TensorEntry, plan: ReadPlan, dtype: torch.dtype | None = None):
         self.entry, self.plan, self.name = entry, plan, entry.name
         self.shape = torch.Size(entry.shape)
-        floating = entry.dtype.is_floating_point
-        self.dtype = dtype if dtype is not None and floating else entry.dtype
+        self.dtype = entry.dtype if dtype is None or _kept(entry.dtype) else dtype
         plan.rows.setdefault(entry.name, [])
 
     def dim(self) -> int:
         return len(self.shape)
+
+    @property
+    def stored_dtype(self) -> str:
+        return _SAFETENSORS_NAMES[self.entry.dtype]
 
     def to(self, dtype: torch.dtype) -> _Recorder:
         return _Recorder(self.entry, self.plan, dtype)
@@ -208,11 +211,16 @@ class StreamedTensor:
         return views[0][1]
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
-        # Integer tensors (quantized blocks, their scales) keep their dtype, as in the loader's
-        # CheckpointTensor: only a loader that dequantizes them knows what they mean.
-        if self.dtype is None or self.dtype == t.dtype or not t.is_floating_point():
+        if self.dtype is None or _kept(t.dtype):
             return t
         return t.to(self.dtype)
+
+
+def _kept(dtype: torch.dtype) -> bool:
+    """Whether a stored dtype stays as it is under `to(run dtype)`: integer and FP8 tensors
+    (quantized blocks, FP8 weights), as in the loader's CheckpointTensor. Only a loader that
+    knows their scales knows what they mean; a cast would drop the scales silently."""
+    return not dtype.is_floating_point or dtype.itemsize == 1
 
 
 class _Parts:

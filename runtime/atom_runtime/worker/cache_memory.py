@@ -26,6 +26,7 @@ from atom_runtime.layers.forward_context import (
     set_attention_metadata,
     set_state_metadata,
 )
+from atom_runtime.models.quant_config import KV_DTYPE_REFUSED
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
     StatePoolPlan,
@@ -51,9 +52,9 @@ class CacheMemory:
             return self.dtype
         if not all(hasattr(layer, "use_kv_cache_dtype") for layer in layers):
             raise ValueError(
-                f"kv_cache_dtype: {self.config.kv_cache_dtype!r} is not supported for "
-                f"{self.model_config.model_type} (the latent cache of multi-head latent "
-                "attention has no FP8 kernels yet); use --kv-cache-dtype auto"
+                KV_DTYPE_REFUSED.format(
+                    dtype=self.config.kv_cache_dtype, model=self.model_config.model_type
+                )
             )
         dtype = fp8_dtype_for_platform(self.device)
         for layer in layers:
@@ -77,9 +78,10 @@ class CacheMemory:
         """One block of every cache tensor, as each layer's `cache_spec` says (K and V per KV
         head, or one latent row a token for MLA). With KV groups the layers of one pair share
         tensors (`_cache_pairs`): a pair counts once."""
-        per_token = sum(
-            pair[0].cache_spec().bytes_per_token(self.dtype) for pair in self._cache_pairs()
-        )
+        return self._block_bytes(self._cache_pairs())
+
+    def _block_bytes(self, pairs: list[list]) -> int:
+        per_token = sum(pair[0].cache_spec().bytes_per_token(self.dtype) for pair in pairs)
         return self.block_size * per_token
 
     def _cache_pairs(self) -> list[list]:
@@ -177,10 +179,15 @@ class CacheMemory:
             tuple(shapes),
         )  # fmt: skip
         spec = PagedStateCheckpointSpec.from_plan(plan)
-        if spec.page_unit_bytes != self.bytes_per_block:
+        # The target model's layers: a drafting model's (speculative decoding) share the block
+        # ids but are not in the checkpoint's PAGE unit.
+        drafted = len(self.kv_layers()) - len(attn)
+        pairs = self._cache_pairs()
+        block_bytes = self._block_bytes(pairs[: len(pairs) - drafted])
+        if spec.page_unit_bytes != block_bytes:
             raise RuntimeError(
                 f"state checkpoint PAGE unit ({spec.page_unit_bytes} bytes) differs from a KV "
-                f"block of the cache specs ({self.bytes_per_block} bytes)"
+                f"block of the cache specs ({block_bytes} bytes)"
             )
         if spec.image_bytes != self.state.bytes_per_slot:
             raise RuntimeError(

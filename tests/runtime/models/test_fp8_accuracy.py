@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from atom_kernels.fp8_formats import is_fp8
-from atom_runtime import LLM
+from atom_runtime import LLM, SamplingParams
 from atom_runtime.layers import fp8_linear
 from atom_runtime.layers.linear import LinearBase
 from tests.fp8_checkpoints import teacher_forced, write_fp8_checkpoint, write_online_twin
@@ -192,3 +192,71 @@ def test_checkpoint_kv_scales_reach_the_fp8_cache(checkpoints, tmp_path):
         (1.0, 1.0),
         (1.0, 1.0),
     ]
+
+
+def test_fp8_mtp_head_is_dequantized_and_is_its_twins_head(tmp_path):
+    """Qwen3-Next FP8 checkpoints carry the MTP head in FP8 too (`mtp.*` with their scales): it
+    loads dequantized, the same head as the dequantized twin's, and with `--speculative-config
+    mtp` the engine drafts and keeps greedy output."""
+    from tests.model_factory import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "qwen3_next", mtp_layers=1)
+    fp8_dir, twin = write_fp8_checkpoint(src, tmp_path, "block", 16)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for name, folder in (("fp8", fp8_dir), ("twin", twin)):
+        llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, speculative_config=spec)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            head = llm.engine.executor.drafter.head
+            runs[name] = (
+                [o.outputs[0].token_ids for o in outs],
+                {n: p.detach().clone() for n, p in head.named_parameters()},
+                llm.engine.scheduler.spec_stats.num_draft_tokens,
+            )
+        finally:
+            llm.shutdown()
+    (ids, head, drafts), (twin_ids, twin_head, _) = runs["fp8"], runs["twin"]
+    assert ids == twin_ids and drafts > 0
+    assert head.keys() == twin_head.keys() and "fc.weight" in head
+    assert all(torch.equal(head[n], twin_head[n]) for n in head)
+
+
+def _greedy_ids(llm: LLM, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_fp8_kv_cache_under_preemption_gives_what_an_ample_pool_gives(tiny_models):
+    """Preempted sequences are recomputed into fresh FP8 blocks: the same K / k_scale rounding,
+    so the same tokens as a pool where nothing is preempted."""
+    # 9 blocks of 16 tokens cannot hold all six sequences at once.
+    prompts = random_prompts(3, [1, 5, 16, 17, 40, 97])
+    kw = dict(dtype="float32", kv_cache_dtype="fp8", max_model_len=120)
+    ample = LLM(str(tiny_models["llama"]), num_gpu_blocks_override=64, **kw)
+    want = _greedy_ids(ample, prompts, 10)
+    llm = LLM(str(tiny_models["llama"]), num_gpu_blocks_override=9, **kw)
+    assert _greedy_ids(llm, prompts, 10) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_fp8_kv_cache_on_a_hybrid_resumes_the_next_turn_from_state_checkpoints(
+    tiny_hybrid_models,
+):
+    """Qwen3.5 with an FP8 KV cache: the state checkpoints' PAGE units are FP8 blocks (their
+    size checked at start-up), and a second turn resumed from a checkpoint gives what a cold
+    engine gives on the whole conversation."""
+    folder = str(tiny_hybrid_models["qwen3_5"])
+    # An image is ~4x the blocks of an fp32 cache's (a block is a quarter of the bytes): a
+    # pool whose checkpoint share (a fraction of its blocks) holds a few of them.
+    kw = dict(dtype="float32", kv_cache_dtype="fp8", num_gpu_blocks_override=256)
+    first = [list(range(200, 243))]
+    llm = LLM(folder, state_checkpoint_interval_tokens=16, **kw)
+    turn1 = _greedy_ids(llm, first)[0]
+    second = [first[0] + turn1 + [301, 302, 303]]
+    got = _greedy_ids(llm, second)
+    counters = llm.engine.checkpoints.counters
+    assert counters.stored > 0 and counters.restored > 0
+    assert got == _greedy_ids(LLM(folder, **kw), second)

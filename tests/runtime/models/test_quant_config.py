@@ -171,3 +171,64 @@ def test_block_scales_of_fused_parts_land_on_their_blocks():
     assert torch.equal(fp8_linear.dense_weight(gate_up), want)
     with pytest.raises(ValueError, match="FP8 weight loads only into an FP8 layer"):
         gate_up.weight_loader(gate_up.weight, full[:32], 0)
+
+
+# -- at start-up: one line, exit 2, before any process starts or weight is read ---------------
+
+
+def _serve_error(model, *flags: str) -> str:
+    import subprocess
+
+    from atom_runtime.bench.processes import ATOM
+
+    proc = subprocess.run([str(ATOM), "serve", "--model", str(model), *flags],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("atom serve: error: ") and "Traceback" not in proc.stderr
+    return line
+
+
+def test_a_bad_quantization_config_ends_atom_serve_in_one_line_naming_the_field(
+    tiny_models, tiny_mla_models, tmp_path
+):
+    import json
+    import shutil
+
+    cases = {
+        "block": ({"quant_method": "fp8", "weight_block_size": [128, "x"]},
+                  "quantization_config.weight_block_size: [128, 'x']"),
+        "awq": ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method: 'awq'"),
+        "ct": ({**_ct(), "format": "pack-quantized"}, "quantization_config.format: 'pack-quantized'"),
+    }  # fmt: skip
+    for name, (qcfg, field) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(tiny_models["llama"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}))
+        assert field in _serve_error(folder)
+    line = _serve_error(tiny_mla_models["deepseek_v3"], "--kv-cache-dtype", "fp8")
+    assert "kv_cache_dtype: 'fp8' is not supported for deepseek_v3" in line
+
+
+def test_the_start_up_check_is_torch_free_and_refuses_what_loading_refuses():
+    """check_quantization runs in the API server before the engine starts (no torch there);
+    compressed-tensors' config groups are left to the engine's load (its types import torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from atom_runtime.models.preflight import check_model; "
+            "from atom_runtime.models.quant_config import check_quantization; "
+            "check_quantization({'quant_method': 'fp8', 'weight_block_size': [128, 128]}, None); "
+            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    from atom_runtime.models.quant_config import check_quantization
+
+    with pytest.raises(ValueError, match="quantization: 'int8' is not supported"):
+        check_quantization(quantization_config("channel", 128), "int8")
+    with pytest.raises(ValueError, match="sparsity_config"):
+        check_quantization({**_ct(), "sparsity_config": {"format": "sparse-24"}}, None)
+    check_quantization(_ct(weights=None), None)  # a config group: the engine's load refuses it
+    with pytest.raises(ValueError, match="weights: null"):
+        resolve_quantization(_ct(weights=None), None)

@@ -69,7 +69,7 @@ def test_a_second_start_with_the_same_key_skips_the_timing(tiny_models, tmp_path
 
     monkeypatch.setattr(kernel_choice, "_time_group", fake_time)
     monkeypatch.setattr(kernel_choice, "tune_gemv_launch", lambda layers: {"block_n": 8})
-    monkeypatch.setattr("atom_kernels.gemv.set_launch_shape", lambda n, k, cfg, **kinds: None)
+    monkeypatch.setattr("atom_kernels.gemv.set_launch_shape", lambda n, k, cfg, **kind: None)
     cuda = torch.device("cuda")  # a device name only: nothing runs on it
     key = {"gpu": "test"}
     first = kernel_choice.choose_small_m_kernels(model, cuda, CompileCache(tmp_path, key))

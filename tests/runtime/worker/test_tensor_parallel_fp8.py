@@ -21,3 +21,17 @@ def test_tp2_fp8_checkpoint_equals_one_rank_on_its_twin(tiny_models, tmp_path, k
     # rank in the tiny llama).
     fp8_dir, twin = write_fp8_checkpoint(tiny_models[kind], tmp_path, layout, block=16)
     assert _run(fp8_dir, 2) == _run(twin, 1)
+
+
+def test_tp2_fp8_checkpoint_through_the_safetensors_library_equals_its_twin(tiny_models, tmp_path):
+    """`--load-format safetensors`: each rank narrows the lazy tensors (weights and scales)."""
+    fp8_dir, twin = write_fp8_checkpoint(tiny_models["llama"], tmp_path, "block", block=16)
+    assert _run(fp8_dir, 2, load_format="safetensors") == _run(twin, 1)
+
+
+def test_tp2_fp8_hybrid_moe_equals_one_rank_on_its_twin(tiny_hybrid_models, tmp_path):
+    """Qwen3-Next: FP8 attention and shared-expert layers split by rank, and what is dequantized
+    at load (the GDN in_proj, whose loader reorders rows; the routed experts) read whole and then
+    split, as in bf16."""
+    fp8_dir, twin = write_fp8_checkpoint(tiny_hybrid_models["qwen3_next"], tmp_path, "block", 16)
+    assert _run(fp8_dir, 2) == _run(twin, 1)
