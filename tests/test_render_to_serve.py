@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from atom_operator.schema.engine_features import KV_CACHE_DTYPES, QUANTIZATIONS
 from atom_operator.spec import has_router
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
+from atom_runtime.kv_events.curve import write_keys
 from atom_runtime.kv_transfer.config import KVTransferConfig
 from atom_runtime.router import cli as router_cli
 from atom_runtime.router.config import RouterConfig
@@ -82,6 +84,13 @@ def _kv_events(text: str) -> KVEventsConfig:
     for name in PENDING_KV_EVENTS_FIELDS:
         if name not in known:
             fields.pop(name, None)
+    if fields.get("curve_keys_dir"):
+        # The pod reads the keys the operator's Secret mounts there; here, keys of our own.
+        keys = tempfile.TemporaryDirectory(prefix="atom-keys-")
+        write_keys(keys.name)
+        fields["curve_keys_dir"] = keys.name
+        with keys:  # read while the config is checked, removed after
+            return KVEventsConfig.from_cli(json.dumps(fields), environ={})
     return KVEventsConfig.from_cli(json.dumps(fields), environ={})
 
 
