@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,12 +17,12 @@ import yaml
 
 from atom_operator.kv_events_wiring import ROUTER_KV_PORT_FLAGS, router_kv_events_problem
 from atom_operator.render import render_children
+from atom_operator.render.keys import KEYS_MOUNT, DeploymentKeys
 from atom_operator.render.router import render_router_deployment
 from atom_operator.schema.engine_features import KV_CACHE_DTYPES, QUANTIZATIONS
 from atom_operator.spec import has_router
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
-from atom_runtime.kv_events.curve import write_keys
 from atom_runtime.kv_transfer.config import KVTransferConfig
 from atom_runtime.router import cli as router_cli
 from atom_runtime.router.config import RouterConfig
@@ -33,20 +32,17 @@ from atom_runtime.server import cli as serve_cli
 EXAMPLES_DIR = Path(__file__).parent.parent.joinpath("examples")
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
 
-# What the operator renders for runtime features being built beside it (issues 33, 35, 36, 38,
-# 39): flag -> how many values follow it. Until the runtime defines one, the parse tests below
-# leave it out (every other flag is still parsed for real) and
-# `test_the_runtime_defines_every_rendered_flag` is skipped naming the missing ones; once the
-# runtime defines them all, nothing is left out and that test runs.
-PENDING_SERVE_FLAGS = {
-    "--compile-cache-dir": 1,
-    "--quantization": 1,
-    "--kv-cache-dtype": 1,
-    "--speculative-config": 1,
-    "--reasoning-parser": 1,
-}
-PENDING_ROUTER_FLAGS = {"--kv-events-curve-dir": 1, "--api-key": 1}
-PENDING_KV_EVENTS_FIELDS = ("curve_keys_dir", "include_token_ids")
+# Flags and fields the operator renders for runtime features built beside it (issues 33, 35, 36,
+# 38, 39): each must be defined by the runtime, or a rendered pod dies on an unknown flag.
+FEATURE_SERVE_FLAGS = (
+    "--compile-cache-dir",
+    "--quantization",
+    "--kv-cache-dtype",
+    "--speculative-config",
+    "--reasoning-parser",
+)
+FEATURE_ROUTER_FLAGS = ("--kv-events-curve-dir", "--api-key")
+FEATURE_KV_EVENTS_FIELDS = ("curve_keys_dir", "include_token_ids")
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -61,46 +57,36 @@ def _router_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _missing(parser: argparse.ArgumentParser, pending: dict[str, int]) -> set[str]:
-    return {flag for flag in pending if flag not in parser._option_string_actions}
+def _parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace:
+    return parser.parse_args(args)  # raises on an unknown or malformed flag
 
 
-def _known_args(parser: argparse.ArgumentParser, args: list[str], pending: dict[str, int]):
-    """`args` without the pending flags the runtime does not define yet, parsed."""
-    missing, kept, index = _missing(parser, pending), [], 0
-    while index < len(args):
-        if args[index] in missing:
-            index += 1 + pending[args[index]]
-            continue
-        kept.append(args[index])
-        index += 1
-    return parser.parse_args(kept)  # raises on an unknown or malformed flag
-
-
-def _kv_events(text: str) -> KVEventsConfig:
-    """--kv-events-config as the runtime reads it (pending fields it lacks left out)."""
+def _kv_events(text: str, mounted_keys: Path) -> KVEventsConfig:
+    """--kv-events-config as the runtime in the pod reads it: a rendered curve_keys_dir is the
+    keys Secret's mount, here the Secret's files written to `mounted_keys`."""
     fields = json.loads(text)
-    known = {f.name for f in dataclasses.fields(KVEventsConfig)}
-    for name in PENDING_KV_EVENTS_FIELDS:
-        if name not in known:
-            fields.pop(name, None)
-    if fields.get("curve_keys_dir"):
-        # The pod reads the keys the operator's Secret mounts there; here, keys of our own.
-        keys = tempfile.TemporaryDirectory(prefix="atom-keys-")
-        write_keys(keys.name)
-        fields["curve_keys_dir"] = keys.name
-        with keys:  # read while the config is checked, removed after
-            return KVEventsConfig.from_cli(json.dumps(fields), environ={})
+    if "curve_keys_dir" in fields:
+        assert fields["curve_keys_dir"] == KEYS_MOUNT, fields
+        fields["curve_keys_dir"] = str(mounted_keys)
     return KVEventsConfig.from_cli(json.dumps(fields), environ={})
 
 
 def test_the_runtime_defines_every_rendered_flag():
-    missing = sorted(_missing(_serve_parser(), PENDING_SERVE_FLAGS))
-    missing += sorted(_missing(_router_parser(), PENDING_ROUTER_FLAGS))
+    missing = [f for f in FEATURE_SERVE_FLAGS if f not in _serve_parser()._option_string_actions]
+    missing += [f for f in FEATURE_ROUTER_FLAGS if f not in _router_parser()._option_string_actions]
     known = {f.name for f in dataclasses.fields(KVEventsConfig)}
-    missing += [f"kv-events-config:{n}" for n in PENDING_KV_EVENTS_FIELDS if n not in known]
-    if missing:
-        pytest.skip(f"the runtime does not define these yet: {', '.join(missing)}")
+    missing += [f"kv-events-config:{n}" for n in FEATURE_KV_EVENTS_FIELDS if n not in known]
+    assert not missing, f"the operator renders what the runtime does not define: {missing}"
+
+
+@pytest.fixture
+def mounted_keys(tmp_path) -> Path:
+    """The deployment keys Secret as the kubelet mounts it: one file per key."""
+    directory = tmp_path / "keys"
+    directory.mkdir()
+    for name, text in DeploymentKeys.generate().files.items():
+        (directory / name).write_text(text)
+    return directory
 
 
 @pytest.fixture(autouse=True)
@@ -135,18 +121,18 @@ def _engine_containers(path: Path):
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_rendered_engine_args_parse_as_atom_serve(example):
+def test_rendered_engine_args_parse_as_atom_serve(example, mounted_keys):
     found = list(_engine_containers(example))
     assert found, f"{example.name} renders no engine container"
     for name, args in found:
-        config = EngineConfig.from_args(_known_args(_serve_parser(), args, PENDING_SERVE_FLAGS))
+        config = EngineConfig.from_args(_parse(_serve_parser(), args))
         if config.kv_transfer_config is not None:
             transfer = KVTransferConfig.from_cli(config.kv_transfer_config)
             want = "kv_producer" if name.endswith("-prefill") else "kv_consumer"
             assert transfer.kv_role == want, name
         assert config.block_size >= 8, name
         if config.kv_events_config:
-            kv = _kv_events(config.kv_events_config)
+            kv = _kv_events(config.kv_events_config, mounted_keys)
             assert kv.enable_kv_cache_events and kv.topic.startswith("kv@$(POD_IP):"), name
             assert kv.endpoint.startswith("tcp://$(POD_IP):"), name
 
@@ -170,7 +156,7 @@ def test_state_checkpoint_fields_render_to_the_runtime_settings(
     path = tmp_path / "deployment.yaml"
     path.write_text(yaml.safe_dump(doc))
     (_, args), *_ = _engine_containers(path)
-    config = EngineConfig.from_args(_known_args(_serve_parser(), args, PENDING_SERVE_FLAGS))
+    config = EngineConfig.from_args(_parse(_serve_parser(), args))
     assert config.state_checkpoint_interval_tokens == interval
     assert config.state_checkpoint_demand is demand
     assert config.state_checkpoint_memory_fraction == fraction
@@ -193,7 +179,7 @@ def test_rendered_router_args_parse_as_atom_router(example):
     found = list(_containers(example, "router"))
     assert bool(found) == has_router(spec), example.name
     for name, args in found:
-        parsed = _known_args(_router_parser(), args, PENDING_ROUTER_FLAGS)
+        parsed = _parse(_router_parser(), args)
         config = router_cli.config_from_args(parsed)
         # Aggregated: --decode-service alone, so the router never tries a remote prefill.
         assert config.disaggregated == disaggregated, name
@@ -234,13 +220,13 @@ def _assert_services_lead_to_the_engines(example: Path, urls: list[str], command
             assert selected == (other is deployment), (url, other["metadata"]["name"])
         pod = deployment["spec"]["template"]
         (engine,) = [c for c in pod["spec"]["containers"] if c["args"][:1] == [command]]
-        parsed = _known_args(_serve_parser(), engine["args"][1:], PENDING_SERVE_FLAGS)
+        parsed = _parse(_serve_parser(), engine["args"][1:])
         assert parsed.port == target.port, url
         assert {p["name"]: p["containerPort"] for p in engine["ports"]}["http"] == target.port
 
 
 def _parse_router(args: list[str]) -> argparse.Namespace:
-    return _known_args(_router_parser(), args, PENDING_ROUTER_FLAGS)
+    return _parse(_router_parser(), args)
 
 
 @pytest.mark.parametrize("mode", [{"prefill": {}}, {"router": {"enabled": True}}],
@@ -251,7 +237,9 @@ def _parse_router(args: list[str]) -> argparse.Namespace:
      ({"enabled": False, "port": 6100, "replayPort": 6101}, None, None)],
     ids=["custom-ports", "default-ports", "disabled"],
 )  # fmt: skip
-def test_rendered_router_subscribes_where_the_engines_publish(events, port, replay, mode):
+def test_rendered_router_subscribes_where_the_engines_publish(
+    events, port, replay, mode, mounted_keys
+):
     """The router's KV-event ports, as `atom router` parses them, are the ports the engine pods
     bind (spec.kvEvents); with KV events off the router subscribes to none."""
     body = {
@@ -268,12 +256,12 @@ def test_rendered_router_subscribes_where_the_engines_publish(events, port, repl
     for child in render_children(body):
         if child["kind"] == "Deployment" and child["metadata"]["name"] == "pd-decode":
             serve = child["spec"]["template"]["spec"]["containers"][0]["args"]
-            parsed = _known_args(_serve_parser(), serve[1:], PENDING_SERVE_FLAGS)
+            parsed = _parse(_serve_parser(), serve[1:])
             engine = EngineConfig.from_args(parsed)
             if port is None:
                 assert not engine.kv_events_config
             else:
-                kv = _kv_events(engine.kv_events_config)
+                kv = _kv_events(engine.kv_events_config, mounted_keys)
                 # The kubelet expands $(POD_IP): each pod binds its own address, never `*`.
                 assert kv.endpoint == f"tcp://$(POD_IP):{port}"
                 assert kv.replay_endpoint == f"tcp://$(POD_IP):{replay}"
@@ -305,3 +293,23 @@ def test_every_fp8_choice_of_the_crd_renders_a_value_atom_serve_runs(quantizatio
     (name, args), *_ = _containers_of(doc, "serve")
     config = EngineConfig.from_args(_serve_parser().parse_args(args))
     assert (config.quantization, config.kv_cache_dtype) == (quantization, kv_cache_dtype), name
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_a_container_given_the_keys_directory_mounts_the_keys_secret_there(example):
+    """A rendered curve_keys_dir / --kv-events-curve-dir is where that container mounts the
+    deployment's keys Secret (the runtime refuses to start when the key files are absent)."""
+    for doc in yaml.safe_load_all(example.read_text()):
+        doc.setdefault("metadata", {}).setdefault("uid", "uid-1")
+        for child in render_children(doc):
+            if child["kind"] != "Deployment":
+                continue
+            pod = child["spec"]["template"]["spec"]
+            volumes = {v["name"]: v for v in pod.get("volumes", [])}
+            for c in pod["containers"]:
+                if not any(KEYS_MOUNT in arg for arg in c.get("args") or []):
+                    continue
+                mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == KEYS_MOUNT]
+                assert mounts, (example.name, child["metadata"]["name"], c["name"])
+                secret = volumes[mounts[0]["name"]]["secret"]["secretName"]
+                assert secret.endswith("-atom-keys"), secret
