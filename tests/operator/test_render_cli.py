@@ -53,9 +53,10 @@ def test_env_references_need_the_operators_allowance():
     ]
     text = yaml.safe_dump(doc)
     refused = atom_render("-f", "-", stdin=text)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert refused.stderr.startswith(
-        "error: spec.engine.env[0].valueFrom.secretKeyRef.name: Secret 'hf' is not one"
+        "atom render: error: <stdin>: spec.engine.env[0].valueFrom.secretKeyRef.name: "
+        "Secret 'hf' is not one"
     )
     allowed = atom_render("-f", "-", "--allow-env-secret", "hf", stdin=text)
     assert allowed.returncode == 0, allowed.stderr
@@ -100,15 +101,14 @@ spec: {accelerator: {vendor: nvidia}, prefill: {}}
     ]
 
 
-def test_invalid_spec_exits_1_naming_the_field():
-    result = atom_render(
-        "-f", str(REPO / "examples" / "invalid" / "state-checkpoint-interval.yaml")
-    )
-    assert result.returncode == 1
+def test_invalid_spec_exits_2_naming_the_file_and_the_field():
+    path = REPO / "examples" / "invalid" / "state-checkpoint-interval.yaml"
+    result = atom_render("-f", str(path))
+    assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == (
-        "error: spec.stateCheckpoint.intervalTokens: must be a multiple of spec.engine.blockSize "
-        "(16), got 100\n"
+        f"atom render: error: {path}: spec.stateCheckpoint.intervalTokens: must be a multiple "
+        "of spec.engine.blockSize (16), got 100\n"
     )
 
 
@@ -119,20 +119,40 @@ def test_one_invalid_document_prints_nothing():
         + (REPO / "examples" / "invalid" / "vendor-unknown.yaml").read_text()
     )
     result = atom_render("-f", "-", stdin=text)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith(
-        "error: spec.accelerator.vendor: must be one of amd, nvidia, cpu"
+    assert result.stderr.startswith(  # which of the two documents, by place and name
+        "atom render: error: <stdin>: document 2 (bad-vendor): spec.accelerator.vendor: "
+        "must be one of amd, nvidia, cpu"
     )
 
 
 def test_other_kinds_and_missing_files_are_errors():
     result = atom_render("-f", "-", stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
     assert (result.returncode, result.stderr) == (
-        1,
-        "error: document 1 is a ConfigMap, not an AtomDeployment\n",
+        2,
+        "atom render: error: <stdin>: document 1 is a ConfigMap, not an AtomDeployment\n",
     )
     missing = atom_render("-f", "/nonexistent/atomd.yaml")
-    assert missing.returncode == 1
-    assert missing.stderr.startswith("error: ")
-    assert "/nonexistent/atomd.yaml" in missing.stderr
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        2,
+        "",
+        "atom render: error: /nonexistent/atomd.yaml: cannot read it: No such file or directory\n",
+    )
+
+
+def test_bad_yaml_is_one_line_naming_the_file_and_the_problem(tmp_path):
+    """A YAML mistake prints the file, the line and column, and what PyYAML found, in one line
+    (no traceback, no "<unicode string>"), and exits 2."""
+    path = tmp_path / "atomd.yaml"
+    path.write_text("apiVersion: serving.atom.dev/v1alpha1\n  kind: AtomDeployment\n")
+    result = atom_render("-f", str(path))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (
+        f"atom render: error: {path}: line 2, column 7: invalid YAML: "
+        "mapping values are not allowed here\n"
+    )
+    unclosed = atom_render("-f", "-", stdin="spec: {accelerator: [cpu\n")
+    assert unclosed.returncode == 2
+    assert unclosed.stderr.startswith("atom render: error: <stdin>: line 2, column 1: invalid YAML")
+    assert len(unclosed.stderr.splitlines()) == 1 and "Traceback" not in unclosed.stderr

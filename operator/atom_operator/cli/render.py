@@ -3,7 +3,9 @@
 Reads one or more YAML documents (`-f -` reads stdin), renders every AtomDeployment among them
 with the same pure functions the operator uses, and writes the children as multi-document YAML,
 each deployment's keys Secret first (fresh random keys; `--no-keys-secret` leaves it out).
-No cluster is contacted. An invalid spec prints `error: <field>: <message>` and exits 1.
+No cluster is contacted. Bad input (a file that cannot be read, YAML that does not parse, a
+document that is not an AtomDeployment, an invalid spec) prints one line naming the file and the
+problem, `atom render: error: FILE: ...` (`<stdin>` for `-f -`), and exits 2, writing no YAML.
 """
 
 from __future__ import annotations
@@ -79,11 +81,37 @@ def render_documents(
         metadata.setdefault("namespace", namespace)
         body["metadata"] = metadata
         keys = DeploymentKeys.generate() if with_keys else None
-        children += render_children(body, config, keys)
+        try:
+            children += render_children(body, config, keys)
+        except SpecError as error:
+            if len(documents) == 1:
+                raise
+            # Which of several documents: its place in the stream and its name.
+            name = metadata.get("name", "unnamed")
+            raise SpecError(
+                f"document {index + 1} ({name}): {error.field}", error.message
+            ) from None
     return children
 
 
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: where (line and column, 1-based) and what, without
+    PyYAML's multi-line excerpt, which names the source as "<unicode string>"."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return " ".join(str(error).split())
+    mark = error.problem_mark or error.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    what = error.problem or "invalid YAML"
+    context = f" ({error.context})" if error.context else ""
+    return f"{where}invalid YAML: {what}{context}"
+
+
+def _os_problem(error: OSError) -> str:
+    return f"cannot read it: {error.strerror or error}"
+
+
 def run(args: argparse.Namespace) -> int:
+    source = "<stdin>" if args.filename == "-" else args.filename
     try:
         children = render_documents(
             _read(args.filename),
@@ -91,11 +119,16 @@ def run(args: argparse.Namespace) -> int:
             config_from_args(args),
             with_keys=not args.no_keys_secret,
         )
-    except SpecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    except yaml.YAMLError as error:
+        problem = yaml_problem(error)
+    except OSError as error:
+        problem = _os_problem(error)
+    except (SpecError, ValueError) as error:  # SpecError's text starts with the field
+        problem = " ".join(str(error).split())
+    else:
+        sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, explicit_start=True))
+        return 0
+    print(f"atom render: error: {source}: {problem}", file=sys.stderr)
+    return 2
     sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, explicit_start=True))
     return 0
