@@ -157,3 +157,26 @@ def test_vllm_flags_that_apply_are_accepted():
     assert config.trust_remote_code and config.cpu_threads == 3
     assert args.model_tag == "some/model" and args.allowed_origins == ["http://a.example"]
     assert args.uvicorn_log_level == "warning" and args.disable_log_stats
+
+
+def test_every_command_takes_the_same_log_levels_in_any_case():
+    """One convention: serve, generate, router, bench and `operator run` show the same five
+    lower-case names and read any case (the operator's chart passes `info`, a user `DEBUG`)."""
+    import argparse
+    import importlib
+
+    from atom_runtime.system.process import LOG_LEVELS
+
+    def parse(command: str, *args: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
+        return parser.parse_args(list(args))
+
+    for command, prefix in (("serve", ()), ("generate", ("--prompt", "x")), ("router", ()),
+                            ("operator", ("run",)), ("bench", ("startup", "--dir", "d"))):  # fmt: skip
+        for typed in ("WARNING", "Warning", "warning"):
+            assert parse(command, *prefix, "--log-level", typed).log_level == "warning", command
+        # argparse exits on a bad choice even with exit_on_error=False (a 3.11 quirk).
+        with pytest.raises((argparse.ArgumentError, SystemExit)):
+            parse(command, *prefix, "--log-level", "loud")
+    assert LOG_LEVELS == ("debug", "info", "warning", "error", "critical")

@@ -19,8 +19,8 @@ import sys
 import kopf
 
 from atom_operator.operator_config import add_config_arguments, config_from_args
+from atom_runtime.system.process import LOG_LEVELS, log_level
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PROCESS_ROLE = "Operator"  # the process title: ATOM::Operator
 
 
@@ -52,12 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="serve a liveness probe at this URL, e.g. http://0.0.0.0:8080/healthz",
     )
-    run.add_argument(
+    run.add_argument(  # every `atom` command's log-level convention: lower case shown, any case read
         "--log-level",
         choices=LOG_LEVELS,
-        type=str.upper,
-        default="INFO",
-        help="log level (default INFO)",
+        type=log_level,
+        default="info",
+        help="log level, any case",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG (kopf's too)")
     run.add_argument(
@@ -96,9 +96,11 @@ def run(args: argparse.Namespace) -> int:
     from atom_runtime.system.process import apply_gc_policy, release_gc_policy, set_process_title
 
     set_process_title(PROCESS_ROLE)
-    level = "DEBUG" if args.verbose else args.log_level
+    level = "DEBUG" if args.verbose else args.log_level.upper()
     kopf.configure(
-        debug=level == "DEBUG", verbose=args.verbose, quiet=level in ("WARNING", "ERROR")
+        debug=level == "DEBUG",
+        verbose=args.verbose,
+        quiet=level in ("WARNING", "ERROR", "CRITICAL"),
     )
     logging.getLogger().setLevel(level)
     importlib.import_module("atom_operator.handlers")  # registers the handlers with kopf

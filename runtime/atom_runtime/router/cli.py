@@ -18,8 +18,7 @@ from atom_runtime import envs
 from atom_runtime.router.app import CACHE_SALT_HEADER, Router
 from atom_runtime.router.config import POLICIES, RouterConfig
 from atom_runtime.router.routes import build_app
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+from atom_runtime.system.process import LOG_LEVELS, log_level
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    g.add_argument(
+        "--log-level", default="info", type=log_level, choices=LOG_LEVELS, help="any case"
+    )
     _add_backend_arguments(parser, d)
     _add_routing_arguments(parser, d)
     _add_security_arguments(parser, d)
