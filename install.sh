@@ -30,9 +30,20 @@ begin "upgrading pip"
 "$py" -m pip install --quiet --upgrade pip
 end
 # Torch first, pinned, so the project's `torch>=2.4` is already satisfied and never pulls a CUDA build.
-torch_spec="${ATOM_TORCH_SPEC:-torch==2.13.0}"
+# On Linux PyPI's torch wheel is the CUDA build (several GB of nvidia-* packages): the CPU build,
+# `+cpu`, comes from PyTorch's own index. macOS and Windows wheels on PyPI are CPU builds already.
+torch_index=()
+if [ -n "${ATOM_TORCH_SPEC:-}" ]; then
+  torch_spec="${ATOM_TORCH_SPEC}"
+elif [ "$(uname -s)" = Linux ]; then
+  torch_spec="torch==2.13.0+cpu"
+  torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+else
+  torch_spec="torch==2.13.0"
+fi
 begin "installing ${torch_spec} (the CPU build unless ATOM_TORCH_SPEC says otherwise)"
-"$py" -m pip install --quiet "${torch_spec}"
+# (the `+` form: bash 3.2, macOS's, calls an empty array unbound under `set -u`)
+"$py" -m pip install --quiet ${torch_index[@]+"${torch_index[@]}"} "${torch_spec}"
 end
 begin "installing ATOM and its dependencies (.${extras}, editable)"
 "$py" -m pip install --quiet -e ".${extras}"
