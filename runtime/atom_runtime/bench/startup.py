@@ -2,6 +2,7 @@
 one run (issue 39's measurement; docs/serving.md, "Start-up").
 
     atom bench startup --model benchmarks/configs/llama-3.1-8b --dir /local/nvme/atom-startup
+    atom bench startup --model default --dir /tmp/atom-startup --device cpu   # no GPU: 270 MB
 
 1. Writes a real-sized checkpoint for the config (random bf16 safetensors in shards of
    `--shard-gb`, the default model's tokenizer beside it so `atom serve` can answer), unless
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="benchmarks/configs/llama-3.1-8b",
-        help="a folder with the config.json of the checkpoint to write (Llama family)",
+        help="the shape of the checkpoint to write: a folder with a Llama-family config.json, "
+        "a GGUF file, or `default` (the default model's shape, SmolLM2-135M: 0.27 GB in bf16)",
     )
     p.add_argument(
         "--dir", required=True, help="where the checkpoint is written (a local disk: NVMe)"
@@ -75,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from atom_runtime.models.config import ModelConfig
 
     folder = Path(args.dir)
-    cfg = ModelConfig.from_file(Path(args.model))
-    nbytes = write_checkpoint(Path(args.model), cfg, folder, args.shard_gb)
+    config_text = checkpoint_config_text(args.model)
+    cfg = ModelConfig.from_hf(json.loads(config_text))
+    nbytes = write_checkpoint(config_text, cfg, folder, args.shard_gb)
     formats = [f.strip() for f in args.load_formats.split(",") if f.strip()]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)  # fmt: skip
@@ -112,6 +115,26 @@ def first_start(folder: Path, fmt: str, args: argparse.Namespace) -> dict:
             **measure_serve(folder, fmt, args)}  # fmt: skip
 
 
+def checkpoint_config_text(model: str) -> str:
+    """The config.json of the checkpoint to write: the model folder's own, or, for a GGUF file
+    (`default`: the default model's), a Llama config.json of the same shape."""
+    from atom_runtime.models.source import default_model_path, is_gguf, load_model_config
+
+    path = default_model_path() if model == "default" else Path(model)
+    if not is_gguf(path):
+        return (path / "config.json" if path.is_dir() else path).read_text()
+    cfg = load_model_config(path)
+    if cfg.model_type != "llama":
+        raise ValueError(f"{path}: a {cfg.model_type} GGUF; the checkpoint writer is Llama's")
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+              "rope_theta", "max_position_embeddings", "tie_word_embeddings", "bos_token_id")  # fmt: skip
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    config |= {name: getattr(cfg, name) for name in fields}
+    config |= {"eos_token_id": cfg.eos_token_ids[0], "torch_dtype": "bfloat16"}
+    return json.dumps(config, indent=2)
+
+
 def checkpoint_tensors(cfg) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and shapes of a Llama-family checkpoint for `cfg`."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -134,13 +157,12 @@ def checkpoint_tensors(cfg) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_checkpoint(config_dir: Path, cfg, folder: Path, shard_gb: float) -> int:
+def write_checkpoint(config_text: str, cfg, folder: Path, shard_gb: float) -> int:
     """Random bf16 shards (small values: activations stay finite), an index, config.json and a
     tokenizer; skipped when `folder` already holds this config's checkpoint. Returns bytes."""
     import torch
     from safetensors.torch import save_file
 
-    config_text = (config_dir / "config.json").read_text()
     marker = folder / MARKER
     shapes = checkpoint_tensors(cfg)
     total = sum(2 * _numel(s) for s in shapes.values())

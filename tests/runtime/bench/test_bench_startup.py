@@ -40,3 +40,22 @@ def test_bench_startup_writes_a_sharded_checkpoint_and_measures_each_format(tmp_
     assert len(shards) > 1 and (tmp_path / "ckpt" / "tokenizer.json").is_file()
     index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
     assert {"lm_head.weight", "model.layers.1.mlp.down_proj.weight"} <= index["weight_map"].keys()
+
+
+def test_the_default_model_shape_is_written_as_a_llama_config():
+    """`--model default` (what a CPU-only user measures): a config.json whose architecture is the
+    default model's GGUF, so the written checkpoint serves with that model's tokenizer."""
+    from atom_runtime.bench.startup import checkpoint_config_text, checkpoint_tensors
+    from atom_runtime.models.config import ModelConfig
+    from atom_runtime.models.source import default_model_path, load_model_config
+
+    written = ModelConfig.from_hf(json.loads(checkpoint_config_text("default")))
+    gguf = load_model_config(default_model_path())
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "tie_word_embeddings", "eos_token_ids"):  # fmt: skip
+        assert getattr(written, name) == getattr(gguf, name), name
+    assert written.rope_theta == gguf.rope_theta and written.model_type == "llama"
+    params = sum(a * (b if len(s) > 1 else 1) for s in checkpoint_tensors(written).values()
+                 for a, b in [(s[0], s[-1])])  # fmt: skip
+    assert 130e6 < params < 140e6  # SmolLM2-135M
