@@ -136,22 +136,30 @@ def checkpoint_config_text(model: str) -> str:
 
 
 def checkpoint_tensors(cfg) -> dict[str, tuple[int, ...]]:
-    """Hugging Face names and shapes of a Llama-family checkpoint for `cfg`."""
+    """Hugging Face names and shapes of a Llama-family checkpoint for `cfg` (Qwen3's QK-norm
+    and Qwen2's attention biases included)."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, h),
-            p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, h),
-            p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, h),
-            p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * hd),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if cfg.attention_bias:
+            shapes |= {
+                p + f"self_attn.{n}_proj.bias": (w,) for n, w in (("q", q), ("k", kv), ("v", kv))
+            }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
@@ -178,7 +186,10 @@ def write_checkpoint(config_text: str, cfg, folder: Path, shard_gb: float) -> in
             shards.append({})
             size = 0
         t = torch.empty(shape, dtype=torch.bfloat16)
-        t.uniform_(-0.02, 0.02, generator=gen) if len(shape) > 1 else t.fill_(1.0)
+        if len(shape) > 1:
+            t.uniform_(-0.02, 0.02, generator=gen)
+        else:  # norms 1, biases 0
+            t.fill_(0.0 if name.endswith(".bias") else 1.0)
         shards[-1][name] = t
         size += 2 * _numel(shape)
     weight_map = {}

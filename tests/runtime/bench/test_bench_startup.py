@@ -59,3 +59,18 @@ def test_the_default_model_shape_is_written_as_a_llama_config():
     params = sum(a * (b if len(s) > 1 else 1) for s in checkpoint_tensors(written).values()
                  for a, b in [(s[0], s[-1])])  # fmt: skip
     assert 130e6 < params < 140e6  # SmolLM2-135M
+
+
+def test_a_qwen3_checkpoint_has_every_tensor_the_engine_loads(tmp_path):
+    """Qwen3 (the QK-norm weights) and Qwen2 (attention biases) shapes load with no tensor
+    missing, so the startup suite can time Qwen3-0.6B from real files."""
+    from atom_runtime.bench.startup import measure_load, write_checkpoint
+    from atom_runtime.models.config import ModelConfig
+
+    for model_type in ("qwen3", "qwen2"):
+        text = json.dumps({**CONFIG, "model_type": model_type, "head_dim": 32})
+        cfg = ModelConfig.from_hf(json.loads(text))
+        folder = tmp_path / model_type
+        write_checkpoint(text, cfg, folder, shard_gb=1.0)
+        row = measure_load(folder, cfg, "auto", __import__("torch").device("cpu"))
+        assert "load_error" not in row and row["load_s"] > 0, (model_type, row)
