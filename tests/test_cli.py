@@ -90,8 +90,15 @@ def test_serve_refuses_a_tensor_parallel_size_the_default_model_cannot_take():
         (("--port", "0"), "--port must be in 1..65535"),
         (("./a", "--model", "./b"), "the model is given twice"),
         (("--chat-template", "/no/such/template.jinja"), "--chat-template '/no/such/template"),
+        # KV-events keys the engine would fail to read only after its process started.
+        (("--kv-events-config", '{"enable_kv_cache_events": true, "curve_keys_dir": "/no/k"}'),
+         "kv-events config field 'curve_keys_dir': cannot read /no/k/kv-events-server.pub"),
+        # A hub id that cannot be fetched (no network, or no such repo): the hub's multi-line
+        # message kept on one line.
+        (("no-such-org-atom/no-such-model",), "model 'no-such-org-atom/no-such-model': not a "
+         "local path, and fetching it from the Hugging Face hub failed"),
     ],
-)
+)  # fmt: skip
 def test_serve_start_up_errors_are_one_line(args, expected):
     assert expected in _one_line_error(_atom("serve", *args), "serve")
 

@@ -61,9 +61,10 @@ def resolve_model_path(
             model, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_FILES
         )
     except Exception as e:  # offline, gated, missing: one clear error naming the model
+        # The hub's messages run over several lines: kept to the one line a start-up error is.
         raise FileNotFoundError(
             f"model {model!r}: not a local path, and fetching it from the Hugging Face hub "
-            f"failed: {type(e).__name__}: {e}"
+            f"failed: {type(e).__name__}: {' '.join(str(e).split())}"
         ) from e
     return Path(fetched)
 

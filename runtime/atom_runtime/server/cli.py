@@ -214,6 +214,11 @@ def _configs(args: argparse.Namespace, started: float):
             )
         args.model = args.model_tag
     engine_config = EngineConfig.from_args(args).for_serving()
+    from atom_runtime.kv_events import KVEventsConfig
+
+    # As the engine core will read it (the flag and ATOM_KV_EVENTS_*), checked here so a bad
+    # field or an unreadable curve_keys_dir is one line before any process starts.
+    KVEventsConfig.from_cli(engine_config.kv_events_config)
     preflight(engine_config)
     config = ServerConfig(
         host=args.host,
