@@ -81,6 +81,41 @@ def test_serve_refuses_a_tensor_parallel_size_the_default_model_cannot_take():
 
 
 @pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (("serve", "--dtype", "fp7"), "atom serve: error: argument --dtype: invalid choice"),
+        (("serve", "--device", "tpu"), "atom serve: error: argument --device: expected auto, cpu"),
+        (("serve", "--no-such-flag"), "atom serve: error: unrecognized arguments: --no-such-flag"),
+        (("render",), "atom render: error: the following arguments are required: -f/--filename"),
+        (("operator", "run", "--log-level", "x"), "atom operator run: error: argument --log-level"),
+    ],
+)
+def test_a_refused_flag_is_one_line_pointing_at_help(command, expected):
+    """argparse's refusal without the whole usage before it (50 lines for serve)."""
+    proc = _atom(*command)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(expected), line
+    assert line.endswith(f"(`atom {' '.join(command[:2 if command[0] == 'operator' else 1])} "
+                         "--help` lists the options)")  # fmt: skip
+
+
+def test_a_gpu_device_on_a_machine_without_one_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is valid here")
+    proc = _atom("generate", "--prompt", "x", "--device", "cuda")
+    # After the config phase's progress lines (the check needs torch, which generate loads).
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("atom generate: error: --device cuda: no CUDA or ROCm GPU is visible here")
+    )
+
+
+@pytest.mark.parametrize(
     ("args", "expected"),
     [
         (("/no/such/model",), "model '/no/such/model': no such file or folder"),

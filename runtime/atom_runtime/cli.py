@@ -63,11 +63,16 @@ def _shown_default(action: argparse.Action) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser with `HelpFormatter`; subparsers made from it are of this class too."""
+    """An ArgumentParser with `HelpFormatter`; subparsers made from it are of this class too.
+    A flag it refuses is one line, exit 2, pointing at --help (argparse's default prints the
+    whole usage first: 50 lines for `atom serve`, the error last)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def package_version() -> str:

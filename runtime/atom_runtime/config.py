@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -317,10 +318,22 @@ def add_load_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None
     g.add_argument("--seed", type=int, default=d.seed, help="random seed (sampling, dummy weights)")
 
 
+def _device_name(text: str) -> str:
+    """--device's form, checked at parse time (whether that GPU exists is the engine's check,
+    system/device.py: it needs torch)."""
+    name = text.strip().lower()
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is None:
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return name
+
+
 def add_device_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:
     g = parser.add_argument_group("device")
     g.add_argument(
-        "--device", default=d.device, help="auto, cpu, cuda or cuda:N (auto: a GPU if any)"
+        "--device",
+        type=_device_name,
+        default=d.device,
+        help="auto, cpu, cuda or cuda:N (auto: a GPU if any)",
     )
     g.add_argument(
         "--cpu-threads",

@@ -18,10 +18,25 @@ _DTYPES = {
 
 
 def resolve_device(name: str) -> torch.device:
-    """ "auto": the GPU when there is one, else the CPU."""
+    """ "auto": the GPU when there is one, else the CPU. A GPU that is not there raises
+    ValueError naming --device (torch's own error is an AssertionError about its build)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"--device {name}: no CUDA or ROCm GPU is visible here (torch {torch.__version__}"
+                f"{'' if torch.version.cuda or torch.version.hip else ', a CPU-only build'}); "
+                "use --device cpu or auto (a GPU build: docs/install-gpu.md)"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} GPU(s), cuda:0..")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
