@@ -19,7 +19,12 @@ from atom_operator.kv_events_wiring import ROUTER_KV_PORT_FLAGS, router_kv_event
 from atom_operator.render import render_children
 from atom_operator.render.keys import KEYS_MOUNT, DeploymentKeys
 from atom_operator.render.router import render_router_deployment
-from atom_operator.schema.engine_features import KV_CACHE_DTYPES, QUANTIZATIONS
+from atom_operator.schema.engine_features import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    SPECULATIVE_METHODS,
+)
 from atom_operator.spec import has_router
 from atom_runtime.config import EngineConfig
 from atom_runtime.kv_events import KVEventsConfig
@@ -313,3 +318,35 @@ def test_a_container_given_the_keys_directory_mounts_the_keys_secret_there(examp
                 assert mounts, (example.name, child["metadata"]["name"], c["name"])
                 secret = volumes[mounts[0]["name"]]["secret"]["secretName"]
                 assert secret.endswith("-atom-keys"), secret
+
+
+def _choices(flag: str) -> tuple[str, ...]:
+    return tuple(_serve_parser()._option_string_actions[flag].choices)
+
+
+@pytest.mark.parametrize(
+    ("flag", "values"),
+    [("--quantization", QUANTIZATIONS), ("--kv-cache-dtype", KV_CACHE_DTYPES),
+     ("--reasoning-parser", REASONING_PARSERS)],
+)  # fmt: skip
+def test_the_crds_enums_are_within_the_runtimes_choices(flag, values):
+    assert set(values) <= set(_choices(flag)), (flag, values, _choices(flag))
+
+
+@pytest.mark.parametrize("parser", REASONING_PARSERS)
+def test_every_reasoning_parser_the_crd_allows_renders_a_flag_atom_serve_takes(parser):
+    """spec.engine.reasoningParser becomes --reasoning-parser with that value, which parses as
+    `atom serve` (the FP8 choices: the test above)."""
+    (doc,) = yaml.safe_load_all(EXAMPLES_DIR.joinpath("cpu-smollm2.yaml").read_text())
+    doc.setdefault("metadata", {})["uid"] = "uid-1"
+    doc["spec"]["engine"]["reasoningParser"] = parser
+    (name, args), *_ = _containers_of(doc, "serve")
+    parsed = _parse(_serve_parser(), args)
+    EngineConfig.from_args(parsed)
+    assert parsed.reasoning_parser == parser, name
+
+
+def test_every_speculative_method_the_crd_allows_is_the_runtimes():
+    from atom_runtime.spec_decode.config import METHODS
+
+    assert set(SPECULATIVE_METHODS) <= set(METHODS)
