@@ -262,17 +262,18 @@ def measure_load(folder: Path, cfg, fmt: str, device) -> dict:
     except (ValueError, ImportError, OSError) as e:
         return {"load_error": f"{type(e).__name__}: {e}"}
     seconds = time.perf_counter() - start
-    read_s = phases.seconds.get("weights_read", seconds)
     gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {
-        "load_s": round(seconds, 2),
-        "weights_read_s": round(read_s, 2),
-        "read_gb_per_s": round(gb / max(read_s, 1e-9), 2),
-        "load_gb_per_s": round(gb / max(seconds, 1e-9), 2),
-    }
+    row = {"load_s": round(seconds, 2), "load_gb_per_s": round(gb / max(seconds, 1e-9), 2)}
+    read_s = phases.seconds.get("weights_read")
+    if read_s is not None and fmt != "dummy":  # dummy weights are made, not read
+        row |= {
+            "weights_read_s": round(read_s, 2),
+            "read_gb_per_s": round(gb / max(read_s, 1e-9), 2),
+        }
+    return row
 
 
 def measure_serve(folder: Path, fmt: str, args: argparse.Namespace) -> dict:
