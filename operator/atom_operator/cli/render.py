@@ -106,10 +106,6 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return f"{where}invalid YAML: {what}{context}"
 
 
-def _os_problem(error: OSError) -> str:
-    return f"cannot read it: {error.strerror or error}"
-
-
 def run(args: argparse.Namespace) -> int:
     source = "<stdin>" if args.filename == "-" else args.filename
     try:
@@ -122,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     except yaml.YAMLError as error:
         problem = yaml_problem(error)
     except OSError as error:
-        problem = _os_problem(error)
+        problem = f"cannot read it: {error.strerror or error}"
     except (SpecError, ValueError) as error:  # SpecError's text starts with the field
         problem = " ".join(str(error).split())
     else:
@@ -130,5 +126,3 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"atom render: error: {source}: {problem}", file=sys.stderr)
     return 2
-    sys.stdout.write(yaml.safe_dump_all(children, sort_keys=False, explicit_start=True))
-    return 0
