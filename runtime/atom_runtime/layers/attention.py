@@ -176,22 +176,11 @@ class PagedAttention(nn.Module):
         k_norm_weight: torch.Tensor | None = None,
         *,
         eps: float = 1e-6,
-        summed: tuple[torch.Tensor, torch.Tensor] | None = None,
         **fp8,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prepare_one_row` with the layer's input RMSNorm (after adding `residual`) in the
-        same launch. Returns (q, x + residual) (x itself without a residual). With `summed`
-        (x is already summed; (x times the norm's weight, its sums of squares) from the GEMV
-        that wrote it, `SummedRow`; no residual) the GEMV takes its normed input from those."""
+        same launch. Returns (q, x + residual) (x itself without a residual)."""
         self._check_bound()
-        if summed is not None:
-            qkv = ops.rms_scaled_linear_rope_store_small_m(
-                *summed, norm_eps, weight, bias, positions, cos_sin_cache, self.k_cache,
-                self.v_cache, self.metadata().slot_mapping, self.num_heads,
-                self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8,
-                **self.kv_scales(),
-            )  # fmt: skip
-            return self._one_row_q(qkv), x
         qkv, residual = ops.rms_norm_linear_rope_store_small_m(
             x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
             self.k_cache, self.v_cache, self.metadata().slot_mapping, self.num_heads,
