@@ -160,6 +160,23 @@ class ModelConfig:
         return cls.from_hf(json.loads(path.read_text()))
 
 
+def local_hybrid_model_type(model: str | None) -> str | None:
+    """The model_type of a hybrid model given as a local folder or config.json; None otherwise
+    (not hybrid, the default model, a GGUF file (Llama family only), a hub id, unreadable)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        config = ModelConfig.from_file(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the refusal stands without the hybrid reason; loading would fail anyway
+    return config.model_type if config.is_hybrid else None
+
+
 def _llama_from_hf(cls, cfg: dict) -> ModelConfig:
     """The fields every Llama-family config.json shares."""
     model_type = cfg.get("model_type", "")
