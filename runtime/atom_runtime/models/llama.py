@@ -81,13 +81,13 @@ class LlamaAttention(nn.Module):
                 rope += (self.q_norm.weight, self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
             if proj.fuse_norm:  # the input norm in the same launch
-                q, residual = self.attn.prepare_one_row_normed(
-                    hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
-                    eps=eps, **proj.gemv_scales(),
+                q, residual = self.attn.prepare_one_row(
+                    hidden, proj.weight, proj.bias, *rope, eps=eps, norm=norm, residual=residual,
+                    **proj.gemv_scales(),
                 )  # fmt: skip
             else:
                 normed, residual = norm.with_residual(hidden, residual)
-                q = self.attn.prepare_one_row(
+                q, _ = self.attn.prepare_one_row(
                     normed, proj.weight, proj.bias, *rope, eps=eps, **proj.gemv_scales()
                 )
             return self.o_proj(self.attn(q)), residual

@@ -209,20 +209,6 @@ class StepInputPreparation:
         if any(seq.num_spec for seq in seqs):
             inputs.spec_slots = _spec_slots(seqs, np.diff(inputs.cu_seqlens_q), inputs.state_slots)
 
-
-def _spec_slots(seqs: list[Sequence], q_lens: np.ndarray, state_slots: np.ndarray) -> np.ndarray:
-    """A verify step's per-token state slots (`StepInputs.spec_slots`): a row running drafts or
-    one token reads its committed slot and leaves the state after its token i in its slot i;
-    a prompt chunk keeps the plain path (its `state_slots` entry), the verified rows leave it
-    (-1 there)."""
-    width = max(len(seq.state_slots) for seq in seqs)
-    out = np.full((len(seqs), width), -1, dtype=np.int32)
-    for i, (seq, n) in enumerate(zip(seqs, q_lens.tolist(), strict=True)):
-        if seq.num_spec or n == 1:
-            out[i, :n] = seq.state_slots[:n]
-            state_slots[i] = -1
-    return out
-
     def _step_metadata(
         self, inputs: StepInputs
     ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, StateMetadata | None]:
@@ -283,3 +269,17 @@ def _spec_slots(seqs: list[Sequence], q_lens: np.ndarray, state_slots: np.ndarra
                 and bool((inputs.spec_slots[:, 0] >= 0).all()),
             )
         return d, meta, state_meta
+
+
+def _spec_slots(seqs: list[Sequence], q_lens: np.ndarray, state_slots: np.ndarray) -> np.ndarray:
+    """A verify step's per-token state slots (`StepInputs.spec_slots`): a row running drafts or
+    one token reads its committed slot and leaves the state after its token i in its slot i;
+    a prompt chunk keeps the plain path (its `state_slots` entry), the verified rows leave it
+    (-1 there)."""
+    width = max(len(seq.state_slots) for seq in seqs)
+    out = np.full((len(seqs), width), -1, dtype=np.int32)
+    for i, (seq, n) in enumerate(zip(seqs, q_lens.tolist(), strict=True)):
+        if seq.num_spec or n == 1:
+            out[i, :n] = seq.state_slots[:n]
+            state_slots[i] = -1
+    return out
