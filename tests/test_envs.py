@@ -45,6 +45,12 @@ def test_the_docs_list_every_variable_as_its_module_defines_it():
     assert len(rows) == len(set(rows)), "a variable listed twice"
 
 
+def test_the_docs_list_no_variable_the_code_does_not_define():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    listed = set(re.findall(r"^\| `(ATOM_[A-Z0-9_]*[A-Z0-9])` \|", doc, re.MULTILINE))
+    assert listed - DEFINED == set()
+
+
 def test_a_variable_with_choices_refuses_others_naming_itself(monkeypatch):
     monkeypatch.setenv("ATOM_SMALL_M_KERNELS", "fastest")
     try:

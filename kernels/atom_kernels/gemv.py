@@ -168,11 +168,6 @@ def _epilogue(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add,
-    sq_out_ptr,
-    next_norm_ptr,
-    scaled_out_ptr,
-    block_id,
     qk_eps,
     cos_sin_stride,
     cache_stride_slot,
@@ -184,16 +179,11 @@ def _epilogue(
     MODE: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    ADD: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
-    hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. ADD (PLAIN only):
-    the output is y + add (`add`: the residual at `offs`, fp32, loaded by the caller as early
-    as it can; the residual add of the norm after it, rounded as `fused_add_rms_norm` rounds
-    it), the block's sum of its squares goes to sq_out[block_id], and h times the next
-    RMSNorm's weight (rounded) to scaled_out: the next GEMV's input (`NORM_PARTS`). KV_FP8: the
+    hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. KV_FP8: the
     cache is FP8, k and v quantized with the scales ks, vs (fp32 scalars) as they are stored."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -201,15 +191,7 @@ def _epilogue(
         if MODE != 0:
             y2 += tl.load(bias_ptr + second, mask=mask, other=0.0).to(tl.float32)
     if MODE == 0:
-        if ADD:
-            h = (y.to(dtype).to(tl.float32) + add).to(dtype)
-            tl.store(out_ptr + offs, h, mask=mask)
-            hf = tl.where(mask, h.to(tl.float32), 0.0)
-            tl.store(sq_out_ptr + block_id, tl.sum(hf * hf, axis=0))
-            g = tl.load(next_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(scaled_out_ptr + offs, (hf * g).to(dtype), mask=mask)
-        else:
-            tl.store(out_ptr + offs, y.to(dtype), mask=mask)
+        tl.store(out_ptr + offs, y.to(dtype), mask=mask)
     elif MODE == 1:
         tl.store(out_ptr + offs, _swiglu(y, y2, dtype).to(dtype), mask=mask)
     else:
@@ -264,10 +246,6 @@ def _finish_block(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add,
-    sq_out_ptr,
-    next_norm_ptr,
-    scaled_out_ptr,
     qk_eps,
     cos_sin_stride,
     cache_stride_slot,
@@ -280,7 +258,6 @@ def _finish_block(
     BLOCK_N: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    ADD: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """The epilogue of one program's block from its rows' fp32 sums `y` (a paired MODE's rows
@@ -294,9 +271,8 @@ def _finish_block(
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
     _epilogue(
         y, y2, offs, offs < n_out, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr,
-        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
-        scaled_out_ptr, pid_n, qk_eps, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads,
-        ks, vs, HAS_BIAS, MODE, HALF, HEAD_DIM, ADD, KV_FP8,
+        k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
+        cache_stride_slot, num_heads, num_kv_heads, ks, vs, HAS_BIAS, MODE, HALF, HEAD_DIM, KV_FP8,
     )  # fmt: skip
 
 
@@ -366,11 +342,6 @@ def _gemv_kernel(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add_ptr,
-    sq_out_ptr,
-    next_norm_ptr,
-    scaled_out_ptr,
-    sq_in_ptr,
     w_scale_ptr,
     N,
     K,
@@ -383,7 +354,6 @@ def _gemv_kernel(
     cache_stride_slot,
     num_heads,
     num_kv_heads,
-    num_parts,
     k_scale,
     v_scale,
     HAS_BIAS: tl.constexpr,
@@ -399,8 +369,6 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
     EARLY: tl.constexpr = 128,
-    ADD: tl.constexpr = False,
-    NORM_PARTS: tl.constexpr = 0,
     W_SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 128,
     SCALE_BK: tl.constexpr = 128,
@@ -454,19 +422,7 @@ def _gemv_kernel(
     )
     wait_for_inputs(PDL)
     dtype = x_ptr.dtype.element_ty
-    add = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if ADD and SPLIT == 1:
-        # Requested now, used after the loop: the wait for it overlaps the weights' stream.
-        add = tl.load(add_ptr + row_n, mask=row_mask, other=0.0).to(tl.float32)
     inv_rms = 0.0
-    parts_scale = 1.0
-    if NORM_PARTS > 0:
-        # x is the row already times the norm's weight, from the GEMV that wrote it (ADD), and
-        # these are its blocks' sums of squares: the norm is one scale of the sums, after the
-        # loop, so the loop is the plain product's. Requested now, the wait overlaps the loop.
-        parts = tl.arange(0, NORM_PARTS)
-        sq = tl.load(sq_in_ptr + parts, mask=parts < num_parts, other=0.0)
-        parts_scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     if NORM:
         # The whole row in one load (one memory round trip, not one per BLOCK_K step); the
         # first program writes x + residual out.
@@ -511,14 +467,11 @@ def _gemv_kernel(
     if KV_FP8:
         kv_ks = load_scale(k_scale, K_SCALE_PTR)
         kv_vs = load_scale(v_scale, V_SCALE_PTR)
-    if NORM_PARTS > 0:
-        y = y * parts_scale  # a split's partial sums too: the scale distributes over them
     if SPLIT == 1:
         _finish_block(
             y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr, qk_eps,
-            cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS,
-            MODE, BLOCK_N, HALF, HEAD_DIM, ADD, KV_FP8,
+            slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
+            num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM, KV_FP8,
         )  # fmt: skip
     else:
         # Partial sums are [SPLIT, N] fp32, indexed by weight row.
@@ -529,18 +482,15 @@ def _gemv_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT - 1:
-                if ADD:
-                    add = tl.load(add_ptr + row_n, mask=row_mask, other=0.0).to(tl.float32)
                 total = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
                     part = part_ptr + s * N + row_n
                     total += tl.load(part, mask=row_mask, other=0.0, cache_modifier=".cg")
                 _finish_block(
                     total, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr,
-                    scaled_out_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
-                    num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE, BLOCK_N, HALF, HEAD_DIM, ADD,
-                    KV_FP8,
+                    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride,
+                    cache_stride_slot, num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE,
+                    BLOCK_N, HALF, HEAD_DIM, KV_FP8,
                 )  # fmt: skip
                 tl.store(tickets_ptr + pid_n, 0)
 
@@ -557,10 +507,6 @@ def _gemv_reduce_kernel(
     slot_ptr,
     qn_ptr,
     kn_ptr,
-    add_ptr,
-    sq_out_ptr,
-    next_norm_ptr,
-    scaled_out_ptr,
     N,
     qk_eps,
     cos_sin_stride,
@@ -576,7 +522,6 @@ def _gemv_reduce_kernel(
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr = False,
-    ADD: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
     K_SCALE_PTR: tl.constexpr = False,
     V_SCALE_PTR: tl.constexpr = False,
@@ -589,9 +534,6 @@ def _gemv_reduce_kernel(
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_out
     first, second = _paired_rows(offs, n_out, MODE, HALF, HEAD_DIM)
-    add = tl.zeros([BLOCK], dtype=tl.float32)
-    if ADD:
-        add = tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.zeros([BLOCK], dtype=tl.float32)
     y2 = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT):
@@ -605,10 +547,8 @@ def _gemv_reduce_kernel(
         kv_vs = load_scale(v_scale, V_SCALE_PTR)
     _epilogue(
         y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, add, sq_out_ptr, next_norm_ptr, scaled_out_ptr,
-        tl.program_id(0), qk_eps,
-        cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE,
-        HALF, HEAD_DIM, ADD, KV_FP8,
+        v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot,
+        num_heads, num_kv_heads, kv_ks, kv_vs, HAS_BIAS, MODE, HALF, HEAD_DIM, KV_FP8,
     )  # fmt: skip
 
 
@@ -788,9 +728,6 @@ def gemv(
     eps: float = 1e-6,
     merge: str = "tickets",
     early: int | None = None,
-    add: torch.Tensor | None = None,
-    next_norm_weight: torch.Tensor | None = None,
-    norm_parts: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     weight_block_size: tuple[int, int] | list[int] | None = None,
 ):
@@ -805,13 +742,6 @@ def gemv(
     are summed: "tickets" (in the kernel) or "kernel" (a second launch). `early` overrides the
     columns loaded before the wait (`early_columns`).
 
-    `add` ([1, N], plain product only, with `next_norm_weight` [N]): returns (h, sq, scaled)
-    with h = y + add, rounded as `fused_add_rms_norm` rounds its sum, sq the fp32 sums of
-    squares of h's blocks and scaled = h * next_norm_weight, rounded. Another GEMV takes
-    `scaled` as its x and sq as `norm_parts` (no `norm_weight`, no `residual`): it multiplies W
-    by the row as any GEMV does and scales its sums by the inverse RMS of h, which is the RMSNorm
-    of h without a pass over the row and without a step in its loop.
-
     An FP8 weight comes with `weight_scale` (and `weight_block_size` for block scales): the
     kernel streams its bytes and multiplies in fp32, the per-row scale applied to each row's
     sum, a block scale to x's slice of each step (weight-only dequantization: x stays in its
@@ -823,14 +753,6 @@ def gemv(
     if act is not None and rope is not None:
         raise ValueError("act and rope cannot be combined")
     norm = norm_weight is not None
-    if add is not None and (act is not None or rope is not None):
-        raise ValueError("add= goes with the plain product only (no act, no rope)")
-    if norm_parts is not None and (norm or residual is not None):
-        raise ValueError(
-            "norm_parts= takes a row already times the norm's weight: no norm_weight=, no residual="
-        )
-    if (add is None) != (next_norm_weight is None):
-        raise ValueError("add= and next_norm_weight= go together")
     if norm and weight.shape[1] > MAX_NORM_ROW:
         raise ValueError(f"norm_weight: rows of {weight.shape[1]} exceed {MAX_NORM_ROW}")
     residual_out = torch.empty_like(x) if norm and residual is not None else None
@@ -872,11 +794,6 @@ def gemv(
     if split > 1:
         parts = torch.empty((split, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters(x.device, programs_n) if merge == "tickets" else None
-    sq_out = scaled = None
-    if add is not None:  # one sum of squares per block that writes the output
-        writers = programs_n if split == 1 or tickets is not None else triton.cdiv(n_out, 1024)
-        sq_out = torch.empty(writers, dtype=torch.float32, device=x.device)
-        scaled = torch.empty_like(out)
     if rope is not None:
         rope_args = (rope.positions, rope.cos_sin_cache, rope.k_cache, rope.v_cache)
         rope_args += (rope.slot_mapping,)
@@ -903,11 +820,6 @@ def gemv(
         parts if parts is not None else out,
         tickets if tickets is not None else out,
         *rope_args,
-        add if add is not None else out,
-        sq_out if sq_out is not None else out,
-        next_norm_weight if add is not None else out,
-        scaled if scaled is not None else out,
-        norm_parts if norm_parts is not None else out,
         fp8.scale if fp8 is not None else out,
         n,
         k,
@@ -917,7 +829,6 @@ def gemv(
         eps,
         qk_eps,
         *rope_ints,
-        norm_parts.numel() if norm_parts is not None else 0,
         *kv_args,
         NORM=norm,
         HAS_RESIDUAL=residual_out is not None,
@@ -931,8 +842,6 @@ def gemv(
         EARLY=early_columns(
             block_k, k_per_split, cfg if early is None else {"early": early}, pdl.enabled(x.device)
         ),
-        ADD=add is not None,
-        NORM_PARTS=triton.next_power_of_2(norm_parts.numel()) if norm_parts is not None else 0,
         W_SCALE=fp8.mode if fp8 is not None else 0,
         SCALE_BN=fp8.block_n if fp8 is not None else 128,
         SCALE_BK=fp8.block_k if fp8 is not None else 128,
@@ -948,10 +857,6 @@ def gemv(
             bias if bias is not None else parts,
             out,
             *rope_args,
-            add if add is not None else out,
-            sq_out if sq_out is not None else out,
-            next_norm_weight if add is not None else out,
-            scaled if scaled is not None else out,
             n,
             qk_eps,
             *rope_ints,
@@ -959,13 +864,10 @@ def gemv(
             SPLIT=split,
             BLOCK=block,
             num_warps=4,
-            ADD=add is not None,
             **kv_consts,
             **consts,
             **pdl.options(x.device),
         )
-    if sq_out is not None:
-        return out, sq_out, scaled
     return out if residual_out is None else (out, residual_out)
 
 
@@ -1076,75 +978,6 @@ def rms_norm_linear_small_m(
     or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
     return _normed_gemv(
         x, residual, norm_weight, eps, weight, bias, act=act, weight_scale=weight_scale,
-        weight_block_size=weight_block_size,
-    )  # fmt: skip
-
-
-def linear_add_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    next_norm_weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See `atom_kernels.ops.linear_add_small_m`."""
-    return gemv(
-        x, weight, bias, add=residual, next_norm_weight=next_norm_weight,
-        weight_scale=weight_scale, weight_block_size=weight_block_size,
-    )  # fmt: skip
-
-
-def rms_scaled_linear_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
-    """See `atom_kernels.ops.rms_scaled_linear_small_m`."""
-    return gemv(
-        scaled, weight, bias, act=act, norm_parts=sq, eps=eps, weight_scale=weight_scale,
-        weight_block_size=weight_block_size,
-    )  # fmt: skip
-
-
-def rms_scaled_linear_rope_store_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    qk_eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
-    """See `atom_kernels.ops.rms_scaled_linear_rope_store_small_m`."""
-    rope = RopeStore(
-        positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-        head_dim, q_norm_weight, k_norm_weight, qk_eps, k_scale, v_scale,
-    )  # fmt: skip
-    return gemv(
-        scaled, weight, bias, rope=rope, norm_parts=sq, eps=eps, weight_scale=weight_scale,
         weight_block_size=weight_block_size,
     )  # fmt: skip
 

@@ -712,56 +712,6 @@ def rms_norm_linear_small_m(
         raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be [{k}]")
 
 
-@op(triton="gemv.linear_add_small_m", on="x")
-def linear_add_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    next_norm_weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`linear_small_m(x, weight, bias)` plus `residual` ([1, N]), the sum rounded to x's dtype
-    as `fused_add_rms_norm` rounds it, with what the RMSNorm after it needs: returns
-    (h, sq, scaled), sq an fp32 vector whose sum is the sum of h's squares (on a GPU one entry
-    per block of outputs, from the GEMV's epilogue; one entry elsewhere) and scaled = h times
-    that norm's weight `next_norm_weight` ([N]), rounded. The GEMV after the norm then takes
-    `scaled` and sq (`rms_scaled_linear_small_m`): the norm needs no launch of its own. FP8
-    weights as `linear_small_m`."""
-    _check_small_m(x, weight, bias, None, weight_scale, weight_block_size)
-    n = weight.shape[0]
-    if residual.shape != (1, n) or not residual.is_contiguous():
-        raise ValueError(f"residual {tuple(residual.shape)} must be one contiguous row [1, {n}]")
-    if next_norm_weight.shape != (n,):
-        raise ValueError(f"next_norm_weight {tuple(next_norm_weight.shape)} must be [{n}]")
-
-
-@op(triton="gemv.rms_scaled_linear_small_m", on="scaled")
-def rms_scaled_linear_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
-    """`linear_small_m(rms_norm(h), ...)` (with `act`) from what `linear_add_small_m` left of
-    the row h: `scaled` (h times the norm's weight) and `sq` (sq.sum() is the sum of h's
-    squares). W times `scaled`, scaled by h's inverse RMS, is W times the normed row: on a GPU
-    the plain GEMV's loop with one multiply of its sums after it, no pass over the row and no
-    norm launch (the normed row is not rounded to the dtype before the product, as the
-    unfused path rounds it: the results differ in the last bits). FP8 weights as
-    `linear_small_m`."""
-    _check_small_m(scaled, weight, bias, act, weight_scale, weight_block_size)
-    if sq.dim() != 1 or sq.dtype != torch.float32 or sq.numel() == 0:
-        raise ValueError(f"sq must be a non-empty fp32 vector (got {tuple(sq.shape)} {sq.dtype})")
-
-
 @op(triton="gemv.rms_norm_linear_rope_store_small_m", on="x")
 def rms_norm_linear_rope_store_small_m(
     x: torch.Tensor,
@@ -797,41 +747,6 @@ def rms_norm_linear_rope_store_small_m(
         x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
         num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps, **fp8, k_scale=k_scale,
         v_scale=v_scale,
-    )  # fmt: skip
-
-
-@op(triton="gemv.rms_scaled_linear_rope_store_small_m", on="scaled")
-def rms_scaled_linear_rope_store_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    qk_eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
-    """`rms_norm_linear_rope_store_small_m` from what `linear_add_small_m` left of the row (see
-    `rms_scaled_linear_small_m`): returns qkv. On a GPU one GEMV launch."""
-    fp8 = dict(weight_scale=weight_scale, weight_block_size=weight_block_size)
-    rms_scaled_linear_small_m.op.check(scaled, sq, eps, weight, bias, **fp8)
-    linear_rope_store_small_m.op.check(
-        scaled, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, qk_eps, **fp8,
-        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 

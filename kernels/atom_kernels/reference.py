@@ -395,51 +395,6 @@ def rms_norm_linear_small_m(
     return y, total
 
 
-def linear_add_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    next_norm_weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h = F.linear(x) + residual rounded to x's dtype, [sum of h's squares], h times
-    next_norm_weight rounded)."""
-    y = _linear(x, weight, bias, weight_scale, weight_block_size)
-    h = (y.float() + residual.float()).to(x.dtype)
-    scaled = (h.float() * next_norm_weight.float()).to(x.dtype)
-    return h, h.float().pow(2).sum().reshape(1), scaled
-
-
-def rms_scaled_linear_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
-    """The product of W and a row already times the norm's weight, scaled by the row's inverse
-    RMS from `sq.sum()`, then the bias and `act`."""
-    y = _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size)
-    return y if act is None else silu_and_mul(y)
-
-
-def _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size):
-    inv_rms = torch.rsqrt(sq.sum() / scaled.shape[-1] + eps)
-    if is_fp8(weight):
-        w = dequantize_fp8(weight, weight_scale, weight_block_size)
-    else:
-        w = weight.float()
-    y = torch.nn.functional.linear(scaled.float(), w) * inv_rms
-    return (y if bias is None else y + bias.float()).to(scaled.dtype)
-
-
 def _add_and_norm(x, residual, norm_weight, eps):
     """(norm(x + residual), x + residual) with the residual left as it was, or (norm(x), x)."""
     if residual is None:
@@ -481,39 +436,6 @@ def rms_norm_linear_rope_store_small_m(
         v_scale=v_scale,
     )  # fmt: skip
     return qkv, total
-
-
-def rms_scaled_linear_rope_store_small_m(
-    scaled: torch.Tensor,
-    sq: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    qk_eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
-    """`rms_scaled_linear_small_m`'s product, then QK-norm, rotary and the cache store as
-    `linear_rope_store_small_m` finishes it."""
-    qkv = _scaled_product(scaled, sq, eps, weight, bias, weight_scale, weight_block_size)
-    qk_norm_rope_store_(
-        qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, qk_eps, k_cache, v_cache,
-        slot_mapping, num_heads, num_kv_heads, head_dim, k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
-    return qkv
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import argparse
 import json
 import re
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
+
+from atom_runtime.models.config import local_hybrid_model_type
 
 # The step token budget when none is given: offline (`LLM`, `atom generate`, `atom bench`) a step
 # carries up to 8,192 tokens, vLLM's figure for a large GPU; `atom serve` takes 4,096, because a
@@ -170,21 +171,13 @@ def _check_sizes(c: EngineConfig) -> None:
 def _check_choices(c: EngineConfig) -> None:
     if c.dtype not in DTYPES:
         raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {c.dtype!r}")
-    if c.load_format not in LOAD_FORMATS:
-        raise ValueError(
-            f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {c.load_format!r}"
-        )
     if c.quantization not in (None, "fp8"):
         raise ValueError(f"quantization: must be fp8 (or unset), got {c.quantization!r}")
-    if c.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {c.kv_cache_dtype!r}"
-        )
-    if c.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
-        raise ValueError(
-            "mamba_ssm_cache_dtype: must be one of "
-            f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}, got {c.mamba_ssm_cache_dtype!r}"
-        )
+    for name, choices in (("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                          ("mamba_ssm_cache_dtype", MAMBA_SSM_CACHE_DTYPES)):  # fmt: skip
+        value = getattr(c, name)
+        if value not in choices:
+            raise ValueError(f"{name}: must be one of {', '.join(choices)}, got {value!r}")
     if not c.enable_chunked_prefill:
         raise ValueError(
             "enable_chunked_prefill: cannot be turned off: long prompts always run in chunks "
@@ -230,7 +223,7 @@ def _pipeline_parallel_refusal(size: int, model: str | None) -> str:
         f"pipeline_parallel_size: must be 1, got {size}: pipeline parallelism is not supported "
         "(split a model across GPUs with --tensor-parallel-size instead)"
     )
-    model_type = _local_hybrid_model_type(model)
+    model_type = local_hybrid_model_type(model)
     if model_type is not None:
         message += (
             f"; {model_type} is a hybrid model, and its state slots and checkpoints need every "
@@ -240,29 +233,9 @@ def _pipeline_parallel_refusal(size: int, model: str | None) -> str:
     return message
 
 
-def _local_hybrid_model_type(model: str | None) -> str | None:
-    """The model_type of a hybrid model given as a local folder or config.json; None otherwise
-    (not hybrid, the default model, a GGUF file (Llama family only), a hub id, unreadable)."""
-    if model is None:
-        return None
-    path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix != ".json" or not path.is_file():
-        return None
-    from atom_runtime.models.config import ModelConfig
-
-    try:
-        config = ModelConfig.from_file(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the refusal stands without the hybrid reason; loading would fail anyway
-    return config.model_type if config.is_hybrid else None
-
-
 # -- flags ---------------------------------------------------------------------------------------
-# One function per argument group, each adding its flags under vLLM's names (contract 10,
-# docs/architecture.md); a new group is a new function in ENGINE_ARGUMENT_GROUPS. Defaults come
-# from EngineConfig and `atom <command> --help` prints them (cli.HelpFormatter).
+# One function per argument group, its flags under vLLM's names (contract 10); a new group is a
+# new function in ENGINE_ARGUMENT_GROUPS. Defaults come from EngineConfig (shown by --help).
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, d: EngineConfig) -> None:

@@ -35,13 +35,6 @@ SMALL_M_KERNELS = EnvVar(
     "checked on a whole batch-1 step), cublas, or gemv (the Triton GEMV on its most fused path).",
     ("auto", "checked", "cublas", "gemv"),
 )
-NORM_IN_PRODUCER = EnvVar(
-    "ATOM_NORM_IN_PRODUCER",
-    "0",
-    "1 offers the batch-1 paths that move the residual add and the RMSNorm's sums into the GEMV "
-    "writing the row. Off: on an H200 the whole step was slower though each fused GEMV won alone.",
-    ("0", "1"),
-)
 STATE_CHECKPOINT_DEMAND = EnvVar(
     "ATOM_STATE_CHECKPOINT_DEMAND",
     "",
@@ -90,7 +83,7 @@ ROUTER_API_KEY = EnvVar(
 )
 KV_EVENTS_PREFIX = "ATOM_KV_EVENTS_"  # ATOM_KV_EVENTS_<FIELD>: a --kv-events-config field
 
-VARIABLES = (API_KEY, CPU_KVCACHE_SPACE, DENSE_PREFILL, SMALL_M_KERNELS, NORM_IN_PRODUCER,
+VARIABLES = (API_KEY, CPU_KVCACHE_SPACE, DENSE_PREFILL, SMALL_M_KERNELS,
              STATE_CHECKPOINT_DEMAND, TP_TIMEOUT_S, GC_FREEZE, GC_DEBUG,
              ENGINE_DEATH_EXIT_DELAY_S, TRANSFER_KEY_FILE, TRANSFER_KEY,
              ROUTER_API_KEY)  # fmt: skip

@@ -111,34 +111,6 @@ def test_fp8_gemv_with_the_rms_norm_in_front(gemv_mod, device, dtype, layout, wi
         assert torch.equal(total, want_total)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["tensor", "block"])
-def test_fp8_gemv_residual_add_then_norm_from_its_parts(gemv_mod, device, dtype, layout):
-    """o_proj-like FP8 GEMV with the residual add and the next norm's parts in its epilogue,
-    then an FP8 gate_up GEMV normed from those parts (the ATOM_NORM_IN_PRODUCER path)."""
-    k, n = 300, 256
-    w1, s1, b1 = quantized_weight(layout, n, k, FP8, device, seed=8)
-    w2, s2, b2 = quantized_weight(layout, 384, n, FP8, device, seed=9)
-    x, residual = _row(k, dtype, device, 10), _row(n, dtype, device, 11)
-    norm_w = (torch.rand(n, generator=torch.Generator().manual_seed(12)) + 0.5).to(dtype)
-    norm_w = norm_w.to(device)
-    h, sq, scaled = gemv_mod.linear_add_small_m(
-        x, w1, residual, norm_w, weight_scale=s1, weight_block_size=b1
-    )
-    h_want, sq_want, scaled_want = reference.linear_add_small_m(
-        x, w1, residual, norm_w, weight_scale=s1, weight_block_size=b1
-    )
-    torch.testing.assert_close(h, h_want, **TOL[dtype])
-    torch.testing.assert_close(sq.sum(), sq_want.sum(), rtol=1e-3, atol=1e-3)
-    got = gemv_mod.rms_scaled_linear_small_m(
-        scaled, sq, 1e-6, w2, act="silu_mul", weight_scale=s2, weight_block_size=b2
-    )
-    want = reference.rms_scaled_linear_small_m(
-        scaled_want, sq_want, 1e-6, w2, act="silu_mul", weight_scale=s2, weight_block_size=b2
-    )
-    torch.testing.assert_close(got, want, **TOL[dtype])
-
-
 def _rope_inputs(head_dim, dtype, cache_dtype, device):
     g = torch.Generator().manual_seed(13)
     angles = torch.rand(8, head_dim // 2, generator=g) * 6

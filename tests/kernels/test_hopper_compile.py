@@ -88,38 +88,32 @@ BF16_VARIANTS = """
         except Exception as exc:
             failed.append(f"gdn_decode_wide {state} BLOCK_V={block_v} PREFETCH={prefetch}: {exc}")
     gemv_ptrs = {
-        "part_ptr": "*fp32", "sq_out_ptr": "*fp32", "sq_in_ptr": "*fp32", "tickets_ptr": "*i32",
-        "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32",
+        "part_ptr": "*fp32", "tickets_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+        "cos_sin_ptr": "*fp32",
     }
-    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N, EARLY, ADD, NORM_PARTS)
-        "plain": (gemv.PLAIN, False, 1, 16, 128, False, 0),
-        "plain, 1,024 columns early": (gemv.PLAIN, False, 1, 16, 1024, False, 0),
-        "plain + residual add and sums of squares, split": (
-            gemv.PLAIN, False, 4, 16, 128, True, 0),
-        "swiglu": (gemv.SWIGLU, False, 1, 16, 128, False, 0),
-        "norm": (gemv.PLAIN, True, 1, 16, 128, False, 0),
-        "scaled row + sums of squares, swiglu": (gemv.SWIGLU, False, 1, 16, 1024, False, 256),
-        "scaled row + sums of squares, split": (gemv.PLAIN, False, 4, 8, 128, False, 256),
-        "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512, False, 0),
-        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128, False, 0),
-        "scaled row + sums of squares, qk-norm + rope": (
-            gemv.NORM_ROPE, False, 4, 128, 512, False, 32),
+    variants = {  # name: (MODE, NORM, SPLIT, BLOCK_N, EARLY)
+        "plain": (gemv.PLAIN, False, 1, 16, 128),
+        "plain, 1,024 columns early": (gemv.PLAIN, False, 1, 16, 1024),
+        "plain, split": (gemv.PLAIN, False, 4, 16, 128),
+        "swiglu": (gemv.SWIGLU, False, 1, 16, 128),
+        "norm": (gemv.PLAIN, True, 1, 16, 128),
+        "norm, split, 512 columns early": (gemv.SWIGLU, True, 2, 16, 512),
+        "norm + qk-norm + rope, split": (gemv.NORM_ROPE, True, 8, 128, 128),
     }
-    for name, (mode, norm, split, block_n, early, add, parts) in variants.items():
+    for name, (mode, norm, split, block_n, early) in variants.items():
         consts = dict(HAS_BIAS=False, MODE=mode, NORM=norm, HAS_RESIDUAL=norm, SPLIT=split,
                       TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128, EARLY=early,
-                      ROW_BLOCK=1024 if norm else 1, HALF=64, HEAD_DIM=128, PDL=False, ADD=add,
-                      NORM_PARTS=parts)
+                      ROW_BLOCK=1024 if norm else 1, HALF=64, HEAD_DIM=128, PDL=False)
         try:
             build(gemv._gemv_kernel, gemv_ptrs, {"eps", "qk_eps"}, consts)
         except Exception as exc:
             failed.append(f"gemv {name}: {exc}")
     reduce_consts = dict(HAS_BIAS=False, MODE=gemv.PLAIN, SPLIT=4, BLOCK=1024, HALF=1,
-                         HEAD_DIM=2, PDL=False, ADD=True)
+                         HEAD_DIM=2, PDL=False)
     try:
         build(gemv._gemv_reduce_kernel, gemv_ptrs, {"qk_eps"}, reduce_consts)
     except Exception as exc:
-        failed.append(f"gemv reduce kernel + residual add: {exc}")
+        failed.append(f"gemv reduce kernel: {exc}")
     attn_ptrs = {
         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
@@ -151,8 +145,8 @@ BF16_VARIANTS = """
 
 FP8_VARIANTS = """
     gemv_ptrs = {
-        "part_ptr": "*fp32", "sq_out_ptr": "*fp32", "sq_in_ptr": "*fp32", "tickets_ptr": "*i32",
-        "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_sin_ptr": "*fp32",
+        "part_ptr": "*fp32", "tickets_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+        "cos_sin_ptr": "*fp32",
     }
     attn_ptrs = {
         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
@@ -172,7 +166,7 @@ FP8_VARIANTS = """
         consts = dict(HAS_BIAS=False, MODE=mode, NORM=False, HAS_RESIDUAL=False, SPLIT=split,
                       TICKETS=split > 1, BLOCK_N=block_n, BLOCK_K=128 if head_dim == 128 else 64,
                       EARLY=early, ROW_BLOCK=1, HALF=head_dim // 2, HEAD_DIM=head_dim, PDL=False,
-                      ADD=False, NORM_PARTS=0, W_SCALE=w_scale, SCALE_BN=128, SCALE_BK=128,
+                      W_SCALE=w_scale, SCALE_BN=128, SCALE_BK=128,
                       SAME_BLOCK=same, KV_FP8=kv_fp8, K_SCALE_PTR=True, V_SCALE_PTR=False)
         try:
             build(gemv._gemv_kernel, fp8_gemv_ptrs, {"eps", "qk_eps"}, consts)

@@ -37,6 +37,7 @@ from atom_runtime.core.spec_schedule import SpeculativeSteps
 from atom_runtime.protocol.engine_core import RequestUpdate, StepOutputs
 from atom_runtime.protocol.spec_decode_stats import SpecDecodingStats
 from atom_runtime.state.chains import CheckpointChains
+from atom_runtime.state.checkpoint_record import CheckpointHit
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 
@@ -104,12 +105,20 @@ class Scheduler(SpeculativeSteps):
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        ck = self.checkpoints
-        bs = self.block_manager.block_size
         boundaries: list[tuple[Sequence, tuple[int, str | None]]] = []
-
         # 1. Running sequences: decodes and unfinished prompt chunks, oldest first.
+        budget = self._schedule_running(batch, self.max_num_batched_tokens, boundaries)
+        # 2. Waiting sequences, while budget, sequence slots and blocks last. No preemption here:
+        # admitting new work never evicts running work.
+        if batch.num_preempted == 0:
+            self._admit_waiting(batch, budget, boundaries)
+        if self.checkpoints is not None:
+            self._take_maintenance(batch, boundaries)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, boundaries: list) -> int:
+        """Put the running sequences that have work into `batch`, oldest first, preempting the
+        newest when blocks run out; returns the token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -135,63 +144,67 @@ class Scheduler(SpeculativeSteps):
                 # A verify step's boundary is known once its acceptance is (`_apply_verified`).
                 if boundary is not None and not seq.num_spec:
                     boundaries.append((seq, boundary))
+        return budget
 
-        # 2. Waiting sequences, while budget, sequence slots and blocks last. No preemption here:
-        # admitting new work never evicts running work.
-        if batch.num_preempted == 0:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                if self.state_pool is not None and not self.state_pool.can_allocate():
-                    break  # every slot is held by a running sequence: wait for one to leave
-                hit = self.block_manager.find_prefix_hit(seq)
-                found = None
-                if ck is not None:
-                    # Resume only where the recurrent state was saved: the deepest READY
-                    # checkpoint at or below the KV hit, pinned before allocating (which may
-                    # reclaim checkpoints). A request that cannot run beside the image it would
-                    # pin would wait for ever for blocks only its own pin holds: it recomputes.
-                    found = ck.store.lookup(seq.block_hashes, len(hit))
-                    if found is not None and not self._fits_beside(seq, found.num_tokens, budget):
-                        found = None
-                    if found is not None:
-                        ck.store.acquire(found.ref)
-                    resume = hit[: found.num_tokens // bs] if found is not None else []
-                else:
-                    resume = hit
-                num_cached = len(resume) * bs
-                num_new = min(seq.num_tokens - num_cached, budget)
-                if not self._allocate_step(seq, num_new, [], resume):
-                    if found is not None:
-                        ck.store.release(found.ref)
-                    break
-                self.waiting.popleft()
-                if self.state_pool is not None:
-                    self.state_pool.allocate(seq)
-                boundary = None
-                if ck is not None:
-                    ck.placement.note_admission(seq.request_id, len(hit) * bs, num_cached)
-                    if found is not None:
-                        ck.maint.queue_restore(seq.request_id, seq.state_slots[0], found)
-                        self._chains.resumed(
-                            seq.request_id, found.ref, ck.store.from_decode(found.ref)
-                        )
-                    # The allocation covered the uncut chunk; a cut only shortens it.
-                    num_new, boundary = self._plan(seq, budget)
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = time.time()
-                    seq.num_cached_tokens = num_cached
-                    self.prefix_queries += seq.num_prompt_tokens
-                    self.prefix_hits += num_cached
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
-                if boundary is not None:
-                    boundaries.append((seq, boundary))
-        if ck is not None:
-            self._take_maintenance(batch, boundaries)
-        return batch
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, boundaries: list) -> None:
+        """Admit waiting sequences into `batch` in arrival order while the budget, the
+        sequence slots, the state slots and the blocks last."""
+        ck = self.checkpoints
+        bs = self.block_manager.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.state_pool is not None and not self.state_pool.can_allocate():
+                break  # every slot is held by a running sequence: wait for one to leave
+            hit = self.block_manager.find_prefix_hit(seq)
+            resume, found = self._resume_point(seq, hit, budget)
+            num_cached = len(resume) * bs
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self._allocate_step(seq, num_new, [], resume):
+                if found is not None:
+                    ck.store.release(found.ref)
+                break
+            self.waiting.popleft()
+            if self.state_pool is not None:
+                self.state_pool.allocate(seq)
+            boundary = None
+            if ck is not None:
+                ck.placement.note_admission(seq.request_id, len(hit) * bs, num_cached)
+                if found is not None:
+                    ck.maint.queue_restore(seq.request_id, seq.state_slots[0], found)
+                    self._chains.resumed(seq.request_id, found.ref, ck.store.from_decode(found.ref))
+                # The allocation covered the uncut chunk; a cut only shortens it.
+                num_new, boundary = self._plan(seq, budget)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.time()
+                seq.num_cached_tokens = num_cached
+                self.prefix_queries += seq.num_prompt_tokens
+                self.prefix_hits += num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            if boundary is not None:
+                boundaries.append((seq, boundary))
+
+    def _resume_point(
+        self, seq: Sequence, hit: list, budget: int
+    ) -> tuple[list, CheckpointHit | None]:
+        """The cached blocks a waiting sequence starts from, and the state checkpoint it
+        resumes (acquired; None without one). A hybrid model resumes only where its recurrent
+        state was saved: the deepest READY checkpoint at or below the KV hit, pinned before
+        allocating (which may reclaim checkpoints). A request that cannot run beside the image
+        it would pin would wait for ever for blocks only its own pin holds: it recomputes."""
+        ck = self.checkpoints
+        if ck is None:
+            return hit, None
+        found = ck.store.lookup(seq.block_hashes, len(hit))
+        if found is not None and not self._fits_beside(seq, found.num_tokens, budget):
+            found = None
+        if found is None:
+            return [], None
+        ck.store.acquire(found.ref)
+        return hit[: found.num_tokens // self.block_manager.block_size], found
 
     # -- state checkpoints ---------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from atom_kernels import ops, varlen_attention
 from atom_kernels.fp8_formats import is_fp8
 from atom_runtime.layers.cache_spec import KVCacheSpec, paged_kv_spec
 from atom_runtime.layers.forward_context import AttentionMetadata, get_attention_metadata
+from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.weights import copy_weight
 from atom_runtime.system.distributed import tp_rank
 
@@ -148,56 +149,27 @@ class PagedAttention(nn.Module):
         k_norm_weight: torch.Tensor | None = None,
         *,
         eps: float = 1e-6,
-        **fp8,
-    ) -> torch.Tensor:
-        """`prepare` of one token fused with the qkv projection that precedes it: one GEMV
-        launch projects x, norms q and k heads (QK-norm, when its weights are given), rotates
-        them, and stores k and v in the cache. Returns q as [1, num_heads, head_dim]. `fp8`:
-        an FP8 weight's keywords (`LinearBase.gemv_scales`)."""
-        self._check_bound()
-        qkv = ops.linear_rope_store_small_m(
-            x, weight, bias, positions, cos_sin_cache, self.k_cache, self.v_cache,
-            self.metadata().slot_mapping, self.num_heads, self.num_kv_heads,
-            self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8, **self.kv_scales(),
-        )  # fmt: skip
-        return self._one_row_q(qkv)
-
-    def prepare_one_row_normed(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        norm_eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        q_norm_weight: torch.Tensor | None = None,
-        k_norm_weight: torch.Tensor | None = None,
-        *,
-        eps: float = 1e-6,
-        summed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
         **fp8,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prepare_one_row` with the layer's input RMSNorm (after adding `residual`) in the
-        same launch. Returns (q, x + residual) (x itself without a residual). With `summed`
-        (x is already summed; (x times the norm's weight, its sums of squares) from the GEMV
-        that wrote it, `SummedRow`; no residual) the GEMV takes its normed input from those."""
+        """`prepare` of one token fused with the qkv projection that precedes it: one GEMV
+        launch projects x, norms q and k heads (QK-norm, when its weights are given), rotates
+        them, and stores k and v in the cache; with `norm`, the layer's input RMSNorm (after
+        adding `residual`, when given) runs in the same launch. Returns (q as [1, num_heads,
+        head_dim], x + residual; x itself without a residual). `fp8`: an FP8 weight's keywords
+        (`LinearBase.gemv_scales`)."""
         self._check_bound()
-        if summed is not None:
-            qkv = ops.rms_scaled_linear_rope_store_small_m(
-                *summed, norm_eps, weight, bias, positions, cos_sin_cache, self.k_cache,
-                self.v_cache, self.metadata().slot_mapping, self.num_heads,
-                self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8,
-                **self.kv_scales(),
-            )  # fmt: skip
+        rope = (
+            positions, cos_sin_cache, self.k_cache, self.v_cache, self.metadata().slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps,
+        )  # fmt: skip
+        if norm is None:
+            qkv = ops.linear_rope_store_small_m(x, weight, bias, *rope, **fp8, **self.kv_scales())
             return self._one_row_q(qkv), x
         qkv, residual = ops.rms_norm_linear_rope_store_small_m(
-            x, residual, norm_weight, norm_eps, weight, bias, positions, cos_sin_cache,
-            self.k_cache, self.v_cache, self.metadata().slot_mapping, self.num_heads,
-            self.num_kv_heads, self.head_dim, q_norm_weight, k_norm_weight, eps, **fp8,
-            **self.kv_scales(),
-        )  # fmt: skip
+            x, residual, norm.weight, norm.eps, weight, bias, *rope, **fp8, **self.kv_scales()
+        )
         return self._one_row_q(qkv), residual
 
     def metadata(self) -> AttentionMetadata:

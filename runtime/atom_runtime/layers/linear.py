@@ -17,7 +17,7 @@ from torch import nn
 from atom_kernels import ops
 from atom_runtime.layers import fp8_linear
 from atom_runtime.layers.forward_context import dense_rows
-from atom_runtime.layers.norm import RMSNorm, SummedRow
+from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.weights import copy_weight
 from atom_runtime.system.distributed import all_reduce, tp_rank, tp_size
 
@@ -63,10 +63,6 @@ class LinearBase(nn.Module):
         # A qkv projection whose output attention may pad for its dense path of fresh prompts:
         # its output then has `forward_context.dense_rows` rows, zeros past the input's.
         self.pads_for_attention = False
-        # A projection whose output the model adds to the residual stream (o_proj, down,
-        # out_proj: `forward_adding`): its GEMV can do the add and leave the sums of squares
-        # the next norm needs.
-        self.residual_after = False
         # One-row inputs (batch-1 decode) go to the Triton GEMV when it won for this layer's
         # group at start-up (worker/kernel_choice.py), with the norm, the activation or the
         # rotary + cache store fused into it when `fuse_norm` / `fuse_act` / `fuse_rope` (else
@@ -78,12 +74,6 @@ class LinearBase(nn.Module):
         self.fuse_norm = False
         self.fuse_act = False
         self.fuse_rope = False
-        # Producer and consumer of a `SummedRow` (ATOM_NORM_IN_PRODUCER=1, worker/kernel_choice.py): the
-        # GEMV adds the residual in its epilogue (`add_residual`), and the GEMV after the next
-        # norm takes the row times the norm's weight and the sums of squares it left
-        # (`fuse_norm_parts`).
-        self.add_residual = False
-        self.fuse_norm_parts = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """act_after(x @ W.T + b)."""
@@ -128,23 +118,10 @@ class LinearBase(nn.Module):
         out[x.shape[0] :].zero_()
         return y
 
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None, norm: RMSNorm
-    ):
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
         """`norm` (an RMSNorm, adding `residual` first when given), then this layer. Returns
-        (output, residual after the add; x itself without a residual, or when `residual` is a
-        `SummedRow`: x is the sum already). A one-row x runs the norm inside the GEMV when the
-        layer's group chose that, from what the SummedRow carries for this norm when it does."""
-        if isinstance(residual, SummedRow):
-            scaled = residual.scaled_for(norm)
-            if self.gemv and self.fuse_norm_parts and x.shape[0] == 1 and scaled is not None:
-                fused = self.act_after if self.fuse_act else None
-                y = ops.rms_scaled_linear_small_m(
-                    scaled, residual.sq, norm.eps, self.weight, self._bias(), act=fused,
-                    **self.gemv_scales(),
-                )  # fmt: skip
-                return (y if fused is not None else self._activate(y)), x
-            residual = None  # the add is done: norm x alone
+        (output, residual after the add; x itself without a residual). A one-row x runs the norm
+        inside the GEMV when the layer's group chose that."""
         if self.gemv and self.fuse_norm and x.shape[0] == 1:
             fused = self.act_after if self.fuse_act else None
             y, residual = ops.rms_norm_linear_small_m(
@@ -154,27 +131,6 @@ class LinearBase(nn.Module):
             return (y if fused is not None else self._activate(y)), residual
         normed, residual = norm.with_residual(x, residual)
         return self(normed), residual
-
-    def forward_adding(
-        self, x: torch.Tensor, residual: torch.Tensor | SummedRow | None, next_norm: RMSNorm
-    ):
-        """This layer, whose output the model adds to `residual` at the next norm, `next_norm`.
-        Returns (output, residual) as they go on to that norm: (self(x), residual), or, for a
-        one-row x when the layer's group adds in its GEMV (`add_residual`, one rank), (x's
-        output + residual, SummedRow with its sums of squares and it times the norm's
-        weight)."""
-        if (
-            self.gemv
-            and self.add_residual
-            and x.shape[0] == 1
-            and isinstance(residual, torch.Tensor)
-            and tp_size() == 1
-        ):
-            h, sq, scaled = ops.linear_add_small_m(
-                x, self.weight, residual, next_norm.weight, self._bias(), **self.gemv_scales()
-            )
-            return h, SummedRow(sq, scaled, next_norm.weight)
-        return self(x), residual
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
         """Whether this input goes through the GEMV with rotary and the cache store in its

@@ -38,12 +38,6 @@ class DecoderTrunk(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        # The norm each layer's output goes to (the next layer's input norm, the final norm
-        # after the last): a projection that adds the residual in its GEMV also leaves the row
-        # times that norm's weight (`LinearBase.forward_adding`). A reference, not a submodule.
-        following = [getattr(layer, "input_layernorm", None) for layer in self.layers[1:]]
-        for layer, next_norm in zip(self.layers, [*following, norm], strict=True):
-            object.__setattr__(layer, "next_norm", next_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -160,6 +160,23 @@ class ModelConfig:
         return cls.from_hf(json.loads(path.read_text()))
 
 
+def local_hybrid_model_type(model: str | None) -> str | None:
+    """The model_type of a hybrid model given as a local folder or config.json; None otherwise
+    (not hybrid, the default model, a GGUF file (Llama family only), a hub id, unreadable)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        config = ModelConfig.from_file(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the refusal stands without the hybrid reason; loading would fail anyway
+    return config.model_type if config.is_hybrid else None
+
+
 def _llama_from_hf(cls, cfg: dict) -> ModelConfig:
     """The fields every Llama-family config.json shares."""
     model_type = cfg.get("model_type", "")
@@ -200,65 +217,23 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
     when the engine cannot serve it."""
     model_type = top["model_type"]
     cfg = dict(top.get("text_config") or top) if model_type in ("qwen3_5", "qwen3_5_moe") else top
-
-    def need(name: str):
-        if cfg.get(name) is None:
-            raise ValueError(f"{name}: missing from the {model_type} config")
-        return cfg[name]
-
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act: {act!r} is not supported for {model_type} (silu only)")
-    num_layers = need("num_hidden_layers")
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        interval = cfg.get("full_attention_interval", 4)
-        if not isinstance(interval, int) or interval < 1:
-            raise ValueError(
-                f"full_attention_interval: must be a positive integer, got {interval!r}"
-            )
-        layer_types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(num_layers)
-        ]
-    layer_types = list(layer_types)
-    if len(layer_types) != num_layers:
-        raise ValueError(
-            f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}"
-        )
-    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
-    if bad:
-        raise ValueError(
-            f"layer_types: {bad} not supported (this engine serves {', '.join(LAYER_TYPES)})"
-        )
-    if "full_attention" not in layer_types:
-        raise ValueError("layer_types: at least one full_attention layer is needed (the KV cache)")
+    layer_types = _hybrid_layer_types(cfg, model_type)
     rope = dict(cfg.get("rope_parameters") or {})
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    heads = need("num_attention_heads")
+    heads = _need(cfg, "num_attention_heads", model_type)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if not 0 < factor <= 1 or int(head_dim * factor) % 2:
-        raise ValueError(
-            f"partial_rotary_factor: {factor} of head_dim {head_dim} must give an even rotary dim"
-        )
-    if cfg.get("attn_output_gate", True) is False:
-        raise ValueError("attn_output_gate: false is not supported (Qwen3.5/Next gate attention)")
-    nk, nv = need("linear_num_key_heads"), need("linear_num_value_heads")
-    if nv % nk:
-        raise ValueError(
-            f"linear_num_value_heads: {nv} is not a multiple of linear_num_key_heads ({nk})"
-        )
-    if need("linear_conv_kernel_dim") < 2:
-        raise ValueError("linear_conv_kernel_dim: must be at least 2")
+    _check_hybrid_mixers(cfg, model_type, head_dim, factor)
     moe = model_type in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
     num_experts = cfg.get("num_experts", 0) if moe else 0
     if num_experts:
-        top_k = need("num_experts_per_tok")
+        top_k = _need(cfg, "num_experts_per_tok", model_type)
         if not 1 <= top_k <= num_experts:
             raise ValueError(
                 f"num_experts_per_tok: {top_k} must be in [1, num_experts={num_experts}]"
             )
-    sparse_step = cfg.get("decoder_sparse_step", 1) or 1
     base = {k: v for k, v in cfg.items() if k not in ("model_type", "rope_scaling")}
     base["model_type"] = "qwen3"  # the Llama-family fields parse the same way
     base.setdefault("intermediate_size", cfg.get("moe_intermediate_size", 0))
@@ -283,23 +258,82 @@ def _hybrid_from_hf(cls, top: dict) -> ModelConfig:
     parsed.quantization_config = top.get("quantization_config") or cfg.get("quantization_config")
     parsed.layer_types = layer_types
     parsed.partial_rotary_factor = float(factor)
-    parsed.linear_num_key_heads = nk
-    parsed.linear_num_value_heads = nv
-    parsed.linear_key_head_dim = need("linear_key_head_dim")
-    parsed.linear_value_head_dim = need("linear_value_head_dim")
+    _set_hybrid_mixer_fields(parsed, cfg)
+    parsed.num_experts = num_experts
+    if num_experts:
+        _set_hybrid_moe_fields(parsed, cfg)
+    return parsed
+
+
+def _hybrid_layer_types(cfg: dict, model_type: str) -> list[str]:
+    """Each layer's kind, from `layer_types` or every `full_attention_interval`-th layer full
+    attention; refused unless the engine serves every kind and one layer holds a KV cache."""
+    num_layers = _need(cfg, "num_hidden_layers", model_type)
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"full_attention_interval: must be a positive integer, got {interval!r}"
+            )
+        layer_types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types: {len(layer_types)} entries for num_hidden_layers={num_layers}"
+        )
+    bad = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        raise ValueError(
+            f"layer_types: {bad} not supported (this engine serves {', '.join(LAYER_TYPES)})"
+        )
+    if "full_attention" not in layer_types:
+        raise ValueError("layer_types: at least one full_attention layer is needed (the KV cache)")
+    return layer_types
+
+
+def _check_hybrid_mixers(cfg: dict, model_type: str, head_dim: int, factor: float) -> None:
+    """Refuse a gated attention or Gated DeltaNet layout the kernels cannot run."""
+    if not 0 < factor <= 1 or int(head_dim * factor) % 2:
+        raise ValueError(
+            f"partial_rotary_factor: {factor} of head_dim {head_dim} must give an even rotary dim"
+        )
+    if cfg.get("attn_output_gate", True) is False:
+        raise ValueError("attn_output_gate: false is not supported (Qwen3.5/Next gate attention)")
+    nk = _need(cfg, "linear_num_key_heads", model_type)
+    nv = _need(cfg, "linear_num_value_heads", model_type)
+    if nv % nk:
+        raise ValueError(
+            f"linear_num_value_heads: {nv} is not a multiple of linear_num_key_heads ({nk})"
+        )
+    if _need(cfg, "linear_conv_kernel_dim", model_type) < 2:
+        raise ValueError("linear_conv_kernel_dim: must be at least 2")
+
+
+def _set_hybrid_mixer_fields(parsed: ModelConfig, cfg: dict) -> None:
+    """The Gated DeltaNet layers' shapes and the multi-token-prediction layers."""
+    model_type = parsed.model_type
+    parsed.linear_num_key_heads = cfg["linear_num_key_heads"]
+    parsed.linear_num_value_heads = cfg["linear_num_value_heads"]
+    parsed.linear_key_head_dim = _need(cfg, "linear_key_head_dim", model_type)
+    parsed.linear_value_head_dim = _need(cfg, "linear_value_head_dim", model_type)
     parsed.linear_conv_kernel_dim = cfg["linear_conv_kernel_dim"]
     parsed.gdn_projection_layout = "interleaved" if model_type == "qwen3_next" else "split"
     parsed.num_nextn_predict_layers = _num_mtp_layers(cfg)
-    parsed.num_experts = num_experts
-    if num_experts:
-        parsed.num_experts_per_tok = cfg["num_experts_per_tok"]
-        parsed.moe_intermediate_size = need("moe_intermediate_size")
-        parsed.shared_expert_intermediate_size = cfg.get("shared_expert_intermediate_size") or 0
-        # Qwen3.5-MoE always renormalises the top-k weights; Qwen3-Next says so in its config.
-        parsed.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
-        parsed.decoder_sparse_step = sparse_step
-        parsed.mlp_only_layers = list(cfg.get("mlp_only_layers") or [])
-    return parsed
+
+
+def _set_hybrid_moe_fields(parsed: ModelConfig, cfg: dict) -> None:
+    """A hybrid MoE's experts: top-k, widths, the shared expert and which layers are sparse."""
+    parsed.num_experts_per_tok = cfg["num_experts_per_tok"]
+    parsed.moe_intermediate_size = _need(cfg, "moe_intermediate_size", parsed.model_type)
+    parsed.shared_expert_intermediate_size = cfg.get("shared_expert_intermediate_size") or 0
+    # Qwen3.5-MoE always renormalises the top-k weights; Qwen3-Next says so in its config.
+    parsed.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    parsed.decoder_sparse_step = cfg.get("decoder_sparse_step", 1) or 1
+    parsed.mlp_only_layers = list(cfg.get("mlp_only_layers") or [])
 
 
 def _need(cfg: dict, name: str, model_type: str):

@@ -80,7 +80,6 @@ class DeepseekAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * mla.v_head_dim, h, bias=cfg.attention_bias
         )
-        self.o_proj.residual_after = True  # the decoder layer adds it to the residual stream
         scale = mla.qk_head_dim**-0.5 * softmax_scale_correction(cfg.rope_scaling)
         self.attn = LatentAttention(
             heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
@@ -116,7 +115,6 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
             self.mlp.gate_up_proj.norm_before = True  # called with the post-attention norm
-            self.mlp.down_proj.residual_after = True  # the layer adds it to the residual stream
         self.dense_mlp = isinstance(self.mlp, DenseMLP)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -127,12 +125,10 @@ class DeepseekDecoderLayer(nn.Module):
         # row, so its post-attention norm runs alone.
         attn, post_norm = self.self_attn, self.post_attention_layernorm
         q, kv_a, residual = attn.project(hidden, residual, self.input_layernorm)
-        hidden, residual = attn.o_proj.forward_adding(
-            attn.attend(positions, q, kv_a), residual, post_norm
-        )
+        hidden = attn.o_proj(attn.attend(positions, q, kv_a))
         if self.dense_mlp:
             h, residual = self.mlp.gate_up_proj.forward_normed(hidden, residual, post_norm)
-            return self.mlp.down_proj.forward_adding(h, residual, self.next_norm)
+            return self.mlp.down_proj(h), residual
         normed, residual = post_norm(hidden, residual)
         return self.mlp(normed), residual
 

@@ -22,7 +22,7 @@ from atom_runtime.layers.linear import (
     RowParallelLinear,
 )
 from atom_runtime.layers.moe import SparseMoE, load_routed_expert
-from atom_runtime.layers.norm import RMSNorm, SummedRow
+from atom_runtime.layers.norm import RMSNorm
 from atom_runtime.layers.rotary import RotaryEmbedding
 from atom_runtime.models.causal_lm import CausalLM, DecoderTrunk
 from atom_runtime.models.config import ModelConfig
@@ -52,7 +52,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.output_bias
         )
-        self.o_proj.residual_after = True  # the decoder layer adds it to the residual stream
         self.rotary = rotary
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -72,36 +71,28 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))
 
-    def attend_normed(self, positions, hidden, residual, norm, next_norm):
+    def attend_normed(self, positions, hidden, residual, norm):
         """`norm` (adding `residual` first when given), the qkv projection, attention, o_proj.
-        Returns (output, residual after the add), as `o_proj.forward_adding` passes them on to
-        `next_norm`."""
+        Returns (output, residual after the add)."""
         proj = self.qkv_proj
         if proj.fuses_rope(hidden):
             rope = (positions, self.rotary.cos_sin_cache)
             if self.q_norm is not None:
                 rope += (self.q_norm.weight, self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 1e-6
-            summed = isinstance(residual, SummedRow)  # down's GEMV added the residual
-            scaled = residual.scaled_for(norm) if summed else None
-            if scaled is not None and proj.fuse_norm_parts:  # the norm from what it left
-                q, residual = self.attn.prepare_one_row_normed(
-                    hidden, None, norm.weight, norm.eps, proj.weight, proj.bias, *rope,
-                    eps=eps, summed=(scaled, residual.sq), **proj.gemv_scales(),
-                )  # fmt: skip
-            elif proj.fuse_norm:  # the input norm in the same launch
-                q, residual = self.attn.prepare_one_row_normed(
-                    hidden, None if summed else residual, norm.weight, norm.eps, proj.weight,
-                    proj.bias, *rope, eps=eps, **proj.gemv_scales(),
+            if proj.fuse_norm:  # the input norm in the same launch
+                q, residual = self.attn.prepare_one_row(
+                    hidden, proj.weight, proj.bias, *rope, eps=eps, norm=norm, residual=residual,
+                    **proj.gemv_scales(),
                 )  # fmt: skip
             else:
                 normed, residual = norm.with_residual(hidden, residual)
-                q = self.attn.prepare_one_row(
+                q, _ = self.attn.prepare_one_row(
                     normed, proj.weight, proj.bias, *rope, eps=eps, **proj.gemv_scales()
                 )
-            return self.o_proj.forward_adding(self.attn(q), residual, next_norm)
+            return self.o_proj(self.attn(q)), residual
         qkv, residual = proj.forward_normed(hidden, residual, norm)
-        return self.o_proj.forward_adding(self.attention(positions, qkv), residual, next_norm)
+        return self.o_proj(self.attention(positions, qkv)), residual
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused qkv projection on: QK-norm, rotary, cache, o_proj."""
@@ -130,7 +121,6 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.norm_before = True
         self.gate_up_proj.act_after = "silu_mul"  # it returns silu(gate) * up
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj.residual_after = True  # the decoder layer adds it to the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -149,16 +139,14 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm runs with the projection after it (one kernel for a one-row batch when
         # the GEMV won for that shape, see layers.linear).
         attn, mlp = self.self_attn, self.mlp
-        hidden, residual = attn.attend_normed(
-            positions, hidden, residual, self.input_layernorm, self.post_attention_layernorm
-        )
+        hidden, residual = attn.attend_normed(positions, hidden, residual, self.input_layernorm)
         if self.sparse:  # the router and the experts read the normed row
             normed, residual = self.post_attention_layernorm(hidden, residual)
             return mlp(normed), residual
         h, residual = mlp.gate_up_proj.forward_normed(
             hidden, residual, self.post_attention_layernorm
         )
-        return mlp.down_proj.forward_adding(h, residual, self.next_norm)
+        return mlp.down_proj(h), residual
 
 
 # Mixtral's checkpoints: `block_sparse_moe` for `mlp`, experts' w1 / w3 / w2 for gate / up / down.

@@ -91,9 +91,8 @@ class GatedAttention(nn.Module):
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, hd**-0.5, q_gate=True)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, residual, next_norm):
-        """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj. Returns
-        (output, residual) as `o_proj.forward_adding` passes them on to `next_norm`."""
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the qkv projection on: norms, rotary, cache, gate, o_proj."""
         t, hd, nh = qkv.shape[0], self.head_dim, self.num_heads
         # One launch: q/k norms, partial rotary, k/v into the cache; q stays in qkv beside its gate.
         q, k, v = self.attn.prepare(
@@ -102,7 +101,7 @@ class GatedAttention(nn.Module):
         )  # fmt: skip
         gate = qkv[:, : nh * 2 * hd].view(t, nh, 2 * hd)[..., hd:]
         out = ops.sigmoid_gate_mul(self.attn(q, k, v).view(t, nh, hd), gate)
-        return self.o_proj.forward_adding(out.view(t, nh * hd), residual, next_norm)
+        return self.o_proj(out.view(t, nh * hd))
 
 
 class GatedDeltaNet(nn.Module):
@@ -140,7 +139,6 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias.weight_loader = _narrow_rank
         self.norm = RMSNorm(self.v_dim, cfg.rms_norm_eps)  # gated; plain weight, not 1 + w
         self.out_proj = RowParallelLinear(value_all, cfg.hidden_size)
-        self.out_proj.residual_after = True  # the decoder layer adds it to the residual stream
         # Bound by the model runner: [slots, conv_dim, width - 1] and [slots, Hv, Dk, Dv].
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
@@ -200,9 +198,8 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"linear_attn.{kind}: not a Gated DeltaNet projection")
 
-    def mix(self, proj: torch.Tensor, residual, next_norm):
-        """The layer from in_proj's output on: conv, gates, recurrence, gated norm, out_proj.
-        Returns (output, residual) as `out_proj.forward_adding` passes them on to `next_norm`."""
+    def mix(self, proj: torch.Tensor) -> torch.Tensor:
+        """The layer from in_proj's output on: conv, gates, recurrence, gated norm, out_proj."""
         if self.ssm_state.numel() == 0:
             raise RuntimeError("state slots not allocated: the model runner binds them first")
         meta = get_state_metadata()
@@ -217,7 +214,7 @@ class GatedDeltaNet(nn.Module):
                 self.dt_bias, self.norm.weight, self.norm.eps, meta.slot_ids,
                 meta.has_initial_state, self.k_dim**-0.5,
             )  # fmt: skip
-            return self.out_proj.forward_adding(o, residual, next_norm)
+            return self.out_proj(o)
         z = proj[:, self.conv_dim : self.conv_dim + vs]
         b = proj[:, self.conv_dim + vs : self.conv_dim + vs + nv]
         a = proj[:, self.conv_dim + vs + nv :]
@@ -238,7 +235,7 @@ class GatedDeltaNet(nn.Module):
             self.norm.weight,
             self.norm.eps,
         )
-        return self.out_proj.forward_adding(o.reshape(t, vs), residual, next_norm)
+        return self.out_proj(o.reshape(t, vs))
 
     @staticmethod
     def _run_rows(plain, verified, meta, head: tuple, tail: tuple) -> torch.Tensor:
@@ -265,7 +262,6 @@ class HybridDecoderLayer(nn.Module):
             self.mlp = SparseMoE(cfg.moe_spec())
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-            self.mlp.down_proj.residual_after = True  # the layer adds it to the residual stream
         self.dense_mlp = isinstance(self.mlp, DenseMLP)
         if self.dense_mlp:
             self.mlp.gate_up_proj.norm_before = True  # called with the post-attention norm
@@ -279,14 +275,14 @@ class HybridDecoderLayer(nn.Module):
         norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if self.is_linear:
             proj, residual = self.linear_attn.in_proj.forward_normed(hidden, residual, norm)
-            mixed, residual = self.linear_attn.mix(proj, residual, post_norm)
+            mixed = self.linear_attn.mix(proj)
         else:
             qkv, residual = self.self_attn.qkv_proj.forward_normed(hidden, residual, norm)
-            mixed, residual = self.self_attn.attend(positions, qkv, residual, post_norm)
+            mixed = self.self_attn.attend(positions, qkv)
         if self.dense_mlp:
             gate_up = self.mlp.gate_up_proj
             h, residual = gate_up.forward_normed(mixed, residual, post_norm)
-            return self.mlp.down_proj.forward_adding(h, residual, self.next_norm)
+            return self.mlp.down_proj(h), residual
         normed, residual = post_norm(mixed, residual)
         return self.mlp(normed), residual
 

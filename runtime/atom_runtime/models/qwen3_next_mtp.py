@@ -50,8 +50,6 @@ class Qwen3NextMtp(nn.Module):
         self.model = nn.Module()  # `model.layers.N`: the names the hybrid loaders expect
         self.model.layers = nn.ModuleList(HybridDecoderLayer(layer_cfg, i) for i in range(n))
         self.norm = OffsetRMSNorm(h, eps)
-        for layer in self.model.layers:
-            object.__setattr__(layer, "next_norm", self.norm)
         # The target's embedding and LM head, shared (not submodules: they stay its weights).
         object.__setattr__(self, "target", target)
 

@@ -6,22 +6,12 @@ operator, which scales a role up from zero replicas while the gauge is above zer
 
 from __future__ import annotations
 
-import asyncio
-
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from atom_runtime.router.backends import ROLES, BackendPool
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from atom_runtime.web.metrics import metrics_registry, render
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)  # fmt: skip
@@ -52,9 +42,7 @@ class _BackendCollector(Collector):
 
 class RouterMetrics:
     def __init__(self, pool: BackendPool) -> None:
-        disable_created_metrics()
-        self.registry = r = CollectorRegistry(auto_describe=False)
-        r.register(_BackendCollector(pool))
+        self.registry = r = metrics_registry(_BackendCollector(pool))
         self.requests = Counter(
             "atom:router_requests",
             "Requests answered by the router, by route and HTTP status.",
@@ -123,4 +111,4 @@ class RouterMetrics:
             self.fallbacks.labels(reason)
 
     async def render(self) -> bytes:
-        return await asyncio.to_thread(generate_latest, self.registry)
+        return await render(self.registry)

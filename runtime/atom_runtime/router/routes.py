@@ -20,10 +20,10 @@ from starlette.requests import ClientDisconnect
 
 from atom_runtime.router.app import Router
 from atom_runtime.router.config import RouterError
-from atom_runtime.router.metrics import CONTENT_TYPE
 from atom_runtime.web.api_key import APIKeyGuard
 from atom_runtime.web.body_limit import BodyLimit
 from atom_runtime.web.errors import APIError
+from atom_runtime.web.metrics import CONTENT_TYPE
 from atom_runtime.web.request_io import json_response, wait_disconnect
 
 log = logging.getLogger(__name__)

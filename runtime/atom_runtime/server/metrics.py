@@ -9,24 +9,15 @@ event loop. prometheus-client appends `_total` to counters, so they are declared
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from atom_runtime.protocol.engine_core import EngineStats
 from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from atom_runtime.web.metrics import metrics_registry, render
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -141,11 +132,7 @@ def _kv_transfer_metrics(t: KVTransferStats):
 
 class ServerMetrics:
     def __init__(self, latest_stats: Callable[[], EngineStats | None]) -> None:
-        # `*_created` series double the scrape for nothing a rate() needs (process-global switch).
-        disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineStatsCollector(latest_stats))
-        r = self.registry
+        self.registry = r = metrics_registry(EngineStatsCollector(latest_stats))
         self.requests_finished = Counter(
             "atom:requests_finished",
             "Requests finished, by finish reason (stop, length, abort).",
@@ -209,4 +196,4 @@ class ServerMetrics:
             self.queue.observe(max(0.0, queue_time))
 
     async def render(self) -> bytes:
-        return await asyncio.to_thread(generate_latest, self.registry)
+        return await render(self.registry)

@@ -174,6 +174,18 @@ def chat_logprobs(
     return {"content": content}
 
 
+def _choice(index: int, key: str, body, logprobs, finish_reason, stop_reason) -> dict:
+    """One choice of a response or a stream chunk: `key` ("text", "message" or "delta") holds
+    what it carries; OpenAI's field order."""
+    return {
+        "index": index,
+        key: body,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
 def completion_choice(
     index: int,
     text: str,
@@ -181,13 +193,7 @@ def completion_choice(
     stop_reason: int | str | None,
     logprobs: dict | None,
 ) -> dict:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
+    return _choice(index, "text", text, logprobs, finish_reason, stop_reason)
 
 
 def chat_choice(
@@ -208,13 +214,7 @@ def chat_choice(
         message["reasoning_content"] = reasoning_content
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {
-        "index": index,
-        "message": message,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
+    return _choice(index, "message", message, logprobs, finish_reason, stop_reason)
 
 
 def chat_delta_choice(
@@ -224,13 +224,7 @@ def chat_delta_choice(
     stop_reason: int | str | None,
     logprobs: dict | None,
 ) -> dict:
-    return {
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
+    return _choice(index, "delta", delta, logprobs, finish_reason, stop_reason)
 
 
 def completion_body(

@@ -10,8 +10,7 @@ gets a folder of its own, so a stale result is never used. In it:
     triton/            TRITON_CACHE_DIR (set for this process and the workers it starts,
                        unless the variable is already set)
     kernel_timings.json   per layer group, the batch-1 path chosen; per weight shape, the GEMV
-                       launch shape; for each ATOM_SMALL_M_KERNELS / ATOM_NORM_IN_PRODUCER
-                       setting apart
+                       launch shape; for each ATOM_SMALL_M_KERNELS setting apart
 
 A second start with the same key skips the timing of every group it finds (logged).
 """

@@ -51,17 +51,6 @@ REFINE_MARGIN = 0.01
 # choices on a whole batch-1 step (`refine_small_m_kernels`); "cublas": always cuBLAS;
 # "gemv": always the Triton GEMV, on the most fused path a layer has (`small_m_paths`' last).
 SMALL_M_ENV = envs.SMALL_M_KERNELS.name
-# "1": the residual add, the RMSNorm's sum of squares and the row times the norm's weight move
-# into the GEMV that writes the row (o_proj, down, out_proj: "gemv+add"), and the GEMV after the
-# norm multiplies by that row and scales its sums by the inverse RMS ("gemv+sumnorm"), so the
-# norm needs no launch of its own. Off by default: on an H200 it made the whole batch-1 step
-# slower though each fused GEMV won alone (docs/kernels.md).
-NORM_IN_PRODUCER_ENV = envs.NORM_IN_PRODUCER.name
-
-
-def norm_in_producer() -> bool:
-    """ATOM_NORM_IN_PRODUCER=1: offer the "gemv+add" and "gemv+sumnorm" paths."""
-    return envs.NORM_IN_PRODUCER.value() == "1"
 
 
 def select_small_m_kernels(
@@ -95,8 +84,7 @@ def small_m_groups(model: nn.Module) -> dict[str, list[LinearBase]]:
             n, k = module.weight.shape
             norm = "rmsnorm+" if module.norm_before else ""
             act = f"+{module.act_after}" if module.act_after else ""
-            adds = "+residual" if module.residual_after and norm_in_producer() else ""
-            groups[f"{norm}{n}x{k}{act}{adds}{_fp8_tag(module)}"].append(module)
+            groups[f"{norm}{n}x{k}{act}{_fp8_tag(module)}"].append(module)
     return groups
 
 
@@ -115,11 +103,7 @@ def _run_dtype(layer: LinearBase) -> torch.dtype:
 def small_m_paths(layer: LinearBase) -> list[str]:
     """The one-row paths a layer can take: "cublas", "gemv", and the GEMV with what the layer
     has around it fused in: "gemv+norm", "gemv+act", "gemv+norm+act", "gemv+rope" (with
-    QK-norm when the model has it), "gemv+norm+rope"; with ATOM_NORM_IN_PRODUCER=1 also
-    "gemv+add" (the residual add, the next norm's sums of squares and the row times its weight
-    in the epilogue) for a layer whose output goes to the residual stream, "gemv+sumnorm",
-    "gemv+sumnorm+act" and "gemv+sumnorm+rope" (the normed input from those) for one after a
-    norm."""
+    QK-norm when the model has it), "gemv+norm+rope"."""
     paths = ["cublas", "gemv"]
     if layer.norm_before:
         paths.append("gemv+norm")
@@ -133,15 +117,6 @@ def small_m_paths(layer: LinearBase) -> list[str]:
         paths.append("gemv+act")
         if layer.norm_before:
             paths.append("gemv+norm+act")
-    if norm_in_producer():
-        if layer.residual_after:
-            paths.append("gemv+add")
-        if layer.norm_before:
-            paths.append("gemv+sumnorm")
-            if layer.act_after is not None:
-                paths.append("gemv+sumnorm+act")
-            if "gemv+rope" in paths:
-                paths.append("gemv+sumnorm+rope")
     return paths
 
 
@@ -151,8 +126,6 @@ def use_small_m_path(layers: list[LinearBase], path: str) -> None:
         m.fuse_norm = "+norm" in path
         m.fuse_act = "+act" in path
         m.fuse_rope = "+rope" in path
-        m.add_residual = "+add" in path
-        m.fuse_norm_parts = "+sumnorm" in path
 
 
 def choose_small_m_kernels(
@@ -174,7 +147,7 @@ def choose_small_m_kernels(
     mode = small_m_mode()
     if device.type != "cuda" or mode == "cublas":
         return {}
-    cache_mode = f"{mode}/norm_in_producer={int(norm_in_producer())}"
+    cache_mode = mode
     choice: dict[str, str] = {}
     tuned: set[tuple[int, int]] = set()
     recalled = 0
@@ -231,23 +204,13 @@ def _time_group(key: str, layers: list[LinearBase], paths: list[str]) -> str:
     built = that_build(paths[1:], lambda p, fns=fns, m=first: fns[p](m), f"one-row {key}")
     usable = ["cublas", *built]
     runs = [lambda fn=fns[p]: [fn(m) for m in layers] for p in usable]  # noqa: B023
-    adds = "gemv+add" in usable
-    if adds:  # and the norm's launch after each layer, which the add path saves
-        runs.append(_norm_launches(layers))
-    times = graph_times(*runs)
-    timed = dict(zip(usable, times[: len(usable)], strict=True))
+    timed = dict(zip(usable, graph_times(*runs), strict=True))
     best = min(timed, key=timed.get)
-    if adds and timed["gemv+add"] < timed[best] + times[-1]:
-        # The add path leaves the norm after it nothing to launch (the next GEMV takes the
-        # row from this one's epilogue): timed alone it cannot show that, so it wins when
-        # it costs less than the fastest path and that norm's launch.
-        best = "gemv+add"
     log.info(
-        "one-row %s projections (%d layers): %s%s -> %s",
+        "one-row %s projections (%d layers): %s -> %s",
         key,
         len(layers),
         ", ".join(f"{path} {t * 1e3 / len(layers):.1f} us" for path, t in timed.items()),
-        f"; the norm after it {times[-1] * 1e3 / len(layers):.1f} us" if adds else "",
         best,
     )
     return best
@@ -380,15 +343,6 @@ def refine_small_m_kernels(
     return choice
 
 
-def _norm_launches(layers: list[LinearBase]):
-    """A function launching the residual add + RMSNorm of one output row of each layer, as the
-    norm after a projection that adds to the residual stream runs without the add path."""
-    like = layers[0].weight
-    row = torch.randn(1, like.shape[0], dtype=_run_dtype(layers[0]), device=like.device)
-    residual, weight = torch.randn_like(row), torch.ones_like(row[0])
-    return lambda: [ops.fused_add_rms_norm(row, residual, weight, 1e-6) for _ in layers]
-
-
 def _one_row_paths(layer: LinearBase) -> dict:
     """{path name: function of a layer of the group}: a one-row product with that layer's
     weight (and FP8 scales) along each of the layer's paths, with the add + RMSNorm before it,
@@ -400,11 +354,6 @@ def _one_row_paths(layer: LinearBase) -> dict:
     x = torch.randn(1, k, dtype=dtype, device=dev)
     residual = torch.randn_like(x)
     norm_w = torch.ones(k, dtype=dtype, device=dev)
-    # Stand-ins for a producer's residual row and the next norm's weight, and for a consumer's
-    # sums of squares from its producer (blocks of 16 rows; x stands in for the scaled row).
-    out_residual = torch.randn(1, like.shape[0], dtype=dtype, device=dev)
-    next_norm_w = torch.ones(like.shape[0], dtype=dtype, device=dev)
-    sq = torch.ones(-(-k // 16), dtype=torch.float32, device=dev)
     rope = _rope_target(layer) if layer.rope_after else None
     qk_norms = (None, None)
     if layer.qk_norm_after:  # stand-in QK-norm weights for a QK-norm model's qkv
@@ -416,19 +365,11 @@ def _one_row_paths(layer: LinearBase) -> dict:
 
         def run(m: LinearBase):
             w, f = m.weight, m.gemv_scales()
-            if path == "gemv+add":
-                return ops.linear_add_small_m(x, w, out_residual, next_norm_w, **f)
-            if "+sumnorm" in path and fuse_rope:
-                return ops.rms_scaled_linear_rope_store_small_m(
-                    x, sq, 1e-6, w, None, *rope, *qk_norms, 1e-6, **f
-                )
             if fuse_norm and fuse_rope:
                 return ops.rms_norm_linear_rope_store_small_m(
                     x, residual, norm_w, 1e-6, w, None, *rope, *qk_norms, 1e-6, **f
                 )[0]
-            if "+sumnorm" in path:
-                y = ops.rms_scaled_linear_small_m(x, sq, 1e-6, w, act=fused_act, **f)
-            elif fuse_norm:
+            if fuse_norm:
                 y = ops.rms_norm_linear_small_m(x, residual, norm_w, 1e-6, w, act=fused_act, **f)[0]
             else:
                 h = ops.fused_add_rms_norm(x, residual, norm_w, 1e-6)[0] if layer.norm_before else x

@@ -27,9 +27,6 @@ from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import Sequence
 from atom_runtime.layers.attention import PagedAttention
 from atom_runtime.layers.forward_context import (
-    AttentionMetadata,
-    StateMetadata,
-    fresh_chunk_lengths,
     set_attention_metadata,
     set_state_metadata,
 )
@@ -43,7 +40,7 @@ from atom_runtime.state.checkpoint_spec import (
 from atom_runtime.state.copy_plan import StateCopyPlan
 from atom_runtime.state.slot_pool import StateTensors, ssm_state_dtype
 from atom_runtime.system import startup
-from atom_runtime.system.device import resolve_device, resolve_dtype, to_device, to_device_many
+from atom_runtime.system.device import resolve_device, resolve_dtype, to_device
 from atom_runtime.system.distributed import all_reduce_min, tp_rank, tp_size
 from atom_runtime.worker.cache_memory import CacheMemory
 from atom_runtime.worker.compile_cache import open_compile_cache
@@ -114,16 +111,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.drafter = make_drafter(self.spec, config, model_config, self.model, self.dtype)
         if self.drafter is not None and self.kv_cache_dtype != self.dtype:
             self._use_kv_cache_dtype(self.kv_layers()[len(attn) :])  # the drafter's cache too
-        # Hybrid models: per-request recurrent state in slots, sized next to the KV cache; with
-        # speculation a sequence holds one slot per verified position (1 + k).
-        state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
-        self.state = None
-        if state_layers:
-            ssm_dtype = ssm_state_dtype(config.mamba_ssm_cache_dtype)
-            self.state = StateTensors(state_layers, self.dtype, self.device, ssm_dtype)
-        self.state_slots_per_request = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
-        self.num_state_slots = 0
-        self._planned_slots = 0
+        self._init_state(config)
         with phases.phase("kv_cache"):
             # Every rank must hold the same block ids: the cache is as large as the smallest
             # allows.
@@ -140,6 +128,28 @@ class ModelRunner(CacheMemory, StepInputPreparation):
             )
             self.few_row_kernels = self._choose_verify_kernels()
         self.sampler = Sampler(self.device, model_config.vocab_size)
+        self._init_step_records()
+        self.graphs = DecodeGraphs()
+        self.prefill_graphs = PrefillGraphs()
+        self.verify_graphs = VerifyGraphs()
+        self.draft_graphs = DecodeGraphs()
+        # Banned until min_tokens is reached; the engine sets them once the model is known.
+        self.eos_token_ids: list[int] = []
+
+    def _init_state(self, config: EngineConfig) -> None:
+        """Hybrid models: per-request recurrent state in slots, sized next to the KV cache; with
+        speculation a sequence holds one slot per verified position (1 + k)."""
+        state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
+        self.state = None
+        if state_layers:
+            ssm_dtype = ssm_state_dtype(config.mamba_ssm_cache_dtype)
+            self.state = StateTensors(state_layers, self.dtype, self.device, ssm_dtype)
+        self.state_slots_per_request = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
+        self.num_state_slots = 0
+        self._planned_slots = 0
+
+    def _init_step_records(self) -> None:
+        """What one step leaves for the next, empty before the first."""
         # The last prepared step's prompt_logprobs work: (sequence, first position, index of its
         # first logits row, rows), and where the sampling rows sit among the logits rows (None:
         # every logits row samples).
@@ -154,12 +164,6 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         # them (an MTP head).
         self._step_chunks: dict[int, StepChunk] | None = None
         self._last_hidden: torch.Tensor | None = None
-        self.graphs = DecodeGraphs()
-        self.prefill_graphs = PrefillGraphs()
-        self.verify_graphs = VerifyGraphs()
-        self.draft_graphs = DecodeGraphs()
-        # Banned until min_tokens is reached; the engine sets them once the model is known.
-        self.eos_token_ids: list[int] = []
 
     def _choose_verify_kernels(self) -> dict[str, str]:
         """Speculative decoding: the few-row path of the target's projections for a batch-1
@@ -363,97 +367,50 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         The batch's checkpoint copies run first, eagerly (outside any CUDA graph)."""
         if inputs.state_copy is not None:
             self.copy_state(inputs.state_copy)
-        if inputs.decode_only and self.graphs:
-            logits = self.graphs.replay(inputs, self._fill_pending)
-            if logits is not None:
-                self._keep_hidden(self.graphs.last_hidden)
-                rows = inputs.sample_rows
-                if len(rows) == len(inputs.input_ids):
-                    return logits
-                # A one-token prompt chunk short of the prompt's end is decode-shaped but does
-                # not sample: keep only the sample rows.
-                return logits[to_device(rows, self.device)] if len(rows) else None
-        if not inputs.decode_only and self.verify_graphs:
-            logits = self.verify_graphs.replay(inputs)
-            if logits is not None:
-                self._keep_hidden(self.verify_graphs.last_hidden)
-                return logits
-        if not inputs.decode_only and self.prefill_graphs:
-            logits = self.prefill_graphs.replay(inputs, self._fill_pending)
-            if logits is not None:
-                self._keep_hidden(self.prefill_graphs.last_hidden)
-                return logits if len(logits) else None
-        dev = self.device
-        decode_only = inputs.decode_only
-        host = {
-            "slot_mapping": inputs.slot_mapping,
-            "block_tables": inputs.block_tables,
-            "seq_lens": inputs.seq_lens,
-            "cu_seqlens_q": inputs.cu_seqlens_q,
-            "input_ids": inputs.input_ids,
-            "positions": inputs.positions,
-            "sample_rows": inputs.sample_rows,
-        }
-        if inputs.state_slots is not None:
-            host["state_slots"] = inputs.state_slots
-            host["has_initial_state"] = inputs.has_initial_state
-        if inputs.window_block_tables is not None:
-            host["window_slot_mapping"] = inputs.window_slot_mapping
-            host["window_block_tables"] = inputs.window_block_tables
-        if inputs.spec_slots is not None:
-            host["spec_slots"] = inputs.spec_slots
-        # One pinned staging buffer and one copy for the whole step (device.to_device_many).
-        d = dict(zip(host, to_device_many(list(host.values()), dev), strict=True))
-        fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
-        meta = AttentionMetadata(
-            slot_mapping=d["slot_mapping"],
-            block_tables=d["block_tables"],
-            seq_lens=d["seq_lens"],
-            decode_only=decode_only,
-            cu_seqlens_q=None if decode_only else d["cu_seqlens_q"],
-            max_seqlen_q=inputs.max_seqlen_q,
-            fresh_chunks=fresh,
-            dense_rows=self._dense_rows(fresh),
-        )
-        if not decode_only:  # host copies for layers that plan a step on the host (MLA)
-            meta.host_cu_seqlens_q = inputs.cu_seqlens_q
-            meta.host_seq_lens = inputs.seq_lens
-            meta.host_block_tables = inputs.block_tables
-        if inputs.window_block_tables is not None:
-            meta.window = AttentionMetadata(
-                slot_mapping=d["window_slot_mapping"],
-                block_tables=d["window_block_tables"],
-                seq_lens=meta.seq_lens,
-                decode_only=decode_only,
-                cu_seqlens_q=meta.cu_seqlens_q,
-                max_seqlen_q=meta.max_seqlen_q,
-            )
+        replayed, logits = self._replay_graph(inputs)
+        if replayed:
+            return logits
+        d, meta, state_meta = self._step_metadata(inputs)
         input_ids = d["input_ids"]
         if inputs.pending_sources is not None:
             self._fill_pending(input_ids, inputs.pending_sources)
-        positions = d["positions"]
-        rows = d["sample_rows"]
         set_attention_metadata(meta)
-        if inputs.state_slots is not None:
-            set_state_metadata(
-                StateMetadata(
-                    query_start_loc=d["cu_seqlens_q"],
-                    slot_ids=d["state_slots"],
-                    has_initial_state=d["has_initial_state"],
-                    spec_slots=d.get("spec_slots"),
-                    spec_only=inputs.spec_slots is not None
-                    and bool((inputs.spec_slots[:, 0] >= 0).all()),
-                )
-            )
+        if state_meta is not None:
+            set_state_metadata(state_meta)
         try:
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, d["positions"])
         finally:
             set_attention_metadata(None)
             set_state_metadata(None)
         self._keep_hidden(hidden)
         if len(inputs.sample_rows) == 0:
             return None
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[d["sample_rows"]]).float()
+
+    def _replay_graph(self, inputs: StepInputs) -> tuple[bool, torch.Tensor | None]:
+        """(True, the sample rows' logits or None) when a captured CUDA graph ran the step: the
+        decode graphs, the verify graphs or the prefill graphs; (False, None) when none fits."""
+        if inputs.decode_only and self.graphs:
+            logits = self.graphs.replay(inputs, self._fill_pending)
+            if logits is not None:
+                self._keep_hidden(self.graphs.last_hidden)
+                rows = inputs.sample_rows
+                if len(rows) == len(inputs.input_ids):
+                    return True, logits
+                # A one-token prompt chunk short of the prompt's end is decode-shaped but does
+                # not sample: keep only the sample rows.
+                return True, logits[to_device(rows, self.device)] if len(rows) else None
+        if not inputs.decode_only and self.verify_graphs:
+            logits = self.verify_graphs.replay(inputs)
+            if logits is not None:
+                self._keep_hidden(self.verify_graphs.last_hidden)
+                return True, logits
+        if not inputs.decode_only and self.prefill_graphs:
+            logits = self.prefill_graphs.replay(inputs, self._fill_pending)
+            if logits is not None:
+                self._keep_hidden(self.prefill_graphs.last_hidden)
+                return True, logits if len(logits) else None
+        return False, None
 
     def _keep_hidden(self, hidden: torch.Tensor) -> None:
         """The step's hidden states, for a drafter that drafts from them (an MTP head)."""

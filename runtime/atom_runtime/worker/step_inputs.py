@@ -9,9 +9,14 @@ import torch
 
 from atom_runtime.core.batch import ScheduledBatch
 from atom_runtime.core.sequence import PENDING_TOKEN, Sequence
+from atom_runtime.layers.forward_context import (
+    AttentionMetadata,
+    StateMetadata,
+    fresh_chunk_lengths,
+)
 from atom_runtime.protocol.worker import StepInputs
 from atom_runtime.spec_decode.proposer import StepChunk
-from atom_runtime.system.device import to_device
+from atom_runtime.system.device import to_device, to_device_many
 
 
 class StepInputPreparation:
@@ -203,6 +208,67 @@ class StepInputPreparation:
         )
         if any(seq.num_spec for seq in seqs):
             inputs.spec_slots = _spec_slots(seqs, np.diff(inputs.cu_seqlens_q), inputs.state_slots)
+
+    def _step_metadata(
+        self, inputs: StepInputs
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata, StateMetadata | None]:
+        """An eager step's host arrays on the device (by name: input_ids, positions,
+        sample_rows, ...), its attention metadata and, for a hybrid model, its state metadata."""
+        decode_only = inputs.decode_only
+        host = {
+            "slot_mapping": inputs.slot_mapping,
+            "block_tables": inputs.block_tables,
+            "seq_lens": inputs.seq_lens,
+            "cu_seqlens_q": inputs.cu_seqlens_q,
+            "input_ids": inputs.input_ids,
+            "positions": inputs.positions,
+            "sample_rows": inputs.sample_rows,
+        }
+        if inputs.state_slots is not None:
+            host["state_slots"] = inputs.state_slots
+            host["has_initial_state"] = inputs.has_initial_state
+        if inputs.window_block_tables is not None:
+            host["window_slot_mapping"] = inputs.window_slot_mapping
+            host["window_block_tables"] = inputs.window_block_tables
+        if inputs.spec_slots is not None:
+            host["spec_slots"] = inputs.spec_slots
+        # One pinned staging buffer and one copy for the whole step (device.to_device_many).
+        d = dict(zip(host, to_device_many(list(host.values()), self.device), strict=True))
+        fresh = None if decode_only else fresh_chunk_lengths(inputs.cu_seqlens_q, inputs.seq_lens)
+        meta = AttentionMetadata(
+            slot_mapping=d["slot_mapping"],
+            block_tables=d["block_tables"],
+            seq_lens=d["seq_lens"],
+            decode_only=decode_only,
+            cu_seqlens_q=None if decode_only else d["cu_seqlens_q"],
+            max_seqlen_q=inputs.max_seqlen_q,
+            fresh_chunks=fresh,
+            dense_rows=self._dense_rows(fresh),
+        )
+        if not decode_only:  # host copies for layers that plan a step on the host (MLA)
+            meta.host_cu_seqlens_q = inputs.cu_seqlens_q
+            meta.host_seq_lens = inputs.seq_lens
+            meta.host_block_tables = inputs.block_tables
+        if inputs.window_block_tables is not None:
+            meta.window = AttentionMetadata(
+                slot_mapping=d["window_slot_mapping"],
+                block_tables=d["window_block_tables"],
+                seq_lens=meta.seq_lens,
+                decode_only=decode_only,
+                cu_seqlens_q=meta.cu_seqlens_q,
+                max_seqlen_q=meta.max_seqlen_q,
+            )
+        state_meta = None
+        if inputs.state_slots is not None:
+            state_meta = StateMetadata(
+                query_start_loc=d["cu_seqlens_q"],
+                slot_ids=d["state_slots"],
+                has_initial_state=d["has_initial_state"],
+                spec_slots=d.get("spec_slots"),
+                spec_only=inputs.spec_slots is not None
+                and bool((inputs.spec_slots[:, 0] >= 0).all()),
+            )
+        return d, meta, state_meta
 
 
 def _spec_slots(seqs: list[Sequence], q_lens: np.ndarray, state_slots: np.ndarray) -> np.ndarray:

@@ -7,15 +7,12 @@ be those of one rank, also when chunked prefill carries the state across chunks.
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 
 from atom_runtime import LLM
-from atom_runtime.system import distributed
 from tests.hf_reference import atom_greedy, random_prompts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_leftover_tp_workers")]
 
 
 PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
@@ -34,14 +31,6 @@ def _run(folder, tp: int, **kwargs) -> tuple[list[list[int]], int]:
         return atom_greedy(llm, PROMPTS, 8), llm.engine.executor.state_bytes_per_slot
     finally:
         llm.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    before = set(multiprocessing.active_children())
-    yield
-    assert set(multiprocessing.active_children()) - before == set()
-    assert distributed.tp_size() == 1
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])

@@ -9,8 +9,6 @@ rank's), also when chunked prefill mixes absorbed and up-projected chunks with d
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from tests.hf_reference import atom_greedy, random_prompts
 from tests.model_factory import make_tiny_model
 from tests.runtime.models.test_mla import _hf_reference
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_leftover_tp_workers")]
 
 PROMPTS = random_prompts(0, [1, 5, 17, 40, 97])
 
@@ -42,14 +40,6 @@ def tp_models(tmp_path_factory):
             hidden_size=64,
         ),
     }  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    before = set(multiprocessing.active_children())
-    yield
-    assert set(multiprocessing.active_children()) - before == set()
-    assert distributed.tp_size() == 1
 
 
 def _run(folder, tp: int) -> tuple[list[list[int]], int]:

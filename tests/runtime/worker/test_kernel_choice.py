@@ -19,18 +19,26 @@ from atom_runtime.worker.kernel_choice import (
 )
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
-def test_fused_one_row_path_matches_the_unfused_one(tiny_models, kind):
-    llm = LLM(str(tiny_models[kind]), dtype="float32", num_gpu_blocks_override=64)
+@pytest.mark.parametrize(
+    ("models", "kind"),
+    [("tiny_models", "qwen3"), ("tiny_models", "qwen2"), ("tiny_models", "llama"),
+     ("tiny_hybrid_models", "qwen3_5"), ("tiny_hybrid_models", "qwen3_5_moe")],
+)  # fmt: skip
+def test_fused_one_row_path_matches_the_unfused_one(request, models, kind):
+    """Through every family's decoder layers (dense, hybrid, MoE with its own norm), the fused
+    and unfused one-row paths give the cuBLAS path's tokens and log-probabilities."""
+    folder = request.getfixturevalue(models)[kind]
+    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
     prompt = {"prompt_token_ids": [3, 14, 15, 92, 65, 35]}
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, LinearBase)]
     assert {m.norm_before for m in layers} == {True, False}
     assert any(m.act_after == "silu_mul" for m in layers)
-    # Both qkv projections can take rotary + the cache store in; Qwen3's its QK-norm too.
-    assert any(m.rope_after for m in layers)
-    assert any(m.qk_norm_after for m in layers) == (kind == "qwen3")
+    if kind in ("qwen3", "qwen2"):
+        # Both qkv projections can take rotary + the cache store in; Qwen3's its QK-norm too.
+        assert any(m.rope_after for m in layers)
+        assert any(m.qk_norm_after for m in layers) == (kind == "qwen3")
     # The GEMV with the norm, activation and/or rotary inside it, or each in its own kernel.
     for fuse in [(1, 1, 0), (1, 0, 0), (0, 1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 1), (1, 1, 1),
                  (1, 0, 1)]:  # fmt: skip
@@ -108,72 +116,3 @@ def test_qk_norm_in_the_qkv_epilogue_is_offered_for_power_of_two_heads_only():
         paths = small_m_paths(layer)
         assert ("gemv+rope" in paths) == offered
         assert ("gemv+norm+rope" in paths) == offered
-
-
-def _set_one_row_flags(layers, *, add, parts, norm, act, rope):
-    for m in layers:
-        m.gemv = True
-        m.add_residual = add and m.residual_after
-        m.fuse_norm_parts = parts and m.norm_before
-        m.fuse_norm, m.fuse_act, m.fuse_rope = norm, act, rope
-
-
-@pytest.mark.parametrize(
-    ("models", "kind"),
-    [("tiny_models", "qwen3"), ("tiny_models", "llama"), ("tiny_hybrid_models", "qwen3_5"),
-     ("tiny_hybrid_models", "qwen3_5_moe")],
-)  # fmt: skip
-def test_norm_in_the_producer_gives_the_same_tokens(request, models, kind):
-    """o_proj / down / out_proj adding the residual in their GEMV and leaving the sums of
-    squares and the row times the next norm's weight (a `SummedRow` in place of the residual),
-    and the GEMV after that norm taking its input from those or norming on its own (fused,
-    unfused, with rotary), give the plain path's tokens
-    and log-probabilities. On CPU the ops are their torch references: this checks the
-    plumbing through the decoder layers, the final norm and a MoE layer's own norm."""
-    folder = request.getfixturevalue(models)[kind]
-    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64)
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-    prompt = {"prompt_token_ids": [3, 14, 15, 92, 65, 35]}
-    want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, LinearBase)]
-    assert any(m.residual_after for m in layers) and any(m.norm_before for m in layers)
-    combos = [  # (add, parts, norm, act, rope)
-        (True, True, False, True, False),
-        (True, True, False, True, True),
-        (True, True, False, False, False),
-        (True, False, True, True, False),
-        (True, False, False, False, False),
-        (True, False, True, False, True),
-        (False, True, False, True, False),  # parts asked for, none given: the plain norm
-    ]
-    for add, parts, norm, act, rope in combos:
-        _set_one_row_flags(layers, add=add, parts=parts, norm=norm, act=act, rope=rope)
-        try:
-            got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-        finally:
-            _set_one_row_flags(layers, add=False, parts=False, norm=False, act=False, rope=False)
-            for m in layers:
-                m.gemv = False
-        assert got.token_ids == want.token_ids, (add, parts, norm, act, rope)
-        for a, b in zip(got.logprobs, want.logprobs, strict=True):
-            assert all(abs(a[t] - b[t]) < 1e-4 for t in a), (add, parts, norm, act, rope)
-
-
-def test_norm_in_the_producer_paths_are_offered_when_asked(tiny_models, monkeypatch):
-    """ATOM_NORM_IN_PRODUCER=1 adds "gemv+add" to the layers that write the residual stream and
-    "gemv+sumnorm[+act]" to those after a norm; choosing them sets the layers' flags."""
-    llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", num_gpu_blocks_override=16)
-    model = llm.engine.executor.model
-    plain = {k: small_m_paths(g[0]) for k, g in small_m_groups(model).items()}
-    assert not any("+add" in p or "+sumnorm" in p for paths in plain.values() for p in paths)
-    monkeypatch.setenv("ATOM_NORM_IN_PRODUCER", "1")
-    groups = small_m_groups(model)
-    config = llm.engine.executor.model_config
-    h, i = config.hidden_size, config.intermediate_size
-    down, gate_up = groups[f"{h}x{i}+residual"], groups[f"rmsnorm+{2 * i}x{h}+silu_mul"]
-    assert small_m_paths(down[0]) == ["cublas", "gemv", "gemv+add"]
-    assert small_m_paths(gate_up[0])[-2:] == ["gemv+sumnorm", "gemv+sumnorm+act"]
-    use_small_m_path(down, "gemv+add")
-    use_small_m_path(gate_up, "gemv+sumnorm+act")
-    assert {(m.gemv, m.add_residual) for m in down} == {(True, True)}
-    assert {(m.fuse_norm_parts, m.fuse_act, m.fuse_norm) for m in gate_up} == {(True, True, False)}

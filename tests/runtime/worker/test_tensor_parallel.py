@@ -31,7 +31,7 @@ from tests.hf_reference import atom_greedy, random_prompts
 KINDS = ["llama", "llama3", "qwen2", "qwen3"]
 MAX_TOKENS = 10
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_tp_workers")]
 
 
 PROMPTS = random_prompts(0, [1, 5, 16, 17, 40, 97])
@@ -44,14 +44,6 @@ def _run(folder: Path, tp: int, prompts=PROMPTS, device="cpu", **kwargs) -> list
         return atom_greedy(llm, prompts, MAX_TOKENS)
     finally:
         llm.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_workers():
-    before = set(multiprocessing.active_children())
-    yield
-    assert set(multiprocessing.active_children()) - before == set()
-    assert distributed.tp_size() == 1
 
 
 # -- greedy parity -------------------------------------------------------------------------------

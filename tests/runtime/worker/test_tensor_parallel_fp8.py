@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tests.fp8_checkpoints import write_fp8_checkpoint
-from tests.runtime.worker.test_tensor_parallel import _no_leftover_workers, _run  # noqa: F401
+from tests.runtime.worker.test_tensor_parallel import _run
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leftover_tp_workers")]
 
 
 @pytest.mark.parametrize(

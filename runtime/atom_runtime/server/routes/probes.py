@@ -8,9 +8,9 @@ from starlette.responses import Response
 
 import atom_runtime
 from atom_runtime.server import openapi as D
-from atom_runtime.server.metrics import CONTENT_TYPE
 from atom_runtime.server.state import ServerState
 from atom_runtime.web.errors import engine_unavailable
+from atom_runtime.web.metrics import CONTENT_TYPE
 from atom_runtime.web.request_io import json_response
 
 
