@@ -48,21 +48,6 @@ def test_spec_from_plan_counts_bytes_and_units():
     assert spec.padded_image_bytes == 7 * 16384
 
 
-def test_a_drafters_block_bytes_join_the_page_unit_and_the_layout():
-    """A speculative drafter's attention layers index the same block ids: a borrowed block owns
-    their rows too, so the PAGE unit grows by them and names another layout."""
-    plain = PagedStateCheckpointSpec.from_plan(_plan())
-    spec = PagedStateCheckpointSpec.from_plan(_plan(), extra_unit_bytes=8192)
-    assert spec.page_unit_bytes == 16384 + 8192
-    assert spec.image_bytes == plain.image_bytes
-    assert spec.units_per_image == 5  # ceil(112128 / 24576)
-    assert spec.layout_id != plain.layout_id
-    assert PagedStateCheckpointSpec.from_plan(_plan(), extra_unit_bytes=0) == plain
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="extra_unit_bytes"):
-            PagedStateCheckpointSpec.from_plan(_plan(), extra_unit_bytes=bad)
-
-
 def test_units_per_image_is_exact_when_the_image_fills_whole_units():
     spec = PagedStateCheckpointSpec(
         page_unit_bytes=100, slot_bytes=300, image_bytes=300, layout_id="x"
