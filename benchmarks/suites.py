@@ -356,8 +356,10 @@ SUITES: tuple[Suite, ...] = (
     Suite(
         "spec",
         "W7: speculative step costs (n-gram, a 1B-class draft, the hybrid's MTP head) and the "
-        "per-token latency they give at acceptance 0.6/0.8/0.9",
+        "per-token latency they give at acceptance 0.6/0.8/0.9, beside the 8B's plain W2 (the "
+        "goal: ms_per_token_a0.8 at k = 4 <= 0.45x it)",
         (
+            _w2("L8", "w7_llama-3.1-8b_plain"),
             _w2(
                 "Q3", "w7_qwen3-0.6b_ngram", _spec('{"method":"ngram","num_speculative_tokens":5}')
             ),

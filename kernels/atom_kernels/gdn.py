@@ -176,6 +176,9 @@ def _gdn_recurrent_kernel(
             t_ptrs = state_ptr + to.to(tl.int64) * state_stride_s + h * state_stride_h
             t_ptrs += dk[:, None] * state_stride_k + dv[None, :]
             tl.store(t_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_keep[:, None] & v_ok[None, :])
+            # The next token starts from the state as stored (a half-precision state rounds
+            # here), as the plain decode step after this token would: drafts change no output.
+            s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
     if not PER_TOKEN:
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=k_write[:, None] & v_ok[None, :])
 

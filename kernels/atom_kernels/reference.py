@@ -729,7 +729,9 @@ def gated_delta_rule_verify_(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """The gated delta rule token by token, sequence b starting from slot `slots[b, 0]` and
-    leaving the state after each of its tokens j in slot `slots[b, j]` (when j < W, >= 0)."""
+    leaving the state after each of its tokens j in slot `slots[b, j]` (when j < W, >= 0);
+    between tokens the state is rounded to the state's dtype, so each token sees what one-token
+    decode steps would."""
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     starts, rows = query_start_loc.tolist(), slots.tolist()
     for b, (row, resume) in enumerate(zip(rows, has_initial_state.tolist(), strict=True)):
@@ -749,6 +751,9 @@ def gated_delta_rule_verify_(
             o[start + j] = out.to(o.dtype)
             if j < len(row) and row[j] >= 0:
                 state[row[j]] = s.to(state.dtype)
+            # The next token starts from the state as stored (bf16 with
+            # --mamba-ssm-cache-dtype bfloat16), as a plain decode step after this one would.
+            s = s.to(state.dtype).float()
     return o
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from atom_runtime.bench import bound as bench_bound
+from atom_runtime.bench import speculative as bench_spec
 from atom_runtime.config import EngineConfig, add_engine_arguments
 from atom_runtime.system.process import LOG_FORMAT, LOG_LEVELS, log_level
 
@@ -53,8 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stream) or dynamic (its default); auto: static, but dynamic for hybrid models, whose "
         "static-cache compile did not finish in minutes on the H200",
     )
-    from atom_runtime.bench import speculative as bench_spec
-
     bench_spec.add_arguments(lat)  # W7
     for p in (tp, lat):
         p.add_argument("--peer", choices=["none", "transformers"], default="none")
@@ -202,7 +201,6 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 def _run_copy_prompts(config: EngineConfig, args: argparse.Namespace, result: dict) -> int:
     """W7's real-acceptance run: copy-heavy prompts without and with --speculative-config."""
-    from atom_runtime.bench import speculative as bench_spec
     from atom_runtime.llm import LLM
 
     if config.speculative_config is None:
@@ -247,6 +245,7 @@ def run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str
         preemptions=llm.engine.scheduler.num_preemptions,
     )
     print(f"atom  W1: {tokens} output tokens in {elapsed:.2f}s = {tokens / elapsed:,.0f} tok/s")
+    bench_spec.report_acceptance(llm, result)
     result["bound"] = bench_bound.report(
         llm.engine,
         "throughput",
@@ -272,8 +271,6 @@ def run_throughput(llm, args: argparse.Namespace, result: dict) -> Callable[[str
 def run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], None]:
     """W2: one request's steady-state ms per token and the bound. Returns the peer's run of the
     same prompt, for after the engine is shut down."""
-    from atom_runtime.bench import speculative as bench_spec
-
     vocab = llm.engine.model_config.vocab_size
     prompt = _clip_vocab(w1_prompts(1, args.input_len, args.input_len, seed=1), vocab)[0]
     spec = llm.engine.speculative
@@ -281,12 +278,7 @@ def run_latency(llm, args: argparse.Namespace, result: dict) -> Callable[[str], 
         bench_spec.run_cost_sweep(llm, prompt, args, result)
     measure = decode_ms_per_token if spec is None else bench_spec.ms_per_token
     ms = [measure(llm, prompt, args.output_len) for _ in range(args.iters)]
-    if spec is not None:
-        acc = result["speculative"] = llm.engine.scheduler.spec_stats.summary()
-        print(
-            f"atom  W7: {spec.method}, k = {spec.num_speculative_tokens}: acceptance "
-            f"{acc['acceptance_rate']:.2f}, {acc['mean_acceptance_length']:.2f} tokens a step"
-        )
+    bench_spec.report_acceptance(llm, result)
     result.update(
         input_len=args.input_len,
         output_len=args.output_len,

@@ -120,6 +120,21 @@ def run_copy_prompts(make_llm, args: argparse.Namespace, result: dict) -> None:
         )
 
 
+def report_acceptance(llm, result: dict) -> None:
+    """With --speculative-config: the run's acceptance counters (vLLM's meanings) under
+    `speculative` in the JSON, and one line of them."""
+    spec = llm.engine.speculative
+    if spec is None:
+        return
+    acc = result["speculative"] = llm.engine.scheduler.spec_stats.summary()
+    print(
+        f"atom  W7: {spec.method}, k = {spec.num_speculative_tokens}: acceptance "
+        f"{acc['acceptance_rate']:.2f}, {acc['mean_acceptance_length']:.2f} tokens a step "
+        f"({acc['num_accepted_tokens']} of {acc['num_draft_tokens']} drafts accepted, "
+        f"{acc['num_emitted_tokens']} tokens emitted by verify steps)"
+    )
+
+
 def decode_rate(llm, prompt: list[int], params) -> tuple[int, float]:
     """One request alone: (output tokens, decode tokens per second from its first token on)."""
     from atom_runtime.protocol.engine_core import EngineRequest
@@ -198,6 +213,8 @@ def run_cost_sweep(llm, prompt: list[int], args: argparse.Namespace, result: dic
             rows.append({"k": k, "step_ms": step_s * 1000, "draft_ms": draft * 1000})
     finally:
         runner.drafter = inner
+        # The sweep's random drafts are all rejected: keep them out of the run's acceptance.
+        llm.engine.scheduler.spec_stats.reset()
     plain = rows[0]["step_ms"]
     for row in rows:
         row["verify_ms"] = row["step_ms"] - row["draft_ms"]

@@ -7,7 +7,8 @@ the flag: a tensor-parallel size the model's heads or widths do not split into, 
 `--max-model-len` beyond the model's context length, a folder without weights (unless
 `--load-format dummy`), a `--tokenizer` that does not exist, a `quantization_config` or
 `--quantization` the engine cannot run (models/quant_config.py), `--kv-cache-dtype fp8` for a
-model whose cache has no FP8 kernels. Torch-free (models/source.py).
+model whose cache has no FP8 kernels, a `--speculative-config` method the model (or its draft
+model) cannot serve. Torch-free (models/source.py).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def check_model(
 
 
 def preflight(config) -> CheckedModel:
-    """`check_model` with an EngineConfig's fields."""
-    return check_model(
+    """`check_model` with an EngineConfig's fields, then whether `--speculative-config`'s
+    method fits the model (and its draft model, read here too)."""
+    checked = check_model(
         config.model,
         revision=config.revision,
         download_dir=config.download_dir,
@@ -82,6 +84,16 @@ def preflight(config) -> CheckedModel:
         quantization=config.quantization,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    spec = config.speculative()
+    if spec is not None:
+        draft = None
+        if spec.method == "draft_model":
+            try:
+                draft = load_model_config(resolve_model_path(spec.model, None, config.download_dir))
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"speculative_config.model: {e}") from None
+        spec.check_configs(checked.config, draft)
+    return checked
 
 
 def tensor_parallel_problem(cfg: ModelConfig, tp: int) -> str | None:

@@ -7,6 +7,8 @@ token of the target's own (the bonus or the correction). vLLM's metrics, `atom:`
 - `atom:spec_decode_num_drafts_total`: drafts verified.
 - `atom:spec_decode_num_draft_tokens_total`: draft tokens verified.
 - `atom:spec_decode_num_accepted_tokens_total`: draft tokens accepted.
+- `atom:spec_decode_num_emitted_tokens_total`: tokens the verify steps of drafts emitted (the
+  accepted ones plus the target's own token each; vLLM v0's counter of that name).
 - `atom:spec_decode_num_accepted_tokens_per_pos_total{position}`: drafts whose token at
   `position` (0: the first draft token) was accepted.
 - `atom:spec_decode_acceptance_length`: a histogram of tokens emitted per draft (accepted + 1),
@@ -64,6 +66,11 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         self.acceptance_lengths = [0] * (k + 1)
 
     @property
+    def num_emitted_tokens(self) -> int:
+        """Tokens emitted by verify steps that carried drafts: accepted + one each."""
+        return self.num_accepted_tokens + self.num_drafts
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted over drafted tokens (0 before any draft)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
@@ -80,6 +87,7 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "accepted_per_pos": list(self.accepted_per_pos),
@@ -93,6 +101,11 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
             ("num_drafts", "Verify steps of a sequence that carried drafts.", self.num_drafts),
             ("num_draft_tokens", "Draft tokens verified.", self.num_draft_tokens),
             ("num_accepted_tokens", "Draft tokens accepted.", self.num_accepted_tokens),
+            (
+                "num_emitted_tokens",
+                "Tokens emitted by verify steps with drafts (accepted + 1 each).",
+                self.num_emitted_tokens,
+            ),
         ):
             yield CounterMetricFamily(f"atom:spec_decode_{name}", doc, value=value)
         per_pos = CounterMetricFamily(

@@ -123,6 +123,15 @@ class SpeculativeConfig:
                 f"{model_type} declares none (mtp_num_hidden_layers / num_nextn_predict_layers)"
             )
 
+    def check_configs(self, target: Any, draft: Any = None) -> None:
+        """Every check that needs only the model configs (`ModelConfig`s of the target and, for
+        draft_model, the draft): run before any weight is read (models/preflight.py)."""
+        self.check_fits_model(target.model_type, target.num_nextn_predict_layers)
+        if self.method == "draft_model":
+            if draft is None:
+                raise ValueError(f"{FIELD}.model: draft_model needs the draft model's config")
+            check_draft_fits(target.vocab_size, draft.vocab_size, draft.model_type, draft.is_hybrid)
+
     def as_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in KNOWN_FIELDS}
 

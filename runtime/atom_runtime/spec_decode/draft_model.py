@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 class DraftModelDrafter(ModelDrafter):
     def __init__(self, spec, config, target_config, dtype: torch.dtype, target) -> None:
         device = next(target.parameters()).device
-        path = resolve_model_path(spec.model)
+        path = resolve_model_path(spec.model, None, config.download_dir)
         draft_config = load_model_config(path)
         check_draft_fits(
             target_config.vocab_size,

@@ -24,12 +24,15 @@ log = logging.getLogger(__name__)
 
 def choose_few_rows_kernels(model: nn.Module, device: torch.device, rows: int) -> dict[str, str]:
     """Set every half-precision linear layer's few-row path for `rows`-row inputs; returns
-    {group: "cublas" | "gemv-rows"} (empty off the GPU, or with rows outside 2..16)."""
+    {group: "cublas" | "gemv-rows"} (empty off the GPU, or with rows outside 2..16; FP8
+    groups keep their W8A8 path and are left out)."""
     mode = small_m_mode()
     if device.type != "cuda" or mode == "cublas" or not 2 <= rows <= FEW_ROWS:
         return {}
     choice = {}
     for key, layers in small_m_groups(model).items():
+        if layers[0].weight_scale is not None:
+            continue  # FP8 weights: the few-row product takes no scales; cuBLAS/W8A8 stays
         faster = True if mode == "gemv" else _rows_win(key, layers, rows, device)
         _use(layers, faster)
         choice[key] = "gemv-rows" if faster else "cublas"

@@ -107,3 +107,35 @@ def test_methods_the_model_cannot_serve_are_refused_by_name(tiny_models, tmp_pat
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary"):
         LLM(str(tiny_models["llama"]), dtype="float32", num_gpu_blocks_override=16,
             speculative_config={"model": str(other), "num_speculative_tokens": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag, says",
+    [
+        ("{bad", "speculative_config: not valid JSON"),
+        ('{"method": "eagle3", "num_speculative_tokens": 2}', "speculative_config.method: eagle3"),
+        ('{"method": "ngram"}', "speculative_config.num_speculative_tokens: required"),
+        ('{"method": "mtp", "num_speculative_tokens": 2}', "speculative_config.method: mtp needs"),
+        ('{"model": "/no/such/draft", "num_speculative_tokens": 2}',
+         "speculative_config.model: model '/no/such/draft': no such file"),
+    ],
+)  # fmt: skip
+def test_atom_serve_refuses_a_bad_speculative_config_in_one_line(tiny_models, flag, says):
+    """A config the flag or the model (read from config.json only: no weights, no engine)
+    refuses: exit status 2 and one line naming the field, before the server starts."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on, should the refusal ever not come
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "atom_runtime", "serve", str(tiny_models["llama"]),
+         "--port", str(port), "--speculative-config", flag],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atom serve: error: ")
+    assert says in lines[0]

@@ -77,3 +77,27 @@ def test_bf16_few_row_product_matches_cublas():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
         want = torch.nn.functional.linear(x, w)
         torch.testing.assert_close(gemv_rows.linear_few_rows(x, w), want, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_kv_and_bf16_state_under_verify_graphs_keep_greedy_output(gpu_models):
+    """--kv-cache-dtype fp8 --mamba-ssm-cache-dtype bfloat16 with the MTP head: the verify
+    graphs (FP8 cache scales, per-position bf16 states) give the same engine's output without
+    speculation; n-gram drafts wrong at rotating positions exercise rejection."""
+    narrow = dict(dtype="float32", gpu_memory_utilization=0.3, kv_cache_dtype="fp8",
+                  mamba_ssm_cache_dtype="bfloat16")  # fmt: skip
+    plain = LLM(str(gpu_models["qwen3_5"]), **narrow)
+    try:
+        want = _ids(plain)
+    finally:
+        plain.shutdown()
+    for spec in ({"method": "mtp", "num_speculative_tokens": 2},
+                 {"method": "ngram", "num_speculative_tokens": K}):  # fmt: skip
+        llm = LLM(str(gpu_models["qwen3_5"]), speculative_config=spec, **narrow)
+        try:
+            if spec["method"] == "ngram":
+                truth = {tuple(p): ids for p, ids in zip(PROMPTS, want, strict=True)}
+                install(llm, OracleDrafter(truth, K, lambda s, p: p == s % (K + 2)))
+            assert _ids(llm) == want
+            assert llm.engine.executor.verify_graphs.replays > 0
+        finally:
+            llm.shutdown()

@@ -171,3 +171,65 @@ def test_preemption_frees_every_slot(mtp_models):
         assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
     finally:
         llm.shutdown()
+
+
+def test_mtp_head_with_state_checkpoints_resumes_the_next_turn(mtp_models):
+    """An MTP head's attention layer shares the target's block ids, so a block holds its K/V
+    too; a checkpoint's PAGE unit is the target's rows of a borrowed block only (the image
+    layout is the same with and without a drafter), and a second turn resumed from a
+    checkpoint is the plain engine's."""
+    folder = mtp_models["qwen3_5"]
+    first = [list(range(200, 243))]
+    turn1 = _plain(folder, GREEDY, first)[0]
+    second = [first[0] + turn1 + [301, 302, 303]]
+    want = _plain(folder, GREEDY, second)
+    llm = LLM(str(folder), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+              state_checkpoint_interval_tokens=16, **COMMON)  # fmt: skip
+    try:
+        runner = llm.engine.executor
+        head = runner.drafter.attention_layers()
+        assert head
+        own = runner.block_size * sum(
+            layer.cache_spec().bytes_per_token(runner.dtype)
+            for layer in runner.model.attention_layers()
+        )
+        assert runner.checkpoint_spec.page_unit_bytes == own < runner.bytes_per_block
+        assert _ids(llm, GREEDY, first)[0] == turn1
+        assert _ids(llm, GREEDY, second) == want
+        counters = llm.engine.checkpoints.counters
+        assert counters.stored > 0 and counters.restored > 0
+        assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+        assert llm.engine.state_pool.num_in_use == 0
+    finally:
+        llm.shutdown()
+
+
+NARROW = dict(kv_cache_dtype="fp8", mamba_ssm_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_fp8_kv_and_bf16_state_under_speculation_keep_greedy_output(mtp_models, kind):
+    """--kv-cache-dtype fp8 --mamba-ssm-cache-dtype bfloat16 with drafts accepted and rejected:
+    the output is the same engine's without speculation (each verified token starts from the
+    state as a plain decode step stores it), with n-gram drafts and with the MTP head (its
+    attention layer's cache in FP8 too)."""
+    want = _plain(mtp_models[kind], GREEDY, **NARROW)
+    truth = {tuple(p): ids for p, ids in zip(PROMPTS, want, strict=True)}
+    llm = LLM(str(mtp_models[kind]), speculative_config=NGRAM, **COMMON, **NARROW)
+    try:
+        assert llm.engine.executor.state.ssm_dtype == torch.bfloat16
+        install(llm, OracleDrafter(truth, K, lambda s, p: p == s % (K + 1)))
+        assert _ids(llm, GREEDY) == want
+        stats = llm.engine.scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        llm.shutdown()
+    llm = LLM(str(mtp_models[kind]), speculative_config={"method": "mtp",
+              "num_speculative_tokens": 2}, **COMMON, **NARROW)  # fmt: skip
+    try:
+        runner = llm.engine.executor
+        assert {layer.kv_cache_dtype for layer in runner.kv_layers()} == {runner.kv_cache_dtype}
+        assert runner.kv_cache_dtype.itemsize == 1
+        assert _ids(llm, GREEDY) == want
+    finally:
+        llm.shutdown()

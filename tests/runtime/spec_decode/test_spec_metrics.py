@@ -25,6 +25,7 @@ def test_one_verify_step_counts_as_vllm_counts_it():
     s = _stats()
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 7, 5)
     assert s.accepted_per_pos == [2, 2, 1]
+    assert s.num_emitted_tokens == 8  # (2 + 1) + (3 + 1) + (0 + 1)
     assert s.acceptance_lengths == [1, 0, 1, 1]  # drafts that accepted 0, 1, 2, 3 tokens
     assert s.acceptance_rate == pytest.approx(5 / 7)
     assert s.mean_acceptance_length == pytest.approx(1 + 5 / 3)
@@ -48,6 +49,7 @@ def test_metrics_page_carries_the_spec_decode_families():
         "atom:spec_decode_num_drafts_total 3.0",
         "atom:spec_decode_num_draft_tokens_total 7.0",
         "atom:spec_decode_num_accepted_tokens_total 5.0",
+        "atom:spec_decode_num_emitted_tokens_total 8.0",
         'atom:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0',
         'atom:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0',
         'atom:spec_decode_acceptance_length_bucket{le="1.0"} 1.0',
