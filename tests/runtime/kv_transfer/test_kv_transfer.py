@@ -171,13 +171,18 @@ def test_mismatched_hashes_pull_nothing(agents, silent_producer):
     [
         ("{", "not valid JSON"),
         ('{"kv_role": "kv_producer"}', "kv_connector: required"),
-        ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "not available in this"),
+        ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}', "not available in this"),
         ('{"kv_connector": "AtomPortableConnector", "kv_role": "kv_x"}', "kv_role: must be"),
         ('{"kv_connector": "TCPConnector", "kv_role": "kv_both", "kv_port": 0}', "kv_port"),
         (
             '{"kv_connector": "TCPConnector", "kv_role": "kv_both", '
             '"kv_connector_extra_config": {"pull_timeout_s": -1}}',
             "pull_timeout_s",
+        ),
+        (
+            '{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"backends": "UCX"}}',
+            "backends: must be a list of NIXL backend names",
         ),
         (
             '{"kv_connector": "TCPConnector", "kv_role": "kv_both", '
