@@ -1,18 +1,22 @@
-"""Prefill/decode in one test process: two engines (EngineCore under `LLM`), a producer and a
-consumer, each at its own tensor-parallel size and with either connector, driven the way the
-router drives them (signed kv_transfer_params, max_tokens=1 on the prefill engine, its reply to
-the decode engine). One process may run one tensor-parallel group at a time, so at most one of
-the two engines has tensor_parallel_size > 1."""
+"""Prefill/decode with real engines, driven the way the router drives them (signed
+kv_transfer_params, max_tokens=1 on the prefill engine, its reply to the decode engine): the
+producer is an `atom serve` process (any tensor-parallel size), the consumer an `LLM` in this
+process (any tensor-parallel size). Tensor-parallel state is per process (system/distributed.py),
+so two engines of one process cannot both run, whatever their sizes: hence the subprocess."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import socket
+from pathlib import Path
+
+import httpx
 
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.protocol.engine_core import EngineRequest
+from tests.server.conftest import TINY_FLAGS, Launcher, ServerProcess
 
 KEY_HEX = "6d" * 32
 KEY = TransferKey.from_text(KEY_HEX, "test")
@@ -54,6 +58,7 @@ def transfer_config(connector: str, role: str, tp: int, **extra) -> str:
 
 
 def engine(folder, connector: str, role: str, tp: int = 1, **kwargs) -> LLM:
+    """An engine in this process (the consumer)."""
     kwargs.setdefault("num_gpu_blocks_override", 128)
     return LLM(
         str(folder),
@@ -63,6 +68,38 @@ def engine(folder, connector: str, role: str, tp: int = 1, **kwargs) -> LLM:
         kv_transfer_config=transfer_config(connector, role, tp),
         **kwargs,
     )
+
+
+def producer_process(launcher: Launcher, folder: Path, connector: str, tp: int) -> ServerProcess:
+    """`atom serve` as a kv_producer at tensor-parallel size tp (stopped by the launcher)."""
+    return launcher(
+        "--model",
+        str(folder),
+        *TINY_FLAGS,
+        "--max-model-len",
+        "512",
+        "--tensor-parallel-size",
+        str(tp),
+        "--kv-transfer-config",
+        transfer_config(connector, "kv_producer", tp),
+        env={"ATOM_TRANSFER_KEY": KEY_HEX},
+    )
+
+
+def remote_prefill(server: ServerProcess, folder: Path, prompt: list[int]) -> dict:
+    """The router's first call: the prompt with max_tokens=1 and signed do_remote_decode; the
+    producer's kv_transfer_params (where its held blocks are)."""
+    body = {
+        "model": str(folder),
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": KEY.sign_params({"do_remote_decode": True}),
+    }
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    if r.status_code != 200:
+        raise AssertionError(f"prefill answered {r.status_code}: {r.text}")
+    return r.json()["kv_transfer_params"]
 
 
 def _run(llm: LLM, request: EngineRequest) -> tuple[list[int], object]:
@@ -82,24 +119,13 @@ def _run(llm: LLM, request: EngineRequest) -> tuple[list[int], object]:
     return tokens, last
 
 
-def disaggregated(prefill: LLM, decode: LLM, prompt: list[int], max_tokens: int):
-    """The router's two calls: prefill with max_tokens=1, decode with the prefill's reply.
-    Returns (decode tokens, decode's finishing update, the producer's reply)."""
-    n = next(_ids)
-    greedy = dict(temperature=0, ignore_eos=True)
-    first = EngineRequest(
-        f"p{n}",
+def remote_decode(decode: LLM, reply: dict, prompt: list[int], max_tokens: int):
+    """The router's second call: the prompt on the decode engine with the producer's reply
+    (signed). Returns (its greedy tokens, its finishing update)."""
+    request = EngineRequest(
+        f"d{next(_ids)}",
         prompt,
-        SamplingParams(max_tokens=1, **greedy),
-        kv_transfer_params=KEY.sign_params({"do_remote_decode": True}),
-    )
-    _, done = _run(prefill, first)
-    reply = done.kv_transfer_params
-    second = EngineRequest(
-        f"d{n}",
-        prompt,
-        SamplingParams(max_tokens=max_tokens, **greedy),
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         kv_transfer_params=KEY.sign_params({**reply, "do_remote_prefill": True}),
     )
-    tokens, update = _run(decode, second)
-    return tokens, update, reply
+    return _run(decode, request)
