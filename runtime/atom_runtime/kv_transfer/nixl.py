@@ -58,7 +58,9 @@ class NixlConnector(NixlProducer, NixlConsumer, KVConnector):
         self.seal = nixl_seal(config.load_key())
         self.agent_name = f"atom-{self.engine_id}"
         backends = list(config.kv_connector_extra_config.get("backends") or ["UCX"])
-        self.agent = nixl.nixl_agent(self.agent_name, nixl.nixl_agent_config(backends=backends))
+        # NIXL's own metadata listener stays off: agent metadata travels only in sealed grants.
+        agent_config = nixl.nixl_agent_config(enable_listen_thread=False, backends=backends)
+        self.agent = nixl.nixl_agent(self.agent_name, agent_config)
         if not self.agent.backends:
             raise ValueError(
                 f"kv_transfer_config.kv_connector_extra_config.backends: none of {backends} is "
@@ -137,6 +139,9 @@ class NixlConnector(NixlProducer, NixlConsumer, KVConnector):
                         if not self._on_commands():
                             return
                     elif sock is self._router:
+                        # A finished read's note comes before its consumer's Release: take the
+                        # notes first, so the read counts as sent, not as abandoned.
+                        self._take_notes()
                         self._serve(sock)
                     else:
                         self._on_replies(sock)
