@@ -104,9 +104,14 @@ def test_disaggregated_answers_equal_aggregated_at_any_tp_pair(
     assert stats.bytes_received == n * _block_bytes(kind, decode_tp) * decode_tp
 
 
-@pytest.mark.parametrize("connector", [PORTABLE, NIXL])
-def test_a_hybrid_models_state_travels_with_its_kv(tmp_path, models, aggregated, connector):
-    tokens, stats, reply, counters = _pd(tmp_path, models["qwen3_5"], connector, 1, 1)
+@pytest.mark.parametrize(
+    ("connector", "tp"), [(PORTABLE, 1), (NIXL, 1), (NIXL, 2)], ids=["tcp", "nixl", "nixl-tp2"]
+)
+def test_a_hybrid_models_state_travels_with_its_kv(
+    tmp_path, models, aggregated, no_leftover_tp_workers, connector, tp
+):
+    """Each rank's image is its own shard of the state: at TP 2 both ranks pull theirs."""
+    tokens, stats, reply, counters = _pd(tmp_path, models["qwen3_5"], connector, tp, tp)
     assert tokens == aggregated["qwen3_5"]
     n = resume_blocks(len(PROMPT), 16)
     assert reply["remote_state_tokens"] == n * 16 and reply["remote_state_block_ids"]
@@ -114,3 +119,14 @@ def test_a_hybrid_models_state_travels_with_its_kv(tmp_path, models, aggregated,
     # The consumer resumed from the received checkpoint (stored once, restored once) instead of
     # recomputing the prompt's state.
     assert counters.stored >= 1 and counters.restored >= 1
+
+
+def test_a_hybrid_transfer_across_tp_sizes_falls_back_to_the_same_answer(
+    tmp_path, models, aggregated, no_leftover_tp_workers
+):
+    """A state image is one rank's shard: prefill TP 2 -> decode TP 1 cannot use it, so the
+    decode engine prefills locally (counted) and answers the same."""
+    tokens, stats, reply, _ = _pd(tmp_path, models["qwen3_5"], NIXL, 2, 1)
+    assert tokens == aggregated["qwen3_5"]
+    assert reply["tp_size"] == 2 and reply["remote_state_block_ids"]
+    assert (stats.pulls_ok, stats.fallbacks, stats.bytes_received) == (0, 1, 0)
