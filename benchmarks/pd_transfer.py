@@ -8,7 +8,8 @@ tensors (pd_bench.py's `transfer`; the `pd` suite runs it for both connectors):
                     DRAM on a CPU), as UCX picks the path
 
 Each row: n blocks of Qwen3-0.6B's geometry (by default) pulled `--repeat` times after a warm-up
-round, into other block ids than they are read from and in another order; GB/s best and median,
+round, into other block ids than they are read from and in reverse order (`--consecutive`: in
+order, so runs of blocks merge into one NIXL descriptor per cache tensor); GB/s best and median,
 and the process's CPU seconds per GB moved. `--check` compares the pulled bytes.
 """
 
@@ -51,6 +52,9 @@ def add_transfer_args(t) -> None:
                         "blocks)")  # fmt: skip
     t.add_argument("--socket-buffer-bytes", type=int, default=0, help="0: kernel autotuning")
     t.add_argument("--check", action="store_true", help="compare the pulled bytes")
+    t.add_argument("--consecutive", action="store_true",
+                   help="pull into consecutive block ids (default: reversed, as scattered as it "
+                        "gets: NIXL then needs a descriptor per block and cache tensor)")  # fmt: skip
     t.add_argument("--gil-load", action="store_true",
                    help="a thread spinning Python meanwhile, as a busy engine loop")  # fmt: skip
 
@@ -93,14 +97,16 @@ def _connectors(args, device: str):
         raise
 
 
-def _pull_rounds(producer, consumer, port: int, n: int, max_blocks: int, repeat: int):
-    """Wall and CPU seconds of `repeat` pulls of n blocks (after one warm-up round)."""
+def _pull_rounds(producer, consumer, port: int, n: int, max_blocks: int, args):
+    """Wall and CPU seconds of `args.repeat` pulls of n blocks (after one warm-up round)."""
     from atom_runtime.kv_transfer.base import RemoteBlocks
 
     ids = list(range(n))
     into = list(range(max_blocks - 1, max_blocks - 1 - n, -1))
+    if args.consecutive:
+        into = into[::-1]
     times, cpu = [], []
-    for r in range(repeat + 1):
+    for r in range(args.repeat + 1):
         tid = f"bench-{n}-{r}"
         producer.offer(tid, ids)
         start, cpu0 = time.perf_counter(), time.process_time()
@@ -142,9 +148,7 @@ def bench_transfer(args) -> dict:
         busy.start()
     try:
         for n in args.blocks:
-            ids, into, times, cpu = _pull_rounds(
-                producer, consumer, port, n, max_blocks, args.repeat
-            )
+            ids, into, times, cpu = _pull_rounds(producer, consumer, port, n, max_blocks, args)
             if args.check:
                 for a, b in zip(producer.kv.caches, consumer.kv.caches, strict=True):
                     if not torch.equal(a[ids], b[into]):
@@ -163,6 +167,7 @@ def bench_transfer(args) -> dict:
         "layout": consumer.kv.layout,
         "streams": args.streams,
         "direct": consumer.kv.direct,
+        "consecutive": args.consecutive,
         "socket_buffer_bytes": args.socket_buffer_bytes,
         "rows": rows,
     }

@@ -265,6 +265,13 @@ SUITES: tuple[Suite, ...] = (
                 "--num-requests 64 --input-len 2048 --output-len 128 --out $json/pd_serve.json",
                 timeout_s=1800,
             ),
+            # The hybrid Qwen3.5-4B through P/D: its state checkpoint travels with the KV.
+            Step(
+                "python benchmarks/pd_bench.py serve --model $H4 --rates 4 "
+                "--modes aggregated,disaggregated-nixl --num-requests 32 --input-len 2048 "
+                "--output-len 128 --out $json/pd_serve_hybrid.json",
+                timeout_s=1200,
+            ),
             # Hit rate is what routing changes: the start-up's one-row kernel timing is skipped.
             Step(
                 "python benchmarks/pd_bench.py routing --model $Q3 --groups 16 --prefix-len 2048 "
