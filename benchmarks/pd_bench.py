@@ -1,15 +1,19 @@
 """Disaggregation and routing benchmarks (issue 16, item 5), one GPU or CPU.
 
-  transfer  KV pull throughput of the portable TCP connector (two connectors in this process over
-            127.0.0.1, real KV tensors: device -> pinned host -> TCP -> pinned host -> device)
+  transfer  KV pull throughput of a connector (pd_transfer.py: two connectors in this process over
+            127.0.0.1, real KV tensors): `--connector tcp` (device -> pinned host -> TCP ->
+            pinned host -> device) or `--connector nixl` (one-sided NIXL READ, VRAM to VRAM)
   serve     TTFT/TPOT p50/p99 under Poisson arrivals at several rates: aggregated (one engine
             behind `atom router`) vs disaggregated (a prefill and a decode engine side by side on
-            the same GPU, `atom router` in front)
+            the same GPU, `atom router` in front) over the TCP connector (`disaggregated`) or
+            NIXL (`disaggregated-nixl`)
   routing   prefix-cache hit rate and TTFT of `--policy kv-aware` vs `round-robin` over two decode
             engines on a prefix-heavy trace (groups of requests sharing a long prefix)
 
 python benchmarks/pd_bench.py transfer --out transfer.json
+python benchmarks/pd_bench.py transfer --connector nixl --check --out transfer-nixl.json
 python benchmarks/pd_bench.py serve --model benchmarks/configs/qwen3-0.6b --rates 2,4,8,16 --out serve.json
+python benchmarks/pd_bench.py serve --modes aggregated,disaggregated,disaggregated-nixl ...
 python benchmarks/pd_bench.py routing --model benchmarks/configs/qwen3-0.6b --out routing.json
 
 A model folder without tokenizer.json (the dummy configs in benchmarks/configs/) gets a synthetic
@@ -23,29 +27,19 @@ import asyncio
 import json
 import os
 import random
-import secrets
 import shutil
-import socket
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
+from pd_transfer import KEY_ENV, add_transfer_args, bench_transfer, free_port
 
 from atom_runtime.bench.processes import AtomProcess
 
-# One KV-transfer key for the whole run (docs/security.md): engines and routers read it from the
-# environment; the transfer benchmark's connectors too.
-KEY_ENV = {"ATOM_TRANSFER_KEY": secrets.token_hex(32)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# What `serve --modes` names: the disaggregated modes and their connectors.
+CONNECTORS = {"disaggregated": "AtomPortableConnector", "disaggregated-nixl": "NixlConnector"}
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -53,124 +47,6 @@ def pct(values: list[float], p: float) -> float | None:
         return None
     v = sorted(values)
     return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
-
-
-# -- transfer ------------------------------------------------------------------------------------
-
-
-def bench_transfer(args) -> dict:
-    os.environ.update(KEY_ENV)
-    import torch
-
-    from atom_runtime.kv_transfer.base import KVCacheAccess, RemoteBlocks
-    from atom_runtime.kv_transfer.config import KVTransferConfig
-    from atom_runtime.kv_transfer.tcp import TCPConnector
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    max_blocks = max(args.blocks)
-    direct = False if args.staged else None  # None: direct on a CPU cache, staged on a GPU
-
-    class Layer:
-        def __init__(self) -> None:
-            shape = (max_blocks, args.block_size, args.kv_heads, args.head_dim)
-            self.k_cache = torch.randn(shape, device=device).to(dtype)
-            self.v_cache = torch.randn(shape, device=device).to(dtype)
-
-    def connector(role: str, port: int) -> TCPConnector:
-        cfg = KVTransferConfig.from_cli(
-            json.dumps(
-                {
-                    "kv_connector": "TCPConnector",
-                    "kv_role": role,
-                    "kv_ip": "127.0.0.1",
-                    "kv_port": port,
-                    "kv_connector_extra_config": {
-                        "streams": args.streams,
-                        "socket_buffer_bytes": args.socket_buffer_bytes,
-                    },
-                }
-            )  # fmt: skip
-        )
-        kv = KVCacheAccess([Layer() for _ in range(args.layers)], direct=direct)
-        return TCPConnector(cfg, kv)
-
-    port = free_port()
-    producer, consumer = connector("kv_producer", port), connector("kv_consumer", free_port())
-    rows = []
-    stop = threading.Event()
-
-    def engine_loop() -> None:  # pure Python, as an engine loop between steps: holds the GIL
-        x = 0
-        while not stop.is_set():
-            x += 1
-
-    busy = threading.Thread(target=engine_loop, daemon=True)
-    if args.gil_load:
-        busy.start()
-    try:
-        for n in args.blocks:
-            # The consumer writes into other blocks than the producer reads, in another order:
-            # the gather and the scatter both see scattered block ids, as in serving.
-            ids = list(range(n))
-            into = list(range(max_blocks - 1, max_blocks - 1 - n, -1))
-            times, cpu = [], []
-            for r in range(args.repeat + 1):
-                tid = f"bench-{n}-{r}"
-                producer.offer(tid, ids)
-                start, cpu0 = time.perf_counter(), time.process_time()
-                consumer.start_pull(RemoteBlocks(tid, "127.0.0.1", port, ids), into, 120)
-                results = []
-                while not results:
-                    consumer.wait(0.01)
-                    results = consumer.completed()
-                if results[0].error:
-                    raise RuntimeError(results[0].error)
-                if r:  # the first round warms the sockets and the staging buffers
-                    times.append(time.perf_counter() - start)
-                    cpu.append(time.process_time() - cpu0)
-                while not producer.withdraw(tid):
-                    time.sleep(0.001)  # the last stripe's ticket settles just after its bytes
-            if args.check:
-                for a, b in zip(producer.kv.caches, consumer.kv.caches, strict=True):
-                    if not torch.equal(a[ids], b[into]):
-                        raise RuntimeError(f"{n} blocks: the pulled bytes differ")
-            nbytes = n * consumer.kv.block_bytes
-            best, median = min(times), statistics.median(times)
-            rows.append(
-                {
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "seconds_best": best,
-                    "seconds_median": median,
-                    "gb_per_s_best": nbytes / best / 1e9,
-                    "gb_per_s_median": nbytes / median / 1e9,
-                    # Both ends' threads: the process's CPU seconds per GB moved.
-                    "cpu_s_per_gb_median": statistics.median(cpu) / (nbytes / 1e9),
-                }
-            )
-            print(
-                f"{n:6d} blocks {nbytes / 2**20:9.1f} MiB  best {rows[-1]['gb_per_s_best']:6.2f} "
-                f"median {rows[-1]['gb_per_s_median']:6.2f} GB/s  "
-                f"{rows[-1]['cpu_s_per_gb_median']:5.2f} CPU s/GB"
-            )
-    finally:
-        stop.set()
-        if args.gil_load:
-            busy.join()
-        producer.close()
-        consumer.close()
-    return {
-        "device": device,
-        "gil_load": args.gil_load,
-        "layout": consumer.kv.layout,
-        "streams": args.streams,
-        "direct": consumer.kv.direct,
-        "socket_buffer_bytes": args.socket_buffer_bytes,
-        "rows": rows,
-    }
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -215,8 +91,8 @@ def router(name, scratch: Path, *args: str) -> AtomProcess:
     return AtomProcess("router", port, argv, scratch / f"{name}.log", env=KEY_ENV)
 
 
-def transfer_config(role: str) -> str:
-    return json.dumps({"kv_connector": "AtomPortableConnector", "kv_role": role,
+def transfer_config(role: str, connector: str = "AtomPortableConnector") -> str:
+    return json.dumps({"kv_connector": connector, "kv_role": role,
                        "kv_ip": "127.0.0.1", "kv_port": free_port()})  # fmt: skip
 
 
@@ -357,12 +233,13 @@ def bench_serve(args, scratch: Path) -> dict:
                 r = router("router-agg", scratch, "--backend", backend)
                 roles = {"decode": e}
             else:
-                p, _ = engine("prefill", model, args, scratch,
-                              "--kv-transfer-config", transfer_config("kv_producer"))  # fmt: skip
+                connector = CONNECTORS[mode]
+                p, _ = engine("prefill", model, args, scratch, "--kv-transfer-config",
+                              transfer_config("kv_producer", connector))  # fmt: skip
                 procs.append(p)
                 start(procs)  # one at a time: both profile the same GPU
-                d, backend = engine("decode", model, args, scratch,
-                                    "--kv-transfer-config", transfer_config("kv_consumer"))  # fmt: skip
+                d, backend = engine("decode", model, args, scratch, "--kv-transfer-config",
+                                    transfer_config("kv_consumer", connector))  # fmt: skip
                 procs.append(d)
                 start(procs)
                 r = router("router-pd", scratch, "--backend", backend, "--prefill-backend", p.url,
@@ -439,23 +316,7 @@ def bench_routing(args, scratch: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("transfer")
-    t.add_argument("--layers", type=int, default=28)  # Qwen3-0.6B's geometry by default
-    t.add_argument("--kv-heads", type=int, default=8)
-    t.add_argument("--head-dim", type=int, default=128)
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--dtype", default="bfloat16")
-    t.add_argument("--blocks", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[16, 64, 256, 1024])  # fmt: skip
-    t.add_argument("--repeat", type=int, default=5)
-    t.add_argument("--streams", type=int, default=4, help="payload connections per pull")
-    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    t.add_argument("--staged", action="store_true",
-                   help="a CPU cache through staging buffers too (default: sockets on the blocks)")  # fmt: skip
-    t.add_argument("--socket-buffer-bytes", type=int, default=0, help="0: kernel autotuning")
-    t.add_argument("--check", action="store_true", help="compare the pulled bytes")
-    t.add_argument("--gil-load", action="store_true",
-                   help="a thread spinning Python meanwhile, as a busy engine loop")  # fmt: skip
+    add_transfer_args(sub.add_parser("transfer"))
     for name in ("serve", "routing"):
         s = sub.add_parser(name)
         s.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
@@ -482,6 +343,9 @@ def main() -> int:
     for p in sub.choices.values():
         p.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    bad = [m for m in getattr(args, "modes", []) if m != "aggregated" and m not in CONNECTORS]
+    if args.cmd == "serve" and bad:
+        ap.error(f"--modes: unknown {bad}; known: aggregated, {', '.join(CONNECTORS)}")
     scratch = Path(tempfile.mkdtemp(prefix="pd-bench-"))
     print(f"logs in {scratch}", file=sys.stderr)
     if args.cmd == "transfer":

@@ -259,13 +259,26 @@ SUITES: tuple[Suite, ...] = (
     ),
     Suite(
         "pd",
-        "prefill/decode disaggregation on one GPU: TCP connector GB/s, TTFT/TPOT aggregated "
-        "against disaggregated, KV-aware against round-robin routing",
+        "prefill/decode disaggregation on one GPU: TCP and NIXL connector GB/s, TTFT/TPOT "
+        "aggregated against disaggregated over each connector, KV-aware against round-robin "
+        "routing (NIXL steps need nixl-cu12/-cu13 installed, docs/disaggregation.md)",
         (
             Step("python benchmarks/pd_bench.py transfer --check --out $json/pd_transfer.json"),
             Step(
+                "python benchmarks/pd_bench.py transfer --connector nixl --check "
+                "--out $json/pd_transfer_nixl.json"
+            ),
+            Step(
                 "python benchmarks/pd_bench.py serve --model $Q3 --rates 4,16,32,64 "
+                "--modes aggregated,disaggregated,disaggregated-nixl "
                 "--num-requests 64 --input-len 2048 --output-len 128 --out $json/pd_serve.json",
+                timeout_s=1800,
+            ),
+            # The hybrid Qwen3.5-4B through P/D: its state checkpoint travels with the KV.
+            Step(
+                "python benchmarks/pd_bench.py serve --model $H4 --rates 4 "
+                "--modes aggregated,disaggregated-nixl --num-requests 32 --input-len 2048 "
+                "--output-len 128 --out $json/pd_serve_hybrid.json",
                 timeout_s=1200,
             ),
             # Hit rate is what routing changes: the start-up's one-row kernel timing is skipped.

@@ -73,11 +73,11 @@ def launch_engine(tmp: Path, model: Path, *extra: str, port: int | None = None, 
     return Engine(server, kv_port, replay_port)
 
 
-def transfer_config(role: str, port: int, **extra) -> str:
-    """--kv-transfer-config for the portable connector on 127.0.0.1."""
+def transfer_config(role: str, port: int, connector: str = "AtomPortableConnector", **extra) -> str:
+    """--kv-transfer-config for a connector (the portable one by default) on 127.0.0.1."""
     return json.dumps(
         {
-            "kv_connector": "AtomPortableConnector",
+            "kv_connector": connector,
             "kv_role": role,
             "kv_ip": "127.0.0.1",
             "kv_port": port,

@@ -137,9 +137,8 @@ class EngineCore:
         self.publisher = make_publisher(self.kv_events_config, config.data_parallel_rank)
         # Prefill/decode disaggregation: holds (producer) and pulls (consumer) of KV blocks.
         self.kv_transfer = make_transfer_agent(
-            config, self.scheduler.block_manager, self.executor, hybrid=hybrid,
-            windowed=self.model_config.kv_window is not None,
-        )  # fmt: skip
+            config, self.scheduler.block_manager, self.executor, self.model_config, self.checkpoints
+        )
         if self.kv_transfer is not None:
             # A producer holds a finished prompt's blocks before the scheduler frees them.
             self.scheduler.on_finish = self.kv_transfer.on_finished

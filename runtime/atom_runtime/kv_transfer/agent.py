@@ -1,59 +1,52 @@
 """The engine's side of prefill/decode disaggregation: block holds and pulls, over any transport.
 
-Producer (a prefill engine): a request that arrives with `kv_transfer_params.do_remote_decode`
-runs as usual (the router sends max_tokens=1); when it finishes, its full prompt blocks get one
-extra reference under a transfer id and the request's returned `kv_transfer_params` say where
-they are (engine id, host, port, block ids, block hashes). The hold ends when the consumer
-releases it (after its pull, or when its request was aborted) or after `hold_timeout_s`
-(counted). Either way the blocks go back to the pool with their hashes, as cached blocks.
+Producer (a prefill engine): agent_holds.py, `HoldKeeper`.
 
 Consumer (a decode engine): a request carrying `do_remote_prefill` params is parked before the
 scheduler sees it. The agent checks the producer's block hashes against its own hashes of the
 prompt, claims its local prefix hits (never re-sent), allocates blocks for the rest and pulls only
-those: the transport writes the bytes into them off the engine thread. On success the blocks are
-hashed into the prefix cache (so KV events announce them as stored) and released, and the request
-enters the scheduler, which finds them as prefix hits: the decode engine computes only the
-prompt's last block. On failure or timeout the blocks are freed and the request is prefilled
-locally (counted). An aborted pull's blocks are freed once the transport has stopped writing them.
-The scheduler needs no change.
+those: the transport writes the bytes into them off the engine thread, each rank its own heads
+from the producer ranks holding them (fanout.py). On success the blocks are hashed into the
+prefix cache (so KV events announce them as stored) and released, and the request enters the
+scheduler, which finds them as prefix hits: the decode engine computes only the prompt's last
+block. On failure or timeout the blocks are freed and the request is prefilled locally (counted).
+An aborted pull's blocks are freed once the transport has stopped writing them. The scheduler
+needs no change.
+
+A hybrid model also pulls the producer's state checkpoint at the resume point into a checkpoint
+record of its own, published READY with the blocks (state_handoff.py), unless it holds one there
+already; the scheduler resumes from it as from any checkpoint. Both engines must run the same
+tensor-parallel size then (each rank's image is its shard's).
 
 Trust: with the deployment's key (kv_transfer/auth.py) the agent acts on no kv_transfer_params
 the router did not sign (`open_params`), so only the router can make a producer hold blocks or
-tell a consumer whom to dial. A producer holds at most `max_held_fraction` of its pool at once;
-a prompt finishing beyond that is answered with no blocks (the decode pod prefills it).
+tell a consumer whom to dial.
 
 Contract 2 holds on both sides: the consumer never takes the prompt's last block remotely.
-Hybrid models (recurrent state) would also need the state image at the prompt end; the seam for it
-is here (a transfer carries blocks only today, and hybrid models are refused at startup by
-`make_transfer_agent`).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
-import time
 from dataclasses import dataclass
 
 import msgspec
 
 from atom_runtime.core.block_manager import BlockManager
 from atom_runtime.core.sequence import FinishReason, Sequence
+from atom_runtime.kv_transfer.agent_holds import HoldKeeper, _Hold, chain_hashes
 from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.kv_transfer.base import KVCacheAccess, KVConnector, RemoteBlocks
 from atom_runtime.kv_transfer.config import KVTransferConfig
-from atom_runtime.protocol.block_hash import hash_token_blocks
+from atom_runtime.kv_transfer.state_handoff import StateHandoff, resume_blocks
 from atom_runtime.protocol.kv_transfer_stats import KVTransferStats
+from atom_runtime.state.checkpoint_record import StagedCheckpoint
+from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.system.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class _Hold:
-    block_ids: list[int]
-    deadline: float
-    released: bool = False
+MAX_TP = 1024
 
 
 @dataclass
@@ -64,16 +57,12 @@ class _Pull:
     blocks: list[int]  # local blocks the pulled data goes into
     hashes: list[int]  # the chained hashes of blocks [0, start + len(blocks))
     start: int  # index of the first pulled block in the prompt
+    staged: StagedCheckpoint | None = None  # a hybrid model's checkpoint the pull fills
 
 
-def _chain_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[int]:
-    """The chained hashes of seq's first num_blocks blocks (from its cache_salt's root)."""
-    tokens = seq.token_ids[: num_blocks * block_size]
-    return hash_token_blocks(tokens, block_size, seq.hash_root)
-
-
-def _remote_params(params: dict) -> tuple[RemoteBlocks, list[int]]:
-    """The producer's address, blocks and hashes out of kv_transfer_params (ValueError if bad)."""
+def _remote_params(params: dict) -> tuple[RemoteBlocks, list[int], tuple[list[int], int] | None]:
+    """The producer's address, blocks, hashes and (hybrid models) state checkpoint units and
+    position out of kv_transfer_params (ValueError naming the field if bad)."""
     ids = params.get("remote_block_ids")
     hashes = params.get("remote_block_hashes")
     host, port, tid = (
@@ -93,17 +82,34 @@ def _remote_params(params: dict) -> tuple[RemoteBlocks, list[int]]:
         raise ValueError("kv_transfer_params.remote_port: must be a port number")
     if not isinstance(tid, str) or not tid:
         raise ValueError("kv_transfer_params.remote_request_id: must be the transfer id")
-    return RemoteBlocks(tid, host, port, ids), hashes
+    tp = params.get("tp_size", 1)
+    if type(tp) is not int or not 1 <= tp <= MAX_TP:
+        raise ValueError(f"kv_transfer_params.tp_size: must be in 1..{MAX_TP}, got {tp!r}")
+    units, tokens = params.get("remote_state_block_ids"), params.get("remote_state_tokens")
+    state = None
+    if units is not None:
+        if not isinstance(units, list) or not all(type(b) is int and b >= 0 for b in units):
+            raise ValueError("kv_transfer_params.remote_state_block_ids: must be block ids")
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError("kv_transfer_params.remote_state_tokens: must be a token count")
+        if set(units) & set(ids) or len(set(units)) != len(units):
+            raise ValueError("kv_transfer_params.remote_state_block_ids: a block id twice")
+        state = (units, tokens)
+    return RemoteBlocks(tid, host, port, ids, tp_size=tp), hashes, state
 
 
-class TransferAgent:
+class TransferAgent(HoldKeeper):
     def __init__(
         self,
         config: KVTransferConfig,
         block_manager: BlockManager,
         kv: KVCacheAccess,
         connector: KVConnector | None = None,
+        checkpoints: EngineCheckpoints | None = None,
+        tp_size: int = 1,
     ) -> None:
+        """`checkpoints`: a hybrid model's state checkpoints (its state travels as one);
+        `tp_size`: this engine's tensor-parallel size (`connector` drives every rank)."""
         self.config = config
         self.block_manager = block_manager
         self.pool = block_manager.pool
@@ -120,6 +126,8 @@ class TransferAgent:
 
             connector = TCPConnector(config, kv)
         self.connector = connector
+        self.states = StateHandoff(checkpoints) if checkpoints is not None else None
+        self.tp_size = tp_size
         self.max_held = max(1, int(config.max_held_fraction * self.pool.num_blocks))
         self._warn_full = RateLimitedLog(log, 10.0)
         self.holds: dict[str, _Hold] = {}
@@ -138,137 +146,125 @@ class TransferAgent:
             raise ValueError("kv_transfer_params.do_remote_prefill: this engine is not a consumer")
         return params
 
-    # -- producer --------------------------------------------------------------------------------
-
-    def on_finished(self, seq: Sequence) -> None:
-        """A request finished: hold its prompt blocks if a consumer will pull them. Called
-        before the scheduler frees the request's blocks."""
-        params = seq.kv_transfer_params
-        if not self.config.is_producer or not params or not params.get("do_remote_decode"):
-            return
-        if seq.finish_reason is FinishReason.ABORT:
-            return
-        n = min(seq.num_prompt_tokens, seq.num_computed_tokens) // self.block_size
-        n = min(n, len(seq.block_table))
-        if n and self.stats.held_blocks + n > self.max_held:
-            self._warn_full(
-                "KV holds are full (%d blocks held, at most %d): %s is not held; its decode pod "
-                "prefills it",
-                self.stats.held_blocks,
-                self.max_held,
-                seq.request_id,
-            )
-            self.stats.holds_refused += 1
-            n = 0
-        block_ids = list(seq.block_table[:n])
-        tid = secrets.token_hex(16)
-        if block_ids:
-            for block_id in block_ids:
-                self.pool.claim(block_id)
-            self.holds[tid] = _Hold(block_ids, time.monotonic() + self.config.hold_timeout_s)
-            self.connector.offer(tid, block_ids)
-            self.stats.held_blocks += n
-        host, port = self.connector.address()
-        seq.kv_transfer_reply = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.connector.engine_id,
-            "remote_host": host,
-            "remote_port": port,
-            "remote_request_id": tid,
-            "remote_block_ids": block_ids,
-            "remote_block_hashes": _chain_hashes(seq, self.block_size, n),
-            "remote_num_tokens": seq.num_prompt_tokens,
-        }
-
-    def _end_holds(self) -> None:
-        for tid in self.connector.released():
-            hold = self.holds.get(tid)
-            if hold is not None:
-                hold.released = True
-        now = time.monotonic()
-        for tid, hold in list(self.holds.items()):
-            if not hold.released and hold.deadline > now:
-                continue
-            if not self.connector.withdraw(tid):
-                continue  # a read is in progress: next poll
-            del self.holds[tid]
-            self.pool.free(hold.block_ids[::-1])
-            self.stats.held_blocks -= len(hold.block_ids)
-            if hold.released:
-                self.stats.holds_released += 1
-            else:
-                self.stats.hold_timeouts += 1
-                log.warning(
-                    "KV hold %s expired unpulled; %d blocks freed", tid, len(hold.block_ids)
-                )
-
     # -- consumer --------------------------------------------------------------------------------
 
     def park(self, seq: Sequence) -> bool:
         """True when `seq` waits for a pull (the caller must not schedule it yet); False when it
         goes to the scheduler now. Malformed params raise ValueError before anything is held."""
         params = seq.kv_transfer_params
-        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
+        if not params:
             return False
-        remote, remote_hashes = _remote_params(params)
+        if params.get("do_remote_decode") and self.states is not None and self.config.is_producer:
+            self.states.mark(seq.request_id, seq.num_prompt_tokens)
+        if not self.config.is_consumer or not params.get("do_remote_prefill"):
+            return False
+        remote, remote_hashes, state = _remote_params(params)
         bs = self.block_size
         # Contract 2: the prompt's last block is always computed here.
-        usable = min(len(remote.block_ids), len(remote_hashes), (seq.num_prompt_tokens - 1) // bs)
-        own = _chain_hashes(seq, bs, usable)
-        same = next((i for i in range(usable) if own[i] != remote_hashes[i]), usable)
-        usable = same
+        usable = min(
+            len(remote.block_ids), len(remote_hashes), resume_blocks(seq.num_prompt_tokens, bs)
+        )
+        own = chain_hashes(seq, bs, usable)
+        usable = next((i for i in range(usable) if own[i] != remote_hashes[i]), usable)
+        refused = self._refusal(remote, usable, state)
         prefix_ok = (
             self.block_manager.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None
         )
-        hits = self.block_manager.find_prefix_hit(seq)[:usable] if prefix_ok else []
-        start = len(hits)
-        need = usable - start
-        idle_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
-        busy = remote.transfer_id in self.pulls or remote.transfer_id in self.draining
-        if not prefix_ok or need <= 0 or busy:
-            self.stats.blocks_local_hit += start
-            self.connector.release_remote(remote.host, remote.port, remote.transfer_id)
-            return False
-        if need + idle_hits > self.pool.num_free_blocks:
-            log.warning("no room to pull %d KV blocks for %s; prefilling locally", need, seq)
-            self.stats.fallbacks += 1
-            self.connector.release_remote(remote.host, remote.port, remote.transfer_id)
-            return False
-        for block_id in hits:
-            self.pool.claim(block_id)
-        blocks = self.pool.allocate(need)
-        wanted = RemoteBlocks(
-            remote.transfer_id, remote.host, remote.port, remote.block_ids[start:usable]
+        hits = self.block_manager.find_prefix_hit(seq)[:usable] if prefix_ok and usable else []
+        need = usable - len(hits)
+        want_state = (
+            self.states is not None and usable > 0 and not self.states.has_ready(own, usable)
         )
-        self.pulls[remote.transfer_id] = _Pull(seq, wanted, hits, blocks, own[:usable], start)
-        self.stats.blocks_local_hit += start
-        self.stats.pulls_in_flight += 1
-        self.connector.start_pull(wanted, blocks, self.config.pull_timeout_s)
+        busy = remote.transfer_id in self.pulls or remote.transfer_id in self.draining
+        if refused is None and (not prefix_ok or (need <= 0 and not want_state) or busy):
+            refused = ""  # nothing to pull: not a failure
+        if refused is None:
+            refused = self._room(seq, hits, need, want_state)
+        staged = None
+        if refused is None and want_state:
+            staged = self.states.stage(own[usable - 1], usable)
+            if staged is None:
+                refused = "no room for the state checkpoint it brings"
+        if refused is not None:
+            if refused:
+                log.warning("not pulling KV for %s (%s); prefilling locally", seq, refused)
+                self.stats.fallbacks += 1
+            self.stats.blocks_local_hit += len(hits)
+            self.connector.release_remote(remote.host, remote.port, remote.transfer_id)
+            return False
+        self._start(seq, remote, own[:usable], hits, need, state, staged)
         return True
 
+    def _refusal(self, remote: RemoteBlocks, usable: int, state) -> str | None:
+        """Why a transfer cannot be used here at all (None: it can)."""
+        error = self.connector.plan_error(remote.tp_size)
+        if error is not None or self.states is None or usable == 0:
+            return error
+        if remote.tp_size != self.tp_size:
+            return (
+                f"a hybrid model's state moves rank by rank: the prefill engine runs "
+                f"tensor_parallel_size {remote.tp_size}, this one {self.tp_size}"
+            )
+        if state is None or len(state[0]) != self.states.units_per_image:
+            return "the prefill engine sent no state checkpoint of this layout"
+        if usable != len(remote.block_ids) or state[1] != usable * self.block_size:
+            return "the prefill engine's state is not at this prompt's resume point"
+        return None
+
+    def _room(self, seq: Sequence, hits: list[int], need: int, want_state: bool) -> str | None:
+        idle_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
+        units = self.states.units_per_image if want_state else 0
+        if max(need, 0) + idle_hits + units > self.pool.num_free_blocks:
+            return f"no room for {max(need, 0) + units} blocks"
+        return None
+
+    def _start(self, seq, remote, hashes, hits, need, state, staged) -> None:
+        """Claim the local hits, allocate the rest and start the pull."""
+        for block_id in hits:
+            self.pool.claim(block_id)
+        blocks = self.pool.allocate(max(need, 0))
+        start = len(hits)
+        remote_ids = remote.block_ids[start : len(hashes)]
+        local_ids = list(blocks)
+        if staged is not None:
+            remote_ids = remote_ids + list(state[0])
+            local_ids += staged.units
+        wanted = RemoteBlocks(
+            remote.transfer_id, remote.host, remote.port, remote_ids, tp_size=remote.tp_size
+        )
+        self.pulls[remote.transfer_id] = _Pull(seq, wanted, hits, blocks, hashes, start, staged)
+        self.stats.blocks_local_hit += start
+        self.stats.pulls_in_flight += 1
+        self.connector.start_pull(wanted, local_ids, self.config.pull_timeout_s)
+
     def _finish_pull(self, pull: _Pull, nbytes: int) -> None:
-        """Place the pulled blocks (the transport wrote them) in the prefix cache; the caller
-        then lets go of every block the pull held, and the scheduler's prefix lookup claims them
-        again at once."""
+        """Place the pulled blocks (the transport wrote them) in the prefix cache, and a pulled
+        state checkpoint in the store; the caller then lets go of every block the pull held, and
+        the scheduler's prefix lookup claims them again at once."""
         bs = self.block_size
         first = pull.start
         tokens = [
             pull.seq.token_ids[i * bs : (i + 1) * bs]
             for i in range(first, first + len(pull.blocks))
         ]
-        self.pool.publish_hashes(
-            pull.blocks,
-            pull.hashes[first:],
-            tokens,
-            parent=pull.hashes[first - 1] if first else None,
-        )
+        if pull.blocks:
+            self.pool.publish_hashes(
+                pull.blocks,
+                pull.hashes[first:],
+                tokens,
+                parent=pull.hashes[first - 1] if first else None,
+            )
+        if pull.staged is not None:
+            self.states.received(pull.staged.ref)
+            pull.staged = None
         self.stats.pulls_ok += 1
         self.stats.blocks_received += len(pull.blocks)
         self.stats.bytes_received += nbytes
 
     def _release_local(self, pull: _Pull) -> None:
         self.pool.free(pull.blocks[::-1] + pull.hits[::-1])
+        if pull.staged is not None:  # failed or aborted: the transport no longer writes it
+            self.states.drop(pull.staged.ref)
         self.stats.pulls_in_flight -= 1
         r = pull.remote
         self.connector.release_remote(r.host, r.port, r.transfer_id)

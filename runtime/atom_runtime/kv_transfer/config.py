@@ -1,12 +1,14 @@
 """`--kv-transfer-config`: vLLM's KVTransferConfig field names, checked at startup.
 
-{"kv_connector": "AtomPortableConnector", "kv_role": "kv_producer"|"kv_consumer"|"kv_both",
+{"kv_connector": "AtomPortableConnector" | "NixlConnector",
+ "kv_role": "kv_producer"|"kv_consumer"|"kv_both",
  "kv_ip": HOST, "kv_port": 14579, "kv_connector_extra_config": {...}}
 
 kv_ip is where a producer listens: by default the pod's own address ($POD_IP), else 127.0.0.1;
-a wildcard (0.0.0.0, ::) only when given.
+a wildcard (0.0.0.0, ::) only when given. Under tensor parallelism rank r's control port is
+kv_port + r (and its payload port data_port + r when data_port is set).
 
-Extra config understood by the portable connector (all optional):
+Extra config (all optional; the first group is every connector's):
   key_file         the transfer key's file (default: $ATOM_TRANSFER_KEY_FILE, else
                    $ATOM_TRANSFER_KEY; kv_transfer/auth.py); without any, start-up fails
   insecure         true: run without a key (unsigned params, unauthenticated wire), with a
@@ -19,16 +21,18 @@ Extra config understood by the portable connector (all optional):
                    at most 300)
   max_held_fraction  the largest share of the producer's KV blocks held for pulls at once
                    (default 0.5); a prompt finishing beyond it is not held (local prefill)
-  streams          TCP connections one pull's payload is split over, in contiguous stripes; on a
-                   producer, how many stripes it sends at once (default 4)
+  streams          (portable) TCP connections one pull's payload is split over, in contiguous
+                   stripes; on a producer, how many stripes it sends at once (default 4)
   data_port        the producer's payload port (default 0: any free port, told to consumers in
                    each PullReply)
   socket_buffer_bytes  SO_SNDBUF/SO_RCVBUF of payload sockets (default 0: the kernel autotunes,
                    which an explicit size turns off; the kernel caps it at net.core.*mem_max)
+  backends         (NIXL) the NIXL backends the agent creates (default ["UCX"])
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -38,10 +42,12 @@ from typing import Any
 from atom_runtime import envs
 from atom_runtime.kv_transfer.auth import TransferKey, TransferKeyError, check_timeout
 
-# The connectors this runtime has. The RDMA transports are named so their refusal is specific:
-# they plug in behind atom_runtime.kv_transfer.base.KVConnector when they land.
+# The connectors this runtime has. The other RDMA transports are named so their refusal is
+# specific: they plug in behind atom_runtime.kv_transfer.base.KVConnector when they land.
 PORTABLE = ("AtomPortableConnector", "TCPConnector")
-NOT_YET = ("NixlConnector", "MooncakeConnector", "MoRIConnector", "P2pNcclConnector")
+NIXL = ("NixlConnector",)
+KNOWN = PORTABLE + NIXL
+NOT_YET = ("MooncakeConnector", "MoRIConnector", "P2pNcclConnector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 DEFAULT_PORT = 14579  # vLLM's default kv_port
 DEFAULT_STREAMS = 4
@@ -58,6 +64,22 @@ class KVTransferConfig:
     kv_ip: str | None = None  # None: the pod's address ($POD_IP), else 127.0.0.1
     kv_port: int = DEFAULT_PORT
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_nixl(self) -> bool:
+        return self.kv_connector in NIXL
+
+    def for_rank(self, rank: int) -> KVTransferConfig:
+        """This config as tensor-parallel rank `rank` uses it: its control port kv_port + rank,
+        its payload port data_port + rank when data_port is set."""
+        if rank == 0:
+            return self
+        extra = dict(self.kv_connector_extra_config)
+        if extra.get("data_port"):
+            extra["data_port"] += rank
+        return dataclasses.replace(
+            self, kv_port=self.kv_port + rank, kv_connector_extra_config=extra
+        )
 
     @property
     def is_producer(self) -> bool:
@@ -149,12 +171,12 @@ class KVTransferConfig:
         if connector in NOT_YET:
             raise ValueError(
                 f"kv_transfer_config.kv_connector: {connector} is not available in this runtime "
-                f"yet; use one of {', '.join(PORTABLE)}"
+                f"yet; use one of {', '.join(KNOWN)}"
             )
-        if connector not in PORTABLE:
+        if connector not in KNOWN:
             raise ValueError(
                 f"kv_transfer_config.kv_connector: unknown connector {connector!r}; "
-                f"known: {', '.join(PORTABLE)}"
+                f"known: {', '.join(KNOWN)}"
             )
         role = raw.get("kv_role")
         if role not in ROLES:
@@ -175,7 +197,7 @@ class KVTransferConfig:
 
 
 def _check_extra(extra: dict) -> None:
-    """Check the portable connector's kv_connector_extra_config; ValueError naming the field."""
+    """Check kv_connector_extra_config; ValueError naming the field."""
     where = "kv_transfer_config.kv_connector_extra_config"
     for key, limit in (
         ("hold_timeout_s", MAX_HOLD_TIMEOUT_S),
@@ -190,6 +212,15 @@ def _check_extra(extra: dict) -> None:
         raise ValueError(f"{where}.max_held_fraction: must be in (0, 1], got {fraction!r}")
     if "insecure" in extra and not isinstance(extra["insecure"], bool):
         raise ValueError(f"{where}.insecure: must be true or false, got {extra['insecure']!r}")
+    backends = extra.get("backends")
+    if backends is not None and (
+        not isinstance(backends, list)
+        or not backends
+        or not all(isinstance(b, str) and b for b in backends)
+    ):
+        raise ValueError(
+            f"{where}.backends: must be a list of NIXL backend names, got {backends!r}"
+        )
     key_file = extra.get("key_file")
     if key_file is not None and (not isinstance(key_file, str) or not key_file):
         raise ValueError(f"{where}.key_file: must be a file path, got {key_file!r}")

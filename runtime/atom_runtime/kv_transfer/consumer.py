@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from atom_runtime.kv_transfer.base import PullResult, RemoteBlocks, plan_stripes
+from atom_runtime.kv_transfer.base import KVCacheAccess, PullResult, RemoteBlocks, plan_stripes
 from atom_runtime.kv_transfer.config import MAX_STREAMS
 from atom_runtime.kv_transfer.payload import (
     chunks,
@@ -46,6 +46,7 @@ class _PullJob:
     local_ids: list[int]
     deadline: float
     fence: object  # CUDA event the side-stream writes wait for, or None
+    kv: KVCacheAccess  # the local cache, seen through the heads this pull writes
     nonce: bytes = b""  # of the Pull sent: the reply must echo it
     stripes: list[tuple[int, int]] = field(default_factory=list)
     data_port: int = 0
@@ -74,10 +75,12 @@ class ConsumerSide:
                 f"start_pull: {len(remote.block_ids)} remote blocks into "
                 f"{len(local_block_ids)} local ones"
             )
-        job = _PullJob(remote, list(local_block_ids), time.monotonic() + timeout_s, self.kv.fence())
+        kv = self.kv.restrict(remote.local_heads)
+        deadline = time.monotonic() + timeout_s
+        job = _PullJob(remote, list(local_block_ids), deadline, self.kv.fence(), kv)
         with self._lock:
-            self._pulls[remote.transfer_id] = job
-        self._command_pull(remote.transfer_id)
+            self._pulls[remote.key] = job
+        self._command_pull(remote.key)
 
     def cancel_pull(self, transfer_id: str) -> bool:
         with self._lock:
@@ -100,16 +103,22 @@ class ConsumerSide:
 
     # -- control thread --------------------------------------------------------------------------
 
-    def _send_pull(self, sock: zmq.Socket, transfer_id: str) -> None:
+    def _send_pull(self, sock: zmq.Socket, key: str) -> None:
         """Send the Pull of a started job (unless it was cancelled meanwhile)."""
         with self._lock:
-            job = self._pulls.get(transfer_id)
+            job = self._pulls.get(key)
             if job is None:
                 return
             r = job.remote
             remaining = max(0.001, job.deadline - time.monotonic())
             msg = Pull(
-                r.transfer_id, r.block_ids, self.kv.layout, PROTOCOL, self.streams, remaining
+                r.transfer_id,
+                r.block_ids,
+                self.kv.layout,
+                PROTOCOL,
+                self.streams,
+                remaining,
+                heads=r.heads,
             )
             self.seal.seal(msg)
             job.nonce = msg.nonce
@@ -139,7 +148,7 @@ class ConsumerSide:
                 continue
             error = self.seal.check(reply)
             with self._lock:
-                job = self._pulls.get(reply.transfer_id)
+                job = self._job_for(reply)
                 if job is None or job.granted or job.error is not None:
                     continue  # cancelled or timed out already: drop the late answer
                 if error is None and reply.nonce != job.nonce and self.seal.key is not None:
@@ -149,9 +158,15 @@ class ConsumerSide:
                 else:
                     self._take_reply(job, reply)
 
+    def _job_for(self, reply: PullReply) -> _PullJob | None:
+        """Under the lock: the pull a reply answers. One transfer may be read from several
+        producer ranks at once (several pulls): the one whose nonce the reply echoes."""
+        jobs = [j for j in self._pulls.values() if j.remote.transfer_id == reply.transfer_id]
+        return next((j for j in jobs if j.nonce == reply.nonce), jobs[0] if jobs else None)
+
     def _take_reply(self, job: _PullJob, reply: PullReply) -> None:
         """Under the lock: fail the pull, or queue its stripes."""
-        nbytes = self.kv.num_units(len(job.local_ids)) * self.kv.unit_bytes
+        nbytes = job.kv.num_units(len(job.local_ids)) * job.kv.unit_bytes
         if reply.error is not None:
             self._fail(job, reply.error)
         elif reply.data_port == 0:
@@ -165,7 +180,7 @@ class ConsumerSide:
         else:
             job.granted = True
             job.data_port, job.ticket = reply.data_port, reply.ticket
-            job.stripes = plan_stripes(self.kv.num_units(len(job.local_ids)), reply.stripes)
+            job.stripes = plan_stripes(job.kv.num_units(len(job.local_ids)), reply.stripes)
             job.unsettled = len(job.stripes)
             for index in range(len(job.stripes)):
                 self._receivers.submit(self._receive_stripe, job, index)
@@ -194,13 +209,13 @@ class ConsumerSide:
         if job.error is not None and job.active:
             return
         job.reported = True
-        tid = job.remote.transfer_id
-        if self._pulls.get(tid) is job:
-            del self._pulls[tid]
+        key = job.remote.key
+        if self._pulls.get(key) is job:
+            del self._pulls[key]
         if job.quiet:
             return
-        nbytes = 0 if job.error else self.kv.num_units(len(job.local_ids)) * self.kv.unit_bytes
-        self._results.append(PullResult(job.remote.transfer_id, job.error, nbytes))
+        nbytes = 0 if job.error else job.kv.num_units(len(job.local_ids)) * job.kv.unit_bytes
+        self._results.append(PullResult(key, job.error, nbytes))
         self._wake.set()
 
     # -- receiver threads ------------------------------------------------------------------------
@@ -257,7 +272,7 @@ class ConsumerSide:
         return sock
 
     def _receive_units(self, sock: socket.socket, job: _PullJob, start: int, end: int) -> None:
-        kv = self.kv
+        kv = job.kv
         if kv.direct:
             recv_views(sock, kv.views(job.local_ids, start, end))
             return

@@ -19,7 +19,6 @@ it uses the connector's lock, poller, key seal, pools and counters.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import socket
 import time
@@ -29,15 +28,16 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from atom_runtime.kv_transfer.base import plan_stripes
-from atom_runtime.kv_transfer.config import MAX_PULL_TIMEOUT_S, MAX_STREAMS
+from atom_runtime.kv_transfer.base import KVCacheAccess, plan_stripes
+from atom_runtime.kv_transfer.config import MAX_STREAMS
+from atom_runtime.kv_transfer.holds import OfferBook, pull_error
 from atom_runtime.kv_transfer.payload import (
     PendingHello,
     chunks,
     send_views,
     shutdown,
 )
-from atom_runtime.kv_transfer.wire import PROTOCOL, Pull, PullReply, Release, Stripe
+from atom_runtime.kv_transfer.wire import PROTOCOL, Pull, PullReply, Stripe
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Ticket:
     deadline: float
     fence: object
     peer: str
+    kv: KVCacheAccess  # the cache seen through the heads this pull reads
     claimed: set = field(default_factory=set)
     active: int = 0
     sent: int = 0
@@ -66,11 +67,9 @@ class _Ticket:
     socks: set = field(default_factory=set)
 
 
-class ProducerSide:
+class ProducerSide(OfferBook):
     def _init_producer(self) -> None:
-        self._offers: dict[str, tuple[set[int], object]] = {}  # transfer id -> (blocks, fence)
-        self._reading: dict[str, int] = {}
-        self._released: list[str] = []
+        self._init_offers()
         self._tickets: dict[str, _Ticket] = {}
         self._conns: set[socket.socket] = set()  # accepted payload connections
         self._peer_conns: Counter[str] = Counter()
@@ -84,55 +83,7 @@ class ProducerSide:
     def address(self) -> tuple[str, int]:
         return self._advertised, self._port
 
-    def offer(self, transfer_id: str, block_ids: list[int]) -> None:
-        fence = self.kv.fence()
-        with self._lock:
-            self._offers[transfer_id] = (set(block_ids), fence)
-
-    def withdraw(self, transfer_id: str) -> bool:
-        with self._lock:
-            if self._reading.get(transfer_id):
-                return False
-            self._offers.pop(transfer_id, None)
-            return True
-
-    def released(self) -> list[str]:
-        with self._lock:
-            out, self._released = self._released, []
-        return out
-
     # -- control thread: control -----------------------------------------------------------------
-
-    def _serve(self, router: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self._warn("ignoring a %d-frame message on the KV control port", len(frames))
-                continue
-            ident, raw = frames
-            peer = _peer_address(raw)
-            try:
-                msg = self._wire.decode(raw.buffer)
-            except msgspec.DecodeError:
-                self._warn("ignoring an undecodable KV transfer message from %s", peer)
-                continue
-            if isinstance(msg, Release):
-                error = self.seal.check(msg)
-                if error is not None:
-                    self._warn("ignoring a KV release from %s: %s", peer, error)
-                    continue
-                with self._lock:
-                    self._released.append(msg.transfer_id)
-                self._wake.set()
-            elif isinstance(msg, Pull):
-                reply = self._grant(msg, peer)
-                if reply.error is not None:
-                    self._warn("refused a KV pull from %s: %s", peer, reply.error)
-                reply.nonce = msg.nonce
-                router.send_multipart([ident.bytes, self._encoder.encode(self.seal.seal(reply))])
 
     def _grant(self, msg: Pull, peer: str) -> PullReply:
         """Check a pull and register its ticket (the blocks count as being read from now on)."""
@@ -143,33 +94,32 @@ class ProducerSide:
                 f"the consumer speaks KV transfer protocol {msg.version}, this producer "
                 f"{PROTOCOL}: run the same ATOM version on prefill and decode engines",
             )
-        error = self.seal.check(msg) or _pull_error(msg, self.kv.layout)
+        error = self.seal.check(msg) or pull_error(
+            self.kv, msg.layout, msg.timeout_s, msg.block_ids, msg.heads
+        )
         if error is not None:
             return PullReply(tid, error)
         with self._lock:
-            offer = self._offers.get(tid)
-            if offer is None:
-                return PullReply(tid, f"transfer {tid} is unknown here (released or timed out)")
-            offered, fence = offer
-            if not set(msg.block_ids) <= offered:
-                missing = sorted(set(msg.block_ids) - offered)[:8]
-                return PullReply(tid, f"transfer {tid}: blocks {missing} not held")
+            error, fence = self._grant_error(tid, msg.block_ids)
+            if error is not None:
+                return PullReply(tid, error)
             if sum(t.peer == peer for t in self._tickets.values()) >= MAX_TICKETS_PER_PEER:
                 return PullReply(tid, f"more than {MAX_TICKETS_PER_PEER} pulls at once")
-            units = self.kv.num_units(len(msg.block_ids))
+            kv = self.kv.restrict(msg.heads)
+            units = kv.num_units(len(msg.block_ids))
             stripes = plan_stripes(units, max(1, min(msg.streams, self.streams)))
             deadline = time.monotonic() + msg.timeout_s + 1.0
             ticket = _Ticket(
-                secrets.token_hex(16), tid, list(msg.block_ids), stripes, deadline, fence, peer
+                secrets.token_hex(16), tid, list(msg.block_ids), stripes, deadline, fence, peer, kv
             )
             self._tickets[ticket.ticket] = ticket
-            self._reading[tid] = self._reading.get(tid, 0) + 1
+            self._start_read(tid)
         return PullReply(
             tid,
             data_port=self._data_port,
             ticket=ticket.ticket,
             stripes=len(stripes),
-            nbytes=units * self.kv.unit_bytes,
+            nbytes=units * kv.unit_bytes,
         )
 
     def _fail_ticket(self, ticket: _Ticket) -> None:
@@ -187,13 +137,10 @@ class ProducerSide:
         if not done and not (ticket.failed and ticket.active == 0):
             return
         del self._tickets[ticket.ticket]
-        tid = ticket.transfer_id
-        self._reading[tid] -= 1
-        if not self._reading[tid]:
-            del self._reading[tid]
+        self._end_read(ticket.transfer_id)
         if done:
             self.blocks_sent += len(ticket.block_ids)
-            self.bytes_sent += self.kv.num_units(len(ticket.block_ids)) * self.kv.unit_bytes
+            self.bytes_sent += ticket.kv.num_units(len(ticket.block_ids)) * ticket.kv.unit_bytes
 
     def _expire_producer(self, now: float) -> None:
         """Control thread: end expired tickets, drop connections that never said hello."""
@@ -316,7 +263,7 @@ class ProducerSide:
                 self._forget_conn(conn, peer)
 
     def _send_units(self, conn: socket.socket, ticket: _Ticket, start: int, end: int) -> None:
-        kv = self.kv
+        kv = ticket.kv
         if kv.direct:
             send_views(conn, kv.views(ticket.block_ids, start, end))
             return
@@ -343,24 +290,3 @@ class ProducerSide:
                     event.synchronize()  # a copy still writing into a buffer we give back
             for buf in bufs:
                 self.staging.release(buf)
-
-
-def _pull_error(msg: Pull, layout: str) -> str | None:
-    """What is wrong with a pull's own fields (before any hold is looked at), or None."""
-    if msg.layout != layout:
-        return f"KV layout {msg.layout} does not match this engine's {layout}"
-    t = msg.timeout_s
-    if isinstance(t, bool) or not math.isfinite(t) or not 0 < t <= MAX_PULL_TIMEOUT_S:
-        return f"timeout_s must be a number of seconds in (0, {MAX_PULL_TIMEOUT_S:g}], got {t!r}"
-    if not msg.block_ids:
-        return "no blocks asked for"
-    if len(set(msg.block_ids)) != len(msg.block_ids):
-        return "a block id asked for twice"
-    return None
-
-
-def _peer_address(frame: zmq.Frame) -> str:
-    try:
-        return frame.get("Peer-Address")
-    except (zmq.ZMQError, AttributeError):
-        return "?"

@@ -31,9 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import zmq
 
-from atom_runtime.kv_transfer.base import KVCacheAccess, KVConnector
+from atom_runtime.kv_transfer.base import KVCacheAccess, KVConnector, Wakeup
 from atom_runtime.kv_transfer.config import WILDCARDS, KVTransferConfig
 from atom_runtime.kv_transfer.consumer import ConsumerSide
+from atom_runtime.kv_transfer.holds import bind_control
 from atom_runtime.kv_transfer.payload import CHUNK_BYTES, StagingPool, shutdown, size_buffers
 from atom_runtime.kv_transfer.producer import LOG_INTERVAL_S, ProducerSide
 from atom_runtime.kv_transfer.wire import WIRE, WireSeal
@@ -41,9 +42,6 @@ from atom_runtime.system.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-# A control message is a Pull of at most every block of the pool: a few bytes a block id.
-_CONTROL_BYTES_PER_BLOCK = 10
-_CONTROL_SLACK_BYTES = 4096
 _REPLY_MAX_BYTES = 64 << 10
 
 
@@ -66,7 +64,11 @@ _COMMANDS = _StartPull | _ReleaseRemote | _Stop
 
 class TCPConnector(ProducerSide, ConsumerSide, KVConnector):
     def __init__(
-        self, config: KVTransferConfig, kv: KVCacheAccess, chunk_bytes: int = CHUNK_BYTES
+        self,
+        config: KVTransferConfig,
+        kv: KVCacheAccess,
+        chunk_bytes: int = CHUNK_BYTES,
+        wake: Wakeup | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -79,7 +81,7 @@ class TCPConnector(ProducerSide, ConsumerSide, KVConnector):
         self._wire = msgspec.msgpack.Decoder(WIRE)
         self._commands = msgspec.msgpack.Decoder(_COMMANDS)
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = wake if wake is not None else threading.Event()
         self._closed = False
         self._warn = RateLimitedLog(log, LOG_INTERVAL_S)
         self._poller = zmq.Poller()
@@ -115,23 +117,13 @@ class TCPConnector(ProducerSide, ConsumerSide, KVConnector):
         """The control ROUTER and the payload listener, on the pod's address unless kv_ip asks
         for another (a wildcard only when given)."""
         config = self.config
+        try:
+            router = bind_control(self._ctx, config, self.kv.caches[0].shape[0])
+        except ValueError:
+            self._ctx.term()
+            raise
         ip = config.bind_host()
         wildcard = ip in WILDCARDS
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        num_blocks = self.kv.caches[0].shape[0]
-        router.setsockopt(
-            zmq.MAXMSGSIZE, _CONTROL_SLACK_BYTES + _CONTROL_BYTES_PER_BLOCK * num_blocks
-        )
-        host = "*" if wildcard else f"[{ip}]" if ":" in ip else ip
-        try:
-            router.bind(f"tcp://{host}:{config.kv_port}")
-        except zmq.ZMQError as e:
-            router.close()
-            self._ctx.term()
-            raise ValueError(
-                f"kv_transfer_config.kv_port: cannot listen on {host}:{config.kv_port} ({e})"
-            ) from None
         ip = ("::" if ip == "::" else "0.0.0.0") if wildcard else ip
         listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
         try:

@@ -22,7 +22,8 @@ import msgspec
 
 from atom_runtime.kv_transfer.auth import TransferKey
 
-PROTOCOL = 3  # 2: control unauthenticated; 1: the payload was a second frame of the PullReply
+PROTOCOL = 4  # 3: whole blocks only; 2: control unauthenticated; 1: the payload was a second
+# frame of the PullReply
 MAX_SKEW_S = 30.0  # how far a Pull's or Release's clock may be from the producer's
 NONCE_BYTES = 16
 MAX_NONCES = 1 << 16  # nonces remembered at once (each for 2 * MAX_SKEW_S)
@@ -42,6 +43,7 @@ class Pull(msgspec.Struct, tag=True):
     ts: float = 0.0  # the consumer's time.time() when it sent this
     nonce: bytes = b""
     mac: bytes = b""
+    heads: tuple[int, int] | None = None  # KV heads [first, end) of the producer's; None: all
 
 
 class PullReply(msgspec.Struct, tag=True):
@@ -81,16 +83,27 @@ _LABELS = {
 
 class WireSeal:
     """Seals outgoing control messages and checks incoming ones with the transfer key (None:
-    insecure, nothing sealed or checked). The nonce memory belongs to one thread."""
+    insecure, nothing sealed or checked). The nonce memory belongs to one thread.
 
-    def __init__(self, key: TransferKey | None) -> None:
+    `labels`: the MAC label of each message type (another transport's messages: a MAC made for
+    one type is never valid for another); `stamped`: the types that carry a clock and a nonce
+    (requests a producer acts on), checked for freshness and replay."""
+
+    def __init__(
+        self,
+        key: TransferKey | None,
+        labels: dict[type, bytes] | None = None,
+        stamped: tuple[type, ...] = (Pull, Release),
+    ) -> None:
         self.key = key
+        self._labels = labels or _LABELS
+        self._stamped = stamped
         self._encoder = msgspec.msgpack.Encoder()
         self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten
 
     def seal(self, msg: msgspec.Struct) -> msgspec.Struct:
-        """Stamp a Pull or Release with the clock and a fresh nonce, then MAC any message."""
-        if isinstance(msg, Pull | Release):
+        """Stamp a request with the clock and a fresh nonce, then MAC any message."""
+        if isinstance(msg, self._stamped):
             msg.ts = time.time()
             msg.nonce = secrets.token_bytes(NONCE_BYTES)
         if self.key is not None:
@@ -101,9 +114,9 @@ class WireSeal:
         """Why `msg` must not be acted on, or None when it may."""
         if self.key is None:
             return None
-        if not msg.mac or not self.key.verify(msg.mac, _LABELS[type(msg)], self._body(msg)):
+        if not msg.mac or not self.key.verify(msg.mac, self._labels[type(msg)], self._body(msg)):
             return UNAUTHENTICATED
-        if not isinstance(msg, Pull | Release):
+        if not isinstance(msg, self._stamped):
             return None
         now = time.time() if now is None else now
         if not abs(now - msg.ts) <= MAX_SKEW_S:
@@ -129,4 +142,4 @@ class WireSeal:
         return self._encoder.encode(msgspec.structs.replace(msg, mac=b""))
 
     def _mac(self, msg: msgspec.Struct) -> bytes:
-        return self.key.mac(_LABELS[type(msg)], self._body(msg))
+        return self.key.mac(self._labels[type(msg)], self._body(msg))

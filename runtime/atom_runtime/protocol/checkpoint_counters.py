@@ -46,6 +46,7 @@ _COUNTERS: dict[str, tuple[str, str | None, str | None, str]] = {
     ),
     "chunks_cut_anchor": ("atom:state_checkpoint_chunks_cut", "reason", "anchor", ""),
     "chunks_cut_demand": ("atom:state_checkpoint_chunks_cut", "reason", "demand", ""),
+    "chunks_cut_handoff": ("atom:state_checkpoint_chunks_cut", "reason", "handoff", ""),
     "demands_recorded": (
         "atom:state_checkpoint_demands",
         "outcome",
@@ -80,6 +81,7 @@ class StateCheckpointCounters:
     chunks_cut_rung: int = 0
     chunks_cut_anchor: int = 0
     chunks_cut_demand: int = 0
+    chunks_cut_handoff: int = 0  # where a KV-transfer consumer resumes the request
     demands_recorded: int = 0
     demands_declined: int = 0
     prefix_hit_tokens: int = 0

@@ -167,6 +167,25 @@ class StateCheckpointStore:
         self._add_units(len(rec.units))
         return StagedCheckpoint(rec.ref, rec.units, prefix_hash, num_tokens)
 
+    def find(self, prefix_hash: int) -> CheckpointRef | None:
+        """The COPYING or READY record of this prefix, if any (a KV-transfer producer holds the
+        one its consumer resumes from: READY once the batch carrying its copy has run)."""
+        rec = self._by_hash.get(prefix_hash)
+        return rec.ref if rec is not None else None
+
+    def units_of(self, ref: CheckpointRef) -> tuple[int, ...]:
+        return self._require(ref, "read its units").units
+
+    def publish_received(self, ref: CheckpointRef) -> None:
+        """A staged record whose image arrived by KV transfer (written into its units by the
+        transport, no batch copy): READY and visible now."""
+        rec = self._require(ref, "publish a received image")
+        if rec.state is not CheckpointState.COPYING or rec.launched_in is not None:
+            raise RuntimeError(f"state checkpoint {rec!r}: only a staged record can be received")
+        rec.state = CheckpointState.READY
+        self._lru[rec.index] = None
+        self.counters.stored += 1
+
     def is_pending_copy(self, ref: CheckpointRef) -> bool:
         """True while ref is a COPYING record whose copy no launch carries yet."""
         rec = self._find(ref)

@@ -84,7 +84,7 @@ class ChunkPlan:
 
     num_tokens: int
     boundary: int | None = None
-    reason: str | None = None  # "rung", "anchor" or "demand"
+    reason: str | None = None  # "rung", "anchor", "demand" or "handoff"
     cut: bool = False
 
 
@@ -111,6 +111,9 @@ class CheckpointPlacement:
         # Per sequence: the one demand boundary it is heading for, and the deepest boundary it
         # placed (decode rungs keep their spacing from it).
         self._pending: dict[str, int] = {}
+        # Per sequence: where a KV-transfer consumer will resume it (a prefill engine's request
+        # for remote decode), kept apart from demands so neither displaces the other.
+        self._handoff: dict[str, int] = {}
         self._last_placed: dict[str, int] = {}
         self._warned: set[str] = set()
 
@@ -132,6 +135,15 @@ class CheckpointPlacement:
 
     def pending(self, seq_id: str) -> int | None:
         return self._pending.get(seq_id)
+
+    def hand_off(self, seq_id: str, position: int) -> None:
+        """A prefill engine's request whose decode runs elsewhere: the consumer resumes at
+        `position` (the prompt's last block boundary before its last token), so the state there
+        is checkpointed, whatever the interval (placement must be on)."""
+        if not isinstance(position, int) or position < 0 or position % self.block_size:
+            raise ValueError(f"position: a block-aligned token count, got {position!r}")
+        if self.enabled and position:
+            self._handoff[seq_id] = position
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -199,6 +211,9 @@ class CheckpointPlacement:
             candidates.append((anchor, "anchor"))
         if pending is not None and pending <= target_len:
             candidates.append((pending, "demand"))
+        handoff = self._handoff.get(seq_id)
+        if handoff is not None and computed < handoff <= target_len:
+            candidates.append((handoff, "handoff"))
         if not candidates:
             return ChunkPlan(natural)
         boundary = min(pos for pos, _ in candidates)
@@ -207,6 +222,8 @@ class CheckpointPlacement:
         reason = next(r for pos, r in candidates if pos == boundary)
         if pending == boundary:
             del self._pending[seq_id]
+        if handoff == boundary:
+            del self._handoff[seq_id]
         num_tokens = boundary - computed
         cut = num_tokens < natural
         if cut:
@@ -258,6 +275,7 @@ class CheckpointPlacement:
         """The sequence finished, was aborted or preempted: its pending demand is dropped."""
         if self._pending.pop(seq_id, None) is not None:
             self.counters.dropped += 1
+        self._handoff.pop(seq_id, None)
         self._last_placed.pop(seq_id, None)
         self._warned.discard(seq_id)
 

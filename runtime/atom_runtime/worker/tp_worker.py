@@ -142,6 +142,7 @@ class Worker:
         path = Path(spec.model_path)
         self.runner = ModelRunner(EngineConfig(**spec.engine_config), load_model_config(path), path)
         self.running = True
+        self.kv_transfer = None  # this rank's KV transport, when the engine transfers KV
 
     def serve(self, inbox, outbox) -> None:
         import zmq
@@ -184,15 +185,36 @@ class Worker:
 
         self.runner.copy_state(np.array(unit_rows, dtype=np.int64).reshape(-1, 3))
 
+    def start_kv_transfer(self, spec: dict) -> bool:
+        """Start this rank's KV transport (prefill/decode disaggregation), linked to rank 0:
+        spec = {"config": the --kv-transfer-config JSON, "links": {rank: rank 0's address}}."""
+        from atom_runtime.kv_transfer import start_rank_transport
+
+        rank = self.spec.rank
+        self.kv_transfer = start_rank_transport(
+            self.runner, self.runner.model_config, spec["config"], rank, spec["links"][str(rank)]
+        )
+        return True
+
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
 
     def shutdown(self) -> bool:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         self.runner.shutdown()
         self.running = False
         return True
 
 
 WORKER_METHODS = frozenset(
-    {"capture_cudagraphs", "apply_gc_policy", "parameter_bytes", "copy_state", "shutdown"}
+    {
+        "capture_cudagraphs",
+        "apply_gc_policy",
+        "parameter_bytes",
+        "copy_state",
+        "start_kv_transfer",
+        "shutdown",
+    }
 )

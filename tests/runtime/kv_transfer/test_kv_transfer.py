@@ -171,13 +171,18 @@ def test_mismatched_hashes_pull_nothing(agents, silent_producer):
     [
         ("{", "not valid JSON"),
         ('{"kv_role": "kv_producer"}', "kv_connector: required"),
-        ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "not available in this"),
+        ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}', "not available in this"),
         ('{"kv_connector": "AtomPortableConnector", "kv_role": "kv_x"}', "kv_role: must be"),
         ('{"kv_connector": "TCPConnector", "kv_role": "kv_both", "kv_port": 0}', "kv_port"),
         (
             '{"kv_connector": "TCPConnector", "kv_role": "kv_both", '
             '"kv_connector_extra_config": {"pull_timeout_s": -1}}',
             "pull_timeout_s",
+        ),
+        (
+            '{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+            '"kv_connector_extra_config": {"backends": "UCX"}}',
+            "backends: must be a list of NIXL backend names",
         ),
         (
             '{"kv_connector": "TCPConnector", "kv_role": "kv_both", '
@@ -215,21 +220,28 @@ def test_a_vllm_style_config_is_accepted():
 
 
 @pytest.mark.parametrize(
-    ("tp", "hybrid", "message"),
-    [(2, False, "needs tensor_parallel_size 1"), (1, True, "per-request recurrent state")],
+    ("tp", "port", "model", "message"),
+    [
+        (2, 65535, {}, "kv_port: rank r listens on kv_port \\+ r"),
+        (1, 14579, {"is_hybrid": True}, "recurrent state travels as a state checkpoint"),
+        (1, 14579, {"kv_window": 64}, "sliding-window layers keep KV blocks of their own"),
+    ],
 )
-def test_engines_a_transfer_cannot_serve_are_refused_at_start(tp, hybrid, message):
-    """TP shards and hybrid models' recurrent state do not travel: refused before anything binds."""
+def test_engines_a_transfer_cannot_serve_are_refused_at_start(tp, port, model, message):
+    """Refused before anything binds: a rank's port past 65535, a hybrid model without state
+    checkpoints (its state travels as one), a model with sliding-window KV groups."""
     from types import SimpleNamespace
 
     from atom_runtime.kv_transfer import make_transfer_agent
 
     config = SimpleNamespace(
-        kv_transfer_config='{"kv_connector": "AtomPortableConnector", "kv_role": "kv_both"}',
+        kv_transfer_config='{"kv_connector": "AtomPortableConnector", "kv_role": "kv_both", '
+        f'"kv_port": {port}}}',
         tensor_parallel_size=tp,
     )
+    model_config = SimpleNamespace(**{"is_hybrid": False, "kv_window": None, **model})
     with pytest.raises(ValueError, match=message):
-        make_transfer_agent(config, block_manager=None, runner=None, hybrid=hybrid)
+        make_transfer_agent(config, None, None, model_config, checkpoints=None)
 
 
 # -- the payload: stripes ------------------------------------------------------------------------
