@@ -157,7 +157,7 @@ def _check_model_source(model: dict[str, Any]) -> None:
 
 
 def _check_speculative(spec: dict[str, Any]) -> None:
-    """spec.engine.speculative's CEL rules (schema/engine_features.py and the draft TP rule)."""
+    """spec.engine.speculative's CEL rules (schema/engine_features.py)."""
     speculative = spec["engine"].get("speculative")
     if speculative is None:
         return
@@ -177,12 +177,9 @@ def _check_speculative(spec: dict[str, Any]) -> None:
     draft_tp = speculative.get("draftTensorParallelSize")
     if draft_tp is not None and method != "draft_model":
         raise SpecError(f"{field}.draftTensorParallelSize", "is for method draft_model")
-    decode_tp = spec["decode"]["tensorParallelSize"]
-    if draft_tp is not None and draft_tp not in (1, decode_tp):
-        raise SpecError(
-            f"{field}.draftTensorParallelSize",
-            f"must be 1 or decode.tensorParallelSize ({decode_tp}), got {draft_tp}",
-        )
+    if draft_tp is not None and draft_tp != 1:
+        # The runtime runs the draft on rank 0's GPU only (spec_decode/config.py).
+        raise SpecError(f"{field}.draftTensorParallelSize", f"must be 1, got {draft_tp}")
 
 
 def _check_cross_fields(spec: dict[str, Any]) -> None:

@@ -545,7 +545,7 @@ GOOD_SPECS = [
     {"engine": {"kvCacheDtype": "auto", "reasoningParser": "gpt_oss"}},
     {"decode": {"tensorParallelSize": 8},
      "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 4,
-                                "model": "/mnt/models/draft", "draftTensorParallelSize": 8}}},
+                                "model": "/mnt/models/draft", "draftTensorParallelSize": 1}}},
     {"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 4,
                                 "promptLookupMin": 3, "promptLookupMax": 3}}},
     {"engine": {"compileCache": {"pvc": {"claimName": "kernels"}}}},

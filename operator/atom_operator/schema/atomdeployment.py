@@ -60,18 +60,6 @@ CROSS_FIELD_RULES: list[dict[str, Any]] = [
         "meanwhile: set router.enabled (or add a prefill role) or set minReplicas >= 1",
         "fieldPath": ".decode.autoscaling.minReplicas",
     },
-    # vLLM's rule for a draft model's tensor parallelism: 1, or the target's.
-    {
-        "rule": "!has(self.engine) || !has(self.engine.speculative) "
-        "|| !has(self.engine.speculative.draftTensorParallelSize) "
-        "|| self.engine.speculative.draftTensorParallelSize == 1 "
-        "|| self.engine.speculative.draftTensorParallelSize == "
-        "(has(self.decode) && has(self.decode.tensorParallelSize) "
-        "? self.decode.tensorParallelSize : 1)",
-        "message": "engine.speculative.draftTensorParallelSize must be 1 or "
-        "decode.tensorParallelSize",
-        "fieldPath": ".engine.speculative.draftTensorParallelSize",
-    },
     {
         "rule": "!has(self.kvTransfer) || has(self.prefill)",
         "message": "kvTransfer needs a prefill role (disaggregated mode)",

@@ -36,9 +36,10 @@ SPECULATIVE = object_field(
             "method ngram: the longest n-gram matched in the prompt.", minimum=1, maximum=64
         ),
         "draftTensorParallelSize": int_field(
-            "method draft_model: the draft's tensor-parallel size (1, or the decode role's).",
+            "method draft_model: the draft's tensor-parallel size; only 1 (the draft runs on "
+            "rank 0's GPU).",
             minimum=1,
-            maximum=16,
+            maximum=1,
         ),
     },
     required=["method", "numSpeculativeTokens"],
