@@ -94,6 +94,7 @@ CHECKPOINT_COUNTERS = {
         '{reason="rung"}',
         '{reason="anchor"}',
         '{reason="demand"}',
+        '{reason="handoff"}',
     ],
     "atom:state_checkpoint_demands": ['{outcome="recorded"}', '{outcome="declined"}'],
     "atom:state_checkpoint_prefix_hit_tokens": [""],

@@ -49,6 +49,7 @@ from atom_runtime.sampling_params import SamplingParams
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 from atom_runtime.system import startup
+from atom_runtime.system.process import return_free_memory
 from atom_runtime.system.threads import configure_cpu_threads
 from atom_runtime.text.structured_outputs import Guides
 from atom_runtime.worker.executor import make_executor
@@ -388,6 +389,7 @@ class EngineCore:
             self.kv_transfer.close()
         self.publisher.shutdown()
         self.executor.shutdown()
+        return_free_memory()  # the CPU KV cache's pages, which glibc would otherwise keep
 
 
 @dataclass

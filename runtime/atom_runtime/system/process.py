@@ -17,6 +17,8 @@ the number of objects it reclaimed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 import os
@@ -160,3 +162,14 @@ def release_gc_policy() -> int:
         gc.callbacks.remove(_debug_hook)
         _debug_hook = None
     return reclaimed
+
+
+def return_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim), after a large free such
+    as an engine's CPU KV cache: glibc raises its mmap threshold after big frees (the weight
+    loader's buffers), so later big tensors come from the heap, whose free pages it keeps. A
+    no-op where the C library has no malloc_trim (musl, macOS)."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
