@@ -423,7 +423,8 @@ def offline_run(args: argparse.Namespace, model: Path, prompts: list[list[int]])
 
 def _engine_kwargs(serve_args: list[str]) -> dict:
     """The engine flags among --serve-arg, as LLM keyword arguments."""
-    from atom_runtime.config import EngineConfig, add_engine_arguments
+    from atom_runtime.config import EngineConfig
+    from atom_runtime.engine_args import add_engine_arguments
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

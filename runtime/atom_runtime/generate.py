@@ -7,7 +7,8 @@ import logging
 import sys
 import time
 
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.models.preflight import preflight
 from atom_runtime.system.process import LOG_FORMAT, LOG_LEVELS, log_level
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from atom_runtime.bench import bound as bench_bound
 from atom_runtime.bench import speculative as bench_spec
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.system.process import LOG_FORMAT, LOG_LEVELS, log_level
 
 

@@ -36,7 +36,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.protocol.block_hash import hash_token_blocks
 
 DEFAULT_INTERVALS = "-1,512,2048,8192"

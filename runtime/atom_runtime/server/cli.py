@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from atom_runtime import envs
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.server.reasoning import REASONING_PARSERS
 from atom_runtime.server.tools import TOOL_CALL_PARSERS
 from atom_runtime.system.process import LOG_LEVELS, log_level

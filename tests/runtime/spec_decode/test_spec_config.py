@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.spec_decode.config import SpeculativeConfig
 
 

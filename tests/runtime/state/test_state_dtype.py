@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from atom_runtime import LLM, SamplingParams
-from atom_runtime.config import EngineConfig, add_engine_arguments
+from atom_runtime.config import EngineConfig
+from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.state.slot_pool import ssm_state_dtype
 from tests.model_factory import _HYBRID_COMMON
 
