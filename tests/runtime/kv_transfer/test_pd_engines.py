@@ -125,7 +125,8 @@ def test_disaggregated_answers_equal_aggregated_at_any_tp_pair(
 
 
 @pytest.mark.parametrize(
-    ("connector", "tp"), [_case(PORTABLE, 1), _case(NIXL, 1), _case(NIXL, 2)],
+    ("connector", "tp"),
+    [_case(PORTABLE, 1), _case(NIXL, 1), _case(NIXL, 2)],
     ids=["tcp", "nixl", "nixl-tp2"],
 )
 def test_a_hybrid_models_state_travels_with_its_kv(
