@@ -12,28 +12,11 @@ import triton.language as tl
 
 @triton.jit
 def _conv1d_kernel(
-    x_ptr,
-    weight_ptr,
-    bias_ptr,
-    state_ptr,
-    out_ptr,
-    seq_of_token_ptr,
-    query_start_loc_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    num_tokens,
-    dim,
-    x_stride,
-    out_stride,
-    state_stride_s,
-    state_stride_d,
-    state_stride_w,
-    WIDTH: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    x_ptr, weight_ptr, bias_ptr, state_ptr, out_ptr, seq_of_token_ptr, query_start_loc_ptr,
+    slot_ids_ptr, has_initial_state_ptr, num_tokens, dim, x_stride, out_stride, state_stride_s,
+    state_stride_d, state_stride_w, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < num_tokens
@@ -68,20 +51,10 @@ def _conv1d_kernel(
 
 @triton.jit
 def _conv1d_state_kernel(
-    x_ptr,
-    state_ptr,
-    query_start_loc_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    dim,
-    x_stride,
-    state_stride_s,
-    state_stride_d,
-    state_stride_w,
-    WIDTH: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    x_ptr, state_ptr, query_start_loc_ptr, slot_ids_ptr, has_initial_state_ptr, dim, x_stride,
+    state_stride_s, state_stride_d, state_stride_w, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     start = tl.load(query_start_loc_ptr + b)
@@ -105,21 +78,10 @@ def _conv1d_state_kernel(
 
 @triton.jit
 def _conv1d_verify_state_kernel(
-    x_ptr,
-    state_ptr,
-    query_start_loc_ptr,
-    slots_ptr,
-    has_initial_state_ptr,
-    dim,
-    x_stride,
-    state_stride_s,
-    state_stride_d,
-    state_stride_w,
-    WIDTH: tl.constexpr,
-    NUM_OUT: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    x_ptr, state_ptr, query_start_loc_ptr, slots_ptr, has_initial_state_ptr, dim, x_stride,
+    state_stride_s, state_stride_d, state_stride_w, WIDTH: tl.constexpr, NUM_OUT: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """The window after each token j < NUM_OUT of sequence b into slot slots[b, j]: the last W-1
     inputs of [old window (slot slots[b, 0]) ; x_b[: j + 1]]. Windows j >= 1 first, then a
     barrier, then window 0, which overwrites the slot the others read."""
@@ -189,15 +151,8 @@ def _conv(x, weight, bias, conv_state, query_start_loc, read_slots, resume, acti
 
 
 def causal_conv1d_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+    x, weight, bias, conv_state, query_start_loc, slot_ids, has_initial_state, activation='silu',
+):  # fmt: skip
     """See `atom_kernels.ops.causal_conv1d_`. No host syncs (CUDA-graph capturable)."""
     resume = has_initial_state.view(torch.uint8)
     out, block_d = _conv(x, weight, bias, conv_state, query_start_loc, slot_ids, resume, activation)
@@ -212,15 +167,8 @@ def causal_conv1d_(
 
 
 def causal_conv1d_verify_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+    x, weight, bias, conv_state, query_start_loc, slots, has_initial_state, activation='silu',
+):  # fmt: skip
     """See `atom_kernels.ops.causal_conv1d_verify_`. No host syncs (CUDA-graph capturable):
     the conv reading each row's slot slots[b, 0], then the per-token windows."""
     resume = has_initial_state.view(torch.uint8)

@@ -64,44 +64,15 @@ PACK_HEADS = envs.DECODE_PACK_HEADS.enabled()
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    sinks_ptr,
-    scale_log2,
-    q_stride_b,
-    q_stride_h,
-    cache_stride_block,
-    cache_stride_off,
-    cache_stride_h,
-    bt_stride_b,
-    out_stride_b,
-    out_stride_h,
-    k_scale,
-    v_scale,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-    HEADS: tl.constexpr = 1,
-    FP8: tl.constexpr = False,
-    K_SCALE_PTR: tl.constexpr = False,
-    V_SCALE_PTR: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
-    HAS_SINKS: tl.constexpr = False,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
+    part_max_ptr, part_sum_ptr, sinks_ptr, scale_log2, q_stride_b, q_stride_h, cache_stride_block,
+    cache_stride_off, cache_stride_h, bt_stride_b, out_stride_b, out_stride_h, k_scale, v_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr = False, PDL: tl.constexpr = False, HEADS: tl.constexpr = 1,
+    FP8: tl.constexpr = False, K_SCALE_PTR: tl.constexpr = False, V_SCALE_PTR: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     if HEADS_FASTEST:  # grid (kv head, sequence, split): a sequence's heads launch together
         kv_base = tl.program_id(0) * HEADS
@@ -227,23 +198,11 @@ def _add_sink(acc, m, total, sink_log2):
 
 @triton.jit
 def _decode_merge_kernel(
-    context_lens_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    sinks_ptr,
-    out_stride_b,
-    out_stride_h,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
-    HAS_SINKS: tl.constexpr = False,
-):
+    context_lens_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, out_stride_b,
+    out_stride_h, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -345,26 +304,23 @@ def decode_config(head_dim: int) -> dict[str, int]:
     return {"block_n": 32, "num_warps": 8, "num_stages": 2}
 
 
+def paged_output(q, k_cache, v_cache, out):
+    """The output of a paged attention over q `[T, H, D]` (`out` checked, or a new one); the
+    layouts the kernels need checked: a contiguous head_dim, the caches' strides equal."""
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("q and the caches need a contiguous head_dim; caches share strides")
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    return out
+
+
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-    sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    heads_fastest: bool | None = None,
-    heads_per_program: int | None = None,
-) -> torch.Tensor:
+    q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, k_scale=1.0, v_scale=1.0,
+    sliding_window=0, sinks=None, num_splits=None, block_n=None, num_warps=None, num_stages=None,
+    heads_fastest=None, heads_per_program=None,
+):  # fmt: skip
     """See `atom_kernels.ops.paged_attention_decode`. The keyword-only arguments override
     the automatic choices (tests use them to engage split-K on small shapes; the benchmark
     sweeps them). `heads_fastest` orders the grid (kv head, sequence, split) instead of
@@ -376,12 +332,7 @@ def paged_attention_decode(
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("q and the caches need a contiguous head_dim; caches share strides")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    out = paged_output(q, k_cache, v_cache, out)
     if batch == 0:
         return out
 
@@ -428,64 +379,23 @@ def paged_attention_decode(
     v_arg, v_ptr = scale_arg(v_scale)
     grid = (programs, batch, num_splits) if heads_fastest else (batch, programs, num_splits)
     _decode_split_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        out if sinks is None else sinks,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        k_arg,
-        v_arg,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(heads * group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        IEEE_DOT=q.dtype == torch.float32,
-        HEADS_FASTEST=heads_fastest,
-        HEADS=heads,
-        FP8=is_fp8(k_cache),
-        K_SCALE_PTR=k_ptr,
-        V_SCALE_PTR=v_ptr,
-        WINDOW=sliding_window,
-        HAS_SINKS=sinks is not None,
-        num_warps=num_warps or config["num_warps"],
-        num_stages=num_stages or config["num_stages"],
-        **pdl.options(q.device),
-    )
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
+        out if sinks is None else sinks, scale * _LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), k_arg, v_arg, GROUP=group, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(heads * group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        IEEE_DOT=q.dtype == torch.float32, HEADS_FASTEST=heads_fastest, HEADS=heads,
+        FP8=is_fp8(k_cache), K_SCALE_PTR=k_ptr, V_SCALE_PTR=v_ptr, WINDOW=sliding_window,
+        HAS_SINKS=sinks is not None, num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"], **pdl.options(q.device),
+    )  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            context_lens,
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            out if sinks is None else sinks,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=min(_MERGE_SPLITS, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d,
-            BLOCK_N=block_n,
-            WINDOW=sliding_window,
-            HAS_SINKS=sinks is not None,
-            num_warps=1 if block_d <= 128 else 2,
-            **pdl.options(q.device),
-        )
+            context_lens, out, part_acc, part_max, part_sum, out if sinks is None else sinks,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=min(_MERGE_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+            BLOCK_N=block_n, WINDOW=sliding_window, HAS_SINKS=sinks is not None,
+            num_warps=1 if block_d <= 128 else 2, **pdl.options(q.device),
+        )  # fmt: skip
     return out

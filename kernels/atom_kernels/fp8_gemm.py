@@ -188,13 +188,9 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+    out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`(a * scale_a) @ (b * scale_b)^T + bias` through `torch._scaled_mm`.
 
     a: FP8 `[M, K]` rows; scale_a `[1]` or `[M, 1]`. b: the FP8 weight `[N, K]` (row-major, so
@@ -240,15 +236,9 @@ def _pad_columns(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    input_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    use_scaled_mm: bool | None = None,
-) -> torch.Tensor:
+    x, weight, weight_scale, bias=None, *, input_scale=None, weight_block_size=None,
+    use_scaled_mm=None,
+):  # fmt: skip
     """See `atom_kernels.ops.fp8_linear`. `use_scaled_mm` forces (True) or avoids (False)
     `torch._scaled_mm` for per-channel and per-tensor weights (default: where supported)."""
     k = x.shape[-1]

@@ -108,8 +108,8 @@ def _dynamic_quant_kernel(
 
 @triton.jit
 def _static_quant_kernel(
-    x_ptr, q_ptr, scale, K, x_stride, q_stride, IS_PTR: tl.constexpr, BLOCK: tl.constexpr
-):
+    x_ptr, q_ptr, scale, K, x_stride, q_stride, IS_PTR: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
@@ -131,23 +131,17 @@ def _dynamic(x: torch.Tensor, group: int, num_groups: int, fp8_dtype: torch.dtyp
     return q, scale
 
 
-def per_token_quant_fp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8(x, fp8_dtype):
     """See `atom_kernels.ops.per_token_quant_fp8`."""
     return _dynamic(x, x.shape[1], 1, fp8_dtype)
 
 
-def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x, group_size, fp8_dtype):
     """See `atom_kernels.ops.per_token_group_quant_fp8`."""
     return _dynamic(x, group_size, triton.cdiv(x.shape[1], group_size), fp8_dtype)
 
 
-def per_tensor_quant_fp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_tensor_quant_fp8(x, fp8_dtype, scale=None):
     """See `atom_kernels.ops.per_tensor_quant_fp8`. A dynamic scale is torch's amax on the
     device (no host sync), then the static kernel."""
     m, k = x.shape

@@ -25,24 +25,15 @@ from atom_kernels import pdl
 from atom_kernels.fp8_formats import is_fp8
 from atom_kernels.fp8_quant import load_scale, scale_arg, store_kv_fp8
 from atom_kernels.pdl import wait_for_inputs
+from atom_kernels.rotary import load_cos_sin
 
 
 @triton.jit
 def _norm_rope_heads(
-    base,
-    w_ptr,
-    num_heads,
-    cos,
-    sin,
-    eps,
-    HAS_NORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_STRIDE: tl.constexpr,
-    ROT_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_ROT: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
-):
+    base, w_ptr, num_heads, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr, ROT_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_ROT: tl.constexpr, BLOCK_REST: tl.constexpr,
+):  # fmt: skip
     """Norm (optional) and rotate, in place, `num_heads` heads starting at `base`, HEAD_STRIDE
     apart: channels i and i + ROT_HALF (i < ROT_HALF) rotate as a neox pair, channels from
     2 * ROT_HALF on (partial rotary) are only normed. Returns the three pieces as written, in
@@ -81,45 +72,17 @@ def _norm_rope_heads(
 
 @triton.jit
 def _qk_prep_kernel(
-    qkv_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    q_w_ptr,
-    k_w_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    qkv_stride_t,
-    cos_sin_stride,
-    cache_stride_slot,
-    eps,
-    num_heads,
-    num_kv_heads,
-    k_scale,
-    v_scale,
-    HAS_NORM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    Q_HEAD_STRIDE: tl.constexpr,
-    ROT_HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_ROT: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
-    FP8: tl.constexpr = False,
-    K_SCALE_PTR: tl.constexpr = False,
-    V_SCALE_PTR: tl.constexpr = False,
-):
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    qkv_stride_t, cos_sin_stride, cache_stride_slot, eps, num_heads, num_kv_heads, k_scale, v_scale,
+    HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
+    ROT_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_ROT: tl.constexpr,
+    BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, K_SCALE_PTR: tl.constexpr = False, V_SCALE_PTR: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin = load_cos_sin(cos_sin_ptr, cos_sin_stride, positions_ptr, token, ROT_HALF, BLOCK_ROT)
     offs_i = tl.arange(0, BLOCK_ROT)
-    cs_mask = offs_i < ROT_HALF
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs_i, mask=cs_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + ROT_HALF + offs_i, mask=cs_mask, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
     row = qkv_ptr + token.to(tl.int64) * qkv_stride_t
     _norm_rope_heads(
         row, q_w_ptr, num_heads, cos, sin, eps, HAS_NORM, HEAD_DIM, Q_HEAD_STRIDE, ROT_HALF,
@@ -157,23 +120,9 @@ def _qk_prep_kernel(
 
 
 def qk_norm_rope_store_(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_gate: bool = False,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> None:
+    qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
+    slot_mapping, num_heads, num_kv_heads, head_dim, q_gate=False, *, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """See `atom_kernels.ops.qk_norm_rope_store_`."""
     num_tokens = qkv.shape[0]
     if cos_sin_cache.stride(-1) != 1:
@@ -186,53 +135,23 @@ def qk_norm_rope_store_(
     k_arg, k_ptr = scale_arg(k_scale)
     v_arg, v_ptr = scale_arg(v_scale)
     _qk_prep_kernel[(num_tokens,)](
-        qkv,
-        positions,
-        cos_sin_cache,
-        q_norm_weight if has_norm else qkv,
-        k_norm_weight if has_norm else qkv,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        qkv.stride(0),
-        cos_sin_cache.stride(0),
-        k_cache.stride(1),
-        eps,
-        num_heads,
-        num_kv_heads,
-        k_arg,
-        v_arg,
-        HAS_NORM=has_norm,
-        HEAD_DIM=head_dim,
-        Q_HEAD_STRIDE=(2 if q_gate else 1) * head_dim,
-        ROT_HALF=rot_half,
-        BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        qkv, positions, cos_sin_cache, q_norm_weight if has_norm else qkv,
+        k_norm_weight if has_norm else qkv, k_cache, v_cache, slot_mapping, qkv.stride(0),
+        cos_sin_cache.stride(0), k_cache.stride(1), eps, num_heads, num_kv_heads, k_arg, v_arg,
+        HAS_NORM=has_norm, HEAD_DIM=head_dim, Q_HEAD_STRIDE=(2 if q_gate else 1) * head_dim,
+        ROT_HALF=rot_half, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_ROT=triton.next_power_of_2(rot_half),
         BLOCK_REST=triton.next_power_of_2(max(1, head_dim - 2 * rot_half)),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if block_hq * head_dim >= 2048 else 1,
-        FP8=is_fp8(k_cache),
-        K_SCALE_PTR=k_ptr,
-        V_SCALE_PTR=v_ptr,
-        **pdl.options(qkv.device),
-    )
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4 if block_hq * head_dim >= 2048 else 1,
+        FP8=is_fp8(k_cache), K_SCALE_PTR=k_ptr, V_SCALE_PTR=v_ptr, **pdl.options(qkv.device),
+    )  # fmt: skip
 
 
 @triton.jit
 def _sigmoid_gate_mul_kernel(
-    x_ptr,
-    gate_ptr,
-    out_ptr,
-    x_stride_t,
-    x_stride_h,
-    gate_stride_t,
-    gate_stride_h,
-    width,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    x_ptr, gate_ptr, out_ptr, x_stride_t, x_stride_h, gate_stride_t, gate_stride_h, width,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -265,8 +184,8 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, x_stride_t, out_stride_t, width, BLOCK: tl.constexpr, PDL: tl.constexpr = False
-):
+    x_ptr, out_ptr, x_stride_t, out_stride_t, width, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -291,13 +210,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(width, block))](
-        x,
-        out,
-        x.stride(0),
-        out.stride(0),
-        width,
-        BLOCK=block,
-        num_warps=4,
+        x, out, x.stride(0), out.stride(0), width, BLOCK=block, num_warps=4,
         **pdl.options(x.device),
-    )
+    )  # fmt: skip
     return out

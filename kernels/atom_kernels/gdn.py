@@ -27,6 +27,28 @@ import triton.language as tl
 from atom_kernels import envs
 
 
+def _gdn_dims(q, k, v, g, beta, state) -> tuple[int, int, int, int]:
+    """(k heads, k head dim, v heads, v head dim) of a delta-rule call, the layouts the kernels
+    read checked: a contiguous last dim of q, k, v and the state, contiguous g and beta rows."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta need contiguous rows")
+    return q.shape[1], q.shape[2], v.shape[1], v.shape[2]
+
+
+def _rule_args(q, k, v, g, beta, state, out, query_start_loc, slot_ids, has_initial_state, scale):
+    """The arguments both delta-rule kernels start with: the tensors, the scale, their strides."""
+    return (
+        q, k, v, g, beta, state, out, query_start_loc, slot_ids,
+        has_initial_state.view(torch.uint8), scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        state.stride(0), state.stride(1), state.stride(2),
+    )  # fmt: skip
+
+
 @triton.jit
 def gdn_gates(a, b, a_log, dt_bias):
     """(g, beta) = (-exp(a_log) * softplus(a + dt_bias), sigmoid(b)) in fp32, elementwise.
@@ -44,19 +66,9 @@ def gdn_gates(a, b, a_log, dt_bias):
 
 @triton.jit
 def _gdn_gating_kernel(
-    a_ptr,
-    b_ptr,
-    a_log_ptr,
-    dt_bias_ptr,
-    g_ptr,
-    beta_ptr,
-    num_tokens,
-    a_stride,
-    b_stride,
-    HV: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, num_tokens, a_stride, b_stride,
+    HV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, BLOCK_H)
     h_ok = h < HV
@@ -71,9 +83,7 @@ def _gdn_gating_kernel(
     tl.store(beta_ptr + t64 * HV + h[None, :], beta, mask=m)
 
 
-def gdn_gating(
-    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gating(a, b, a_log, dt_bias):
     """See `atom_kernels.ops.gdn_gating`. No host syncs."""
     if not (a_log.is_contiguous() and dt_bias.is_contiguous()):
         raise ValueError("gdn_gating needs contiguous a_log and dt_bias")
@@ -92,40 +102,13 @@ def gdn_gating(
 
 @triton.jit
 def _gdn_recurrent_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    state_ptr,
-    out_ptr,
-    query_start_loc_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    scale,
-    q_stride_t,
-    q_stride_h,
-    k_stride_t,
-    k_stride_h,
-    v_stride_t,
-    v_stride_h,
-    g_stride_t,
-    beta_stride_t,
-    out_stride_t,
-    out_stride_h,
-    state_stride_s,
-    state_stride_h,
-    state_stride_k,
-    out_slots_ptr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    GROUP: tl.constexpr,
-    L2NORM: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    PER_TOKEN: tl.constexpr,
-    NUM_OUT: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, query_start_loc_ptr, slot_ids_ptr,
+    has_initial_state_ptr, scale, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
+    v_stride_h, g_stride_t, beta_stride_t, out_stride_t, out_stride_h, state_stride_s,
+    state_stride_h, state_stride_k, out_slots_ptr, DK: tl.constexpr, DV: tl.constexpr,
+    GROUP: tl.constexpr, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    PER_TOKEN: tl.constexpr, NUM_OUT: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // GROUP
@@ -184,30 +167,13 @@ def _gdn_recurrent_kernel(
 
 
 def gated_delta_rule_recurrent_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    out: torch.Tensor | None = None,
-    out_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale,
+    use_qk_l2norm=True, out=None, out_slots=None,
+):  # fmt: skip
     """See `atom_kernels.ops.gated_delta_rule_`; token-by-token for every row. No host syncs
     (CUDA-graph capturable). With `out_slots` ([B, W], `ops.gated_delta_rule_verify_`) each
     row reads slot out_slots[b, 0] and leaves its state after token j in out_slots[b, j]."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim")
-    if g.stride(1) != 1 or beta.stride(1) != 1:
-        raise ValueError("g and beta need contiguous rows")
-    _, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
+    hk, dk, hv, dv = _gdn_dims(q, k, v, g, beta, state)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     batch = slot_ids.shape[0]
@@ -218,11 +184,8 @@ def gated_delta_rule_recurrent_(
     block_v = max(16, min(triton.next_power_of_2(dv), 4096 // block_k))
     grid = (batch, hv, triton.cdiv(dv, block_v))
     _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, state, out, query_start_loc, slot_ids,
-        has_initial_state.view(torch.uint8), scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
-        state.stride(0), state.stride(1), state.stride(2),
+        *_rule_args(q, k, v, g, beta, state, out, query_start_loc, slot_ids, has_initial_state,
+                    scale),
         out_slots if out_slots is not None else slot_ids,
         DK=dk, DV=dv, GROUP=hv // hk, L2NORM=use_qk_l2norm, BLOCK_K=block_k, BLOCK_V=block_v,
         PER_TOKEN=out_slots is not None,
@@ -234,39 +197,13 @@ def gated_delta_rule_recurrent_(
 
 @triton.jit
 def _gdn_chunk_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    state_ptr,
-    out_ptr,
-    query_start_loc_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    scale,
-    q_stride_t,
-    q_stride_h,
-    k_stride_t,
-    k_stride_h,
-    v_stride_t,
-    v_stride_h,
-    g_stride_t,
-    beta_stride_t,
-    out_stride_t,
-    out_stride_h,
-    state_stride_s,
-    state_stride_h,
-    state_stride_k,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    GROUP: tl.constexpr,
-    L2NORM: tl.constexpr,
-    IEEE: tl.constexpr,
-    BT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, query_start_loc_ptr, slot_ids_ptr,
+    has_initial_state_ptr, scale, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
+    v_stride_h, g_stride_t, beta_stride_t, out_stride_t, out_stride_h, state_stride_s,
+    state_stride_h, state_stride_k, DK: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
+    L2NORM: tl.constexpr, IEEE: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):
+):  # fmt: skip
     """One (sequence, v head, Dv tile) per program, BT tokens at a time: within a chunk the BT
     rank-1 updates become one unit-lower-triangular system (inverted by forward substitution
     on a BT x BT tile), so the rest is matmuls; the state slice stays in registers."""
@@ -354,20 +291,9 @@ def _gdn_chunk_kernel(
 
 
 def gated_delta_rule_chunked_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    *,
-    chunk: int = 16,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale,
+    use_qk_l2norm=True, *, chunk=16,
+):  # fmt: skip
     """See `atom_kernels.ops.gated_delta_rule_`: the chunked kernel (16 tokens a step) for
     every row. No host syncs.
 
@@ -376,13 +302,7 @@ def gated_delta_rule_chunked_(
     `benchmarks/gdn_prefill_bench.py`, us a layer) 15 decode rows + one 500-token row ran 563 /
     1,324 / 2,562 at chunks 16 / 32 / 64 (fla-core 2,692), 8 rows of 1,024 4,068 / 8,028 / 11,552
     (fla 3,071), one 4,096-token row 2,021 / 4,025 / 5,508 (fla 2,716)."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim")
-    if g.stride(1) != 1 or beta.stride(1) != 1:
-        raise ValueError("g and beta need contiguous rows")
-    _, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
+    hk, dk, hv, dv = _gdn_dims(q, k, v, g, beta, state)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     batch = slot_ids.shape[0]
     if batch == 0:
@@ -391,11 +311,8 @@ def gated_delta_rule_chunked_(
     block_v = max(16, min(triton.next_power_of_2(dv), 32))
     grid = (batch, hv, triton.cdiv(dv, block_v))
     _gdn_chunk_kernel[grid](
-        q, k, v, g, beta, state, out, query_start_loc, slot_ids,
-        has_initial_state.view(torch.uint8), scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
-        state.stride(0), state.stride(1), state.stride(2),
+        *_rule_args(q, k, v, g, beta, state, out, query_start_loc, slot_ids, has_initial_state,
+                    scale),
         DK=dk, DV=dv, GROUP=hv // hk, L2NORM=use_qk_l2norm, IEEE=q.dtype == torch.float32,
         BT=chunk, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
     )  # fmt: skip
@@ -421,18 +338,9 @@ def _fla_chunk():
 
 
 def gated_delta_rule_chunked_fla_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale,
+    use_qk_l2norm=True,
+):  # fmt: skip
     """The prefill path through fla-core's chunked kernels (GPU only): the slots' states are
     gathered into fla's `[B, Hv, Dk, Dv]` fp32 initial states (zeros where a row does not
     resume), fla runs every row of the varlen batch, and the final states are scattered back
@@ -465,18 +373,9 @@ def gated_delta_rule_chunked_fla_(
 
 
 def gated_delta_rule_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale,
+    use_qk_l2norm=True,
+):  # fmt: skip
     """See `atom_kernels.ops.gated_delta_rule_`. A batch of one token per row (decided from
     shapes, no host sync) runs the recurrent kernel; a batch with longer rows runs this module's
     chunked kernel, or fla-core's on a GPU with `ATOM_GDN_PREFILL=fla` and fla-core installed."""
@@ -489,18 +388,8 @@ def gated_delta_rule_(
 
 
 def gated_delta_rule_verify_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slots, has_initial_state, scale, use_qk_l2norm=True,
+):  # fmt: skip
     """See `atom_kernels.ops.gated_delta_rule_verify_`: the recurrent kernel, keeping the state
     after every token of a row in its slot. No host syncs (CUDA-graph capturable)."""
     return gated_delta_rule_recurrent_(

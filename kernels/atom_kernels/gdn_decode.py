@@ -43,7 +43,7 @@ import triton.language as tl
 from atom_kernels import gdn_decode_wide, pdl
 from atom_kernels.decode_attention import _multiprocessor_count as _multiprocessors
 from atom_kernels.gdn import gdn_gates
-from atom_kernels.gdn_token import conv_token, decode_dims, gated_norm
+from atom_kernels.gdn_token import conv_qk, conv_token, decode_dims, gated_norm, row_pointers
 from atom_kernels.pdl import wait_for_inputs
 from atom_kernels.tickets import ticket_counters
 
@@ -53,50 +53,21 @@ MAX_STATE_TILE = 32768
 
 @triton.jit
 def _gdn_decode_kernel(
-    proj_ptr,
-    conv_w_ptr,
-    conv_state_ptr,
-    ssm_state_ptr,
-    a_log_ptr,
-    dt_bias_ptr,
-    norm_w_ptr,
-    out_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    tickets_ptr,
-    scale,
-    eps,
-    proj_stride,
-    out_stride,
-    cs_stride_s,
-    cs_stride_c,
-    cs_stride_w,
-    ss_stride_s,
-    ss_stride_h,
-    ss_stride_k,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    WIDTH: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    V_SPLIT: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    proj_ptr, conv_w_ptr, conv_state_ptr, ssm_state_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+    out_ptr, slot_ids_ptr, has_initial_state_ptr, tickets_ptr, scale, eps, proj_stride, out_stride,
+    cs_stride_s, cs_stride_c, cs_stride_w, ss_stride_s, ss_stride_h, ss_stride_k, HK: tl.constexpr,
+    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, V_SPLIT: tl.constexpr,
+    BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     kh = tl.program_id(1)
     v_tile = tl.program_id(2)
-    slot = tl.load(slot_ids_ptr + row)
-    real = slot >= 0
-    resume = tl.load(has_initial_state_ptr + row) != 0
-    x_row = proj_ptr + row.to(tl.int64) * proj_stride
-    window_row = conv_state_ptr + slot.to(tl.int64) * cs_stride_s
-    state_row = ssm_state_ptr + slot.to(tl.int64) * ss_stride_s
+    real, resume, x_row, window_row, state_row = row_pointers(
+        row, slot_ids_ptr, has_initial_state_ptr, proj_ptr, proj_stride, conv_state_ptr,
+        cs_stride_s, ssm_state_ptr, ss_stride_s,
+    )  # fmt: skip
     conv_dim = 2 * HK * DK + HV * DV
     j = tl.arange(0, BLOCK_W)
     in_window = (j < WIDTH - 1)[None, :]
@@ -127,14 +98,8 @@ def _gdn_decode_kernel(
     if V_SPLIT == 1:
         z_ptrs = x_row + conv_dim + heads[:, None] * DV + dv[None, :]
         z = tl.load(z_ptrs, mask=gate_mask, other=0.0).to(tl.float32)
-    q_ch = kh * DK + dk
-    k_ch = HK * DK + kh * DK + dk
-    q, q_window = conv_token(
-        x_row, conv_w_ptr, window_row, q_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
-        WIDTH, BLOCK_W,
-    )  # fmt: skip
-    k, k_window = conv_token(
-        x_row, conv_w_ptr, window_row, k_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
+    q_ch, k_ch, q, q_window, k, k_window = conv_qk(
+        x_row, conv_w_ptr, window_row, kh, dk, k_live, k_resume, cs_stride_c, cs_stride_w, HK, DK,
         WIDTH, BLOCK_W,
     )  # fmt: skip
     # The v channels of the heads' tiles as one flat run, head-major like the projection.
@@ -206,21 +171,9 @@ def _gdn_decode_kernel(
 
 
 def gated_delta_net_decode_(
-    proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    *,
-    num_warps: int | None = None,
-    v_split: int | None = None,
-) -> torch.Tensor:
+    proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, eps, slot_ids,
+    has_initial_state, scale, *, num_warps=None, v_split=None,
+):  # fmt: skip
     """See `atom_kernels.ops.gated_delta_net_decode_`. A batch that fills the GPU goes to the
     wide kernel (`gdn_decode_wide`, unless ATOM_GDN_DECODE=split or an override here); the
     rest runs this module's kernel. `v_split` overrides how many programs share a k head's Dv

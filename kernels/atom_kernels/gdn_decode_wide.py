@@ -33,7 +33,7 @@ import triton.language as tl
 
 from atom_kernels import envs, pdl
 from atom_kernels.gdn import gdn_gates
-from atom_kernels.gdn_token import conv_token, decode_dims, gated_norm
+from atom_kernels.gdn_token import conv_qk, conv_token, decode_dims, gated_norm, row_pointers
 from atom_kernels.pdl import wait_for_inputs
 
 # Which fused decode kernel a one-token batch takes (ATOM_GDN_DECODE, read once at import):
@@ -51,50 +51,20 @@ def _state_tile(state_row, head, t, dk, dvb, ss_stride_h, ss_stride_k, BLOCK_V: 
 
 @triton.jit
 def _gdn_decode_wide_kernel(
-    proj_ptr,
-    conv_w_ptr,
-    conv_state_ptr,
-    ssm_state_ptr,
-    a_log_ptr,
-    dt_bias_ptr,
-    norm_w_ptr,
-    out_ptr,
-    slot_ids_ptr,
-    has_initial_state_ptr,
-    scale,
-    eps,
-    proj_stride,
-    out_stride,
-    cs_stride_s,
-    cs_stride_c,
-    cs_stride_w,
-    ss_stride_s,
-    ss_stride_h,
-    ss_stride_k,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    WIDTH: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    TILES: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    proj_ptr, conv_w_ptr, conv_state_ptr, ssm_state_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+    out_ptr, slot_ids_ptr, has_initial_state_ptr, scale, eps, proj_stride, out_stride, cs_stride_s,
+    cs_stride_c, cs_stride_w, ss_stride_s, ss_stride_h, ss_stride_k, HK: tl.constexpr,
+    HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, WIDTH: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_V: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     kh = tl.program_id(1)
-    slot = tl.load(slot_ids_ptr + row)
-    real = slot >= 0
-    resume = tl.load(has_initial_state_ptr + row) != 0
-    x_row = proj_ptr + row.to(tl.int64) * proj_stride
-    window_row = conv_state_ptr + slot.to(tl.int64) * cs_stride_s
-    state_row = ssm_state_ptr + slot.to(tl.int64) * ss_stride_s
+    real, resume, x_row, window_row, state_row = row_pointers(
+        row, slot_ids_ptr, has_initial_state_ptr, proj_ptr, proj_stride, conv_state_ptr,
+        cs_stride_s, ssm_state_ptr, ss_stride_s,
+    )  # fmt: skip
     o_row = out_ptr + row.to(tl.int64) * out_stride + kh * (GROUP * DV)  # this k head's v heads
     conv_dim = 2 * HK * DK + HV * DV
     state_dtype = ssm_state_ptr.dtype.element_ty
@@ -115,14 +85,8 @@ def _gdn_decode_wide_kernel(
         )  # fmt: skip
 
     # 1. The convs: q and k of this k head, v of its GROUP v heads as one flat run.
-    q_ch = kh * DK + dk
-    k_ch = HK * DK + kh * DK + dk
-    q, q_window = conv_token(
-        x_row, conv_w_ptr, window_row, q_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
-        WIDTH, BLOCK_W,
-    )  # fmt: skip
-    k, k_window = conv_token(
-        x_row, conv_w_ptr, window_row, k_ch, k_live, k_resume, cs_stride_c, cs_stride_w,
+    q_ch, k_ch, q, q_window, k, k_window = conv_qk(
+        x_row, conv_w_ptr, window_row, kh, dk, k_live, k_resume, cs_stride_c, cs_stride_w, HK, DK,
         WIDTH, BLOCK_W,
     )  # fmt: skip
     flat = tl.arange(0, BLOCK_G * BLOCK_DV)
@@ -213,22 +177,9 @@ def _gdn_decode_wide_kernel(
 
 
 def gated_delta_net_decode_wide_(
-    proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    *,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    prefetch: bool | None = None,
-) -> torch.Tensor:
+    proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, eps, slot_ids,
+    has_initial_state, scale, *, block_v=None, num_warps=None, prefetch=None,
+):  # fmt: skip
     """`ops.gated_delta_net_decode_` on this module's kernel, grid (rows, k heads). `block_v`
     (state columns a tile, a power of two), `num_warps` and `prefetch` (load the next tile
     before working on this one) override the layer's launch shape (`launch_config`)."""

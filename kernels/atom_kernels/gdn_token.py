@@ -14,17 +14,9 @@ import triton.language as tl
 
 @triton.jit
 def conv_token(
-    x_row,
-    conv_w_ptr,
-    window_row,
-    ch,
-    live,
-    resume,
-    cs_stride_c,
-    cs_stride_w,
-    WIDTH: tl.constexpr,
+    x_row, conv_w_ptr, window_row, ch, live, resume, cs_stride_c, cs_stride_w, WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
-):
+):  # fmt: skip
     """The causal conv + silu of one token over channels `ch` ([C], `live` masks them; `resume`
     those whose window is read, zeros elsewhere). Returns the output (fp32, rounded through
     x's dtype as the conv kernel's output would be) and the shifted window `[C, BLOCK_W]`
@@ -46,6 +38,39 @@ def conv_token(
     )
     shifted = tl.where((j + 1 == WIDTH - 1)[None, :], x[:, None], shifted.to(tl.float32))
     return y, shifted
+
+
+@triton.jit
+def row_pointers(
+    row, slot_ids_ptr, has_initial_state_ptr, proj_ptr, proj_stride, conv_state_ptr, cs_stride_s,
+    ssm_state_ptr, ss_stride_s,
+):  # fmt: skip
+    """Where a decode row's data lives: (real: it has a state slot, resume: its state is read,
+    its in_proj row, its conv window, its recurrent state)."""
+    slot = tl.load(slot_ids_ptr + row)
+    resume = tl.load(has_initial_state_ptr + row) != 0
+    x_row = proj_ptr + row.to(tl.int64) * proj_stride
+    window_row = conv_state_ptr + slot.to(tl.int64) * cs_stride_s
+    state_row = ssm_state_ptr + slot.to(tl.int64) * ss_stride_s
+    return slot >= 0, resume, x_row, window_row, state_row
+
+
+@triton.jit
+def conv_qk(
+    x_row, conv_w_ptr, window_row, kh, dk, live, resume, cs_stride_c, cs_stride_w, HK, DK,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """`conv_token` over k head `kh`'s q and k channels (`dk`: its offsets within a head):
+    their channel indices, outputs and shifted windows, (q_ch, k_ch, q, q_window, k, k_window)."""
+    q_ch = kh * DK + dk
+    k_ch = HK * DK + kh * DK + dk
+    q, q_window = conv_token(
+        x_row, conv_w_ptr, window_row, q_ch, live, resume, cs_stride_c, cs_stride_w, WIDTH, BLOCK_W
+    )
+    k, k_window = conv_token(
+        x_row, conv_w_ptr, window_row, k_ch, live, resume, cs_stride_c, cs_stride_w, WIDTH, BLOCK_W
+    )
+    return q_ch, k_ch, q, q_window, k, k_window
 
 
 @triton.jit

@@ -153,34 +153,11 @@ def _paired_rows(offs, n_out, MODE: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: 
 
 @triton.jit
 def _epilogue(
-    y,
-    y2,
-    offs,
-    mask,
-    first,
-    second,
-    bias_ptr,
-    out_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    qn_ptr,
-    kn_ptr,
-    qk_eps,
-    cos_sin_stride,
-    cache_stride_slot,
-    num_heads,
-    num_kv_heads,
-    ks,
-    vs,
-    HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    y, y2, offs, mask, first, second, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
+    v_cache_ptr, slot_ptr, qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads,
+    num_kv_heads, ks, vs, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     """Bias, then the MODE's finish and stores, from the fp32 sums of rows first (y) and
     second (y2). Every value is rounded to the output dtype where the unfused path would
     hold it in memory. NORM_ROPE needs `offs` to be one whole head's pairs. KV_FP8: the
@@ -234,32 +211,11 @@ def _epilogue(
 
 @triton.jit
 def _finish_block(
-    y,
-    pid_n,
-    n_out,
-    bias_ptr,
-    out_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    qn_ptr,
-    kn_ptr,
-    qk_eps,
-    cos_sin_stride,
-    cache_stride_slot,
-    num_heads,
-    num_kv_heads,
-    ks,
-    vs,
-    HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
+    y, pid_n, n_out, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    qn_ptr, kn_ptr, qk_eps, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, ks, vs,
+    HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
     """The epilogue of one program's block from its rows' fp32 sums `y` (a paired MODE's rows
     interleaved first, second, ...)."""
     if MODE == 0:
@@ -278,8 +234,8 @@ def _finish_block(
 
 @triton.jit
 def _block_scaled_x(
-    x, s_first, s_second, col_block, mask, even, MODE: tl.constexpr, SAME_BLOCK: tl.constexpr
-):
+    x, s_first, s_second, col_block, mask, even, MODE: tl.constexpr, SAME_BLOCK: tl.constexpr,
+):  # fmt: skip
     """x times the weight's block scale, as the tile's rows see it: `[1, BLOCK_K]` when every row
     shares one scale row (the plain product; pairs in one block), else `[BLOCK_N, BLOCK_K]` with
     the first rows' scale on even lanes and the second rows' on odd ones. s_first / s_second
@@ -301,16 +257,9 @@ def _block_scaled_x(
 
 @triton.jit
 def _gemv_input(
-    x_ptr,
-    residual_ptr,
-    norm_w_ptr,
-    ks,
-    k_mask,
-    inv_rms,
-    dtype: tl.constexpr,
-    NORM: tl.constexpr,
+    x_ptr, residual_ptr, norm_w_ptr, ks, k_mask, inv_rms, dtype: tl.constexpr, NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-):
+):  # fmt: skip
     """x[ks] in fp32, normed (x + residual, rounded to the dtype, times inv_rms and the norm
     weight, rounded again) when the RMSNorm is fused in front."""
     if NORM:
@@ -497,35 +446,13 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_reduce_kernel(
-    part_ptr,
-    bias_ptr,
-    out_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    qn_ptr,
-    kn_ptr,
-    N,
-    qk_eps,
-    cos_sin_stride,
-    cache_stride_slot,
-    num_heads,
-    num_kv_heads,
-    k_scale,
-    v_scale,
-    HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False,
-    K_SCALE_PTR: tl.constexpr = False,
+    part_ptr, bias_ptr, out_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, qn_ptr,
+    kn_ptr, N, qk_eps, cos_sin_stride, cache_stride_slot, num_heads, num_kv_heads, k_scale, v_scale,
+    HAS_BIAS: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, K_SCALE_PTR: tl.constexpr = False,
     V_SCALE_PTR: tl.constexpr = False,
-):
+):  # fmt: skip
     wait_for_inputs(PDL)
     if MODE == 0:
         n_out = N
@@ -810,64 +737,28 @@ def gemv(
     consts = dict(HAS_BIAS=bias is not None, MODE=mode, HALF=half, HEAD_DIM=head_dim)
     kv_args, kv_consts = _kv_scale_args(rope)
     _gemv_kernel[(programs_n, split)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        residual if residual is not None else x,
-        norm_weight if norm else x,
-        residual_out if residual_out is not None else x,
-        parts if parts is not None else out,
-        tickets if tickets is not None else out,
-        *rope_args,
-        fp8.scale if fp8 is not None else out,
-        n,
-        k,
-        weight.stride(0),
-        fp8.stride if fp8 is not None else 0,
-        k_per_split,
-        eps,
-        qk_eps,
-        *rope_ints,
-        *kv_args,
-        NORM=norm,
-        HAS_RESIDUAL=residual_out is not None,
-        SPLIT=split,
-        TICKETS=tickets is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        ROW_BLOCK=triton.next_power_of_2(k) if norm else 1,
-        num_warps=num_warps or cfg["num_warps"],
+        x, weight, bias if bias is not None else weight, out,
+        residual if residual is not None else x, norm_weight if norm else x,
+        residual_out if residual_out is not None else x, parts if parts is not None else out,
+        tickets if tickets is not None else out, *rope_args, fp8.scale if fp8 is not None else out,
+        n, k, weight.stride(0), fp8.stride if fp8 is not None else 0, k_per_split, eps, qk_eps,
+        *rope_ints, *kv_args, NORM=norm, HAS_RESIDUAL=residual_out is not None, SPLIT=split,
+        TICKETS=tickets is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROW_BLOCK=triton.next_power_of_2(k) if norm else 1, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
-        EARLY=early_columns(
-            block_k, k_per_split, cfg if early is None else {"early": early}, pdl.enabled(x.device)
-        ),
+        EARLY=early_columns( block_k, k_per_split, cfg if early is None else {"early": early}, pdl.enabled(x.device) ),
         W_SCALE=fp8.mode if fp8 is not None else 0,
         SCALE_BN=fp8.block_n if fp8 is not None else 128,
-        SCALE_BK=fp8.block_k if fp8 is not None else 128,
-        SAME_BLOCK=same_block,
-        **kv_consts,
-        **consts,
-        **pdl.options(x.device),
-    )
+        SCALE_BK=fp8.block_k if fp8 is not None else 128, SAME_BLOCK=same_block, **kv_consts,
+        **consts, **pdl.options(x.device),
+    )  # fmt: skip
     if split > 1 and tickets is None:
         block = half if mode == NORM_ROPE else 1024  # QK-norm's epilogue: one head a program
         _gemv_reduce_kernel[(triton.cdiv(n_out, block),)](
-            parts,
-            bias if bias is not None else parts,
-            out,
-            *rope_args,
-            n,
-            qk_eps,
-            *rope_ints,
-            *kv_args,
-            SPLIT=split,
-            BLOCK=block,
-            num_warps=4,
-            **kv_consts,
-            **consts,
+            parts, bias if bias is not None else parts, out, *rope_args, n, qk_eps, *rope_ints,
+            *kv_args, SPLIT=split, BLOCK=block, num_warps=4, **kv_consts, **consts,
             **pdl.options(x.device),
-        )
+        )  # fmt: skip
     return out if residual_out is None else (out, residual_out)
 
 
@@ -879,15 +770,7 @@ def _kv_scale_args(rope: RopeStore | None) -> tuple[tuple, dict[str, bool]]:
     return (k_arg, v_arg), {"KV_FP8": True, "K_SCALE_PTR": k_ptr, "V_SCALE_PTR": v_ptr}
 
 
-def linear_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
+def linear_small_m(x, weight, bias=None, *, act=None, weight_scale=None, weight_block_size=None):
     """See `atom_kernels.ops.linear_small_m`."""
     return gemv(
         x, weight, bias, act=act, weight_scale=weight_scale, weight_block_size=weight_block_size
@@ -895,26 +778,10 @@ def linear_small_m(
 
 
 def linear_rope_store_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
+    x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+    num_kv_heads, head_dim, q_norm_weight=None, k_norm_weight=None, eps=1e-06, *, weight_scale=None,
+    weight_block_size=None, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """See `atom_kernels.ops.linear_rope_store_small_m`."""
     rope = RopeStore(
         positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
@@ -926,29 +793,10 @@ def linear_rope_store_small_m(
 
 
 def rms_norm_linear_rope_store_small_m(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    qk_eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual, norm_weight, eps, weight, bias, positions, cos_sin_cache, k_cache, v_cache,
+    slot_mapping, num_heads, num_kv_heads, head_dim, q_norm_weight=None, k_norm_weight=None,
+    qk_eps=1e-06, *, weight_scale=None, weight_block_size=None, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """See `atom_kernels.ops.rms_norm_linear_rope_store_small_m`: one launch with the norm in
     the GEMV's prologue, or, for a row too long for it to hold, the Triton norm and then the
     GEMV."""
@@ -963,17 +811,9 @@ def rms_norm_linear_rope_store_small_m(
 
 
 def rms_norm_linear_small_m(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual, norm_weight, eps, weight, bias=None, *, act=None, weight_scale=None,
+    weight_block_size=None,
+):  # fmt: skip
     """See `atom_kernels.ops.rms_norm_linear_small_m`: one launch with the norm inside the GEMV,
     or, for a row too long for the GEMV to hold, the Triton norm and then the GEMV."""
     return _normed_gemv(

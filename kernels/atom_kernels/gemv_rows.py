@@ -26,27 +26,10 @@ BLOCK_M = 16
 
 @triton.jit
 def _rows_kernel(
-    x_ptr,
-    w_ptr,
-    w_up_ptr,
-    b_ptr,
-    out_ptr,
-    part_ptr,
-    m,
-    n_out,
-    k,
-    k_per_split,
-    x_stride,
-    w_stride,
-    out_stride,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SPLIT: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, w_ptr, w_up_ptr, b_ptr, out_ptr, part_ptr, m, n_out, k, k_per_split, x_stride, w_stride,
+    out_stride, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -93,18 +76,9 @@ def _rows_kernel(
 
 @triton.jit
 def _finish(
-    acc,
-    acc_up,
-    rm,
-    rn,
-    mask,
-    b_ptr,
-    out_ptr,
-    n_out,
-    out_stride,
-    HAS_BIAS: tl.constexpr,
+    acc, acc_up, rm, rn, mask, b_ptr, out_ptr, n_out, out_stride, HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
-):
+):  # fmt: skip
     """Bias, the activation and the store, from fp32 sums; values rounded to the output dtype
     where the unfused path would hold them in memory."""
     dtype = out_ptr.dtype.element_ty
@@ -123,18 +97,9 @@ def _finish(
 
 @triton.jit
 def _rows_reduce_kernel(
-    part_ptr,
-    b_ptr,
-    out_ptr,
-    m,
-    n_out,
-    out_stride,
-    HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    part_ptr, b_ptr, out_ptr, m, n_out, out_stride, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < m)[:, None] & (rn < n_out)[None, :]
@@ -182,14 +147,7 @@ def launch_candidates(n_out: int, k: int, multiprocessors: int) -> list[dict[str
     return out
 
 
-def linear_few_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    config: dict[str, int] | None = None,
-) -> torch.Tensor:
+def linear_few_rows(x, weight, bias=None, *, act=None, config=None):
     """See `atom_kernels.ops.linear_few_rows`. No host syncs (CUDA-graph capturable)."""
     m, k = x.shape
     n = weight.shape[0]

@@ -5,7 +5,6 @@ and v_scale (`fp8_quant.store_kv_fp8`); any other cache dtype stores a cast, sca
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -17,26 +16,11 @@ from atom_kernels.pdl import wait_for_inputs
 
 @triton.jit
 def _store_kvcache_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    key_stride_t,
-    key_stride_h,
-    value_stride_t,
-    value_stride_h,
-    cache_stride_slot,
-    cache_stride_h,
-    k_scale,
-    v_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
-    FP8: tl.constexpr = False,
-    K_SCALE_PTR: tl.constexpr = False,
-    V_SCALE_PTR: tl.constexpr = False,
-):
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, key_stride_t, key_stride_h,
+    value_stride_t, value_stride_h, cache_stride_slot, cache_stride_h, k_scale, v_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False, K_SCALE_PTR: tl.constexpr = False, V_SCALE_PTR: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     # One program per (token, kv head): one contiguous head_dim row in, one row out.
     token = tl.program_id(0)
@@ -59,16 +43,7 @@ def _store_kvcache_kernel(
     store_kv_fp8(v_cache_ptr + dst, v, mask, vs, FP8)
 
 
-def store_kvcache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> None:
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     """See `atom_kernels.ops.store_kvcache`."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if key.stride(2) != 1 or value.stride(2) != 1:
@@ -83,24 +58,8 @@ def store_kvcache(
     k_arg, k_ptr = scale_arg(k_scale)
     v_arg, v_ptr = scale_arg(v_scale)
     _store_kvcache_kernel[(num_tokens, num_kv_heads)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        k_arg,
-        v_arg,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if head_dim <= 128 else 2,
-        FP8=is_fp8(k_cache),
-        K_SCALE_PTR=k_ptr,
-        V_SCALE_PTR=v_ptr,
-        **pdl.options(key.device),
-    )
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), k_cache.stride(1), k_cache.stride(2), k_arg, v_arg, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2,
+        FP8=is_fp8(k_cache), K_SCALE_PTR=k_ptr, V_SCALE_PTR=v_ptr, **pdl.options(key.device),
+    )  # fmt: skip

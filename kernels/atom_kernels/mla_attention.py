@@ -36,43 +36,21 @@ from atom_kernels.decode_attention import (
     choose_num_splits,
 )
 from atom_kernels.pdl import wait_for_inputs
-from atom_kernels.rotary import _rotate_heads
+from atom_kernels.rotary import _rotate_heads, load_cos_sin
 
 
 @triton.jit
 def _mla_rope_store_kernel(
-    positions_ptr,
-    q_rope_ptr,
-    kv_a_ptr,
-    cos_sin_ptr,
-    norm_weight_ptr,
-    cache_ptr,
-    slot_mapping_ptr,
-    q_stride_t,
-    q_stride_h,
-    q_stride_d,
-    kv_a_stride,
-    cos_sin_stride,
-    cache_stride_slot,
-    num_heads,
-    eps,
-    LATENT: tl.constexpr,
-    HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    positions_ptr, q_rope_ptr, kv_a_ptr, cos_sin_ptr, norm_weight_ptr, cache_ptr, slot_mapping_ptr,
+    q_stride_t, q_stride_h, q_stride_d, kv_a_stride, cos_sin_stride, cache_stride_slot, num_heads,
+    eps, LATENT: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos, sin = load_cos_sin(cos_sin_ptr, cos_sin_stride, positions_ptr, token, HALF, BLOCK_HALF)
     offs_i = tl.arange(0, BLOCK_HALF)
     cs_mask = offs_i < HALF
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs_i, mask=cs_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs_i, mask=cs_mask, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
     for h0 in range(0, num_heads, BLOCK_H):
         _rotate_heads(
             q_rope_ptr + h0 * q_stride_h, token, q_stride_t, q_stride_h, q_stride_d,
@@ -104,16 +82,9 @@ def _mla_rope_store_kernel(
 
 
 def mla_rope_store_(
-    q_rope: torch.Tensor,
-    kv_a: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_norm_weight: torch.Tensor,
-    eps: float,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    is_neox: bool = False,
-) -> None:
+    q_rope, kv_a, positions, cos_sin_cache, kv_norm_weight, eps, kv_cache, slot_mapping,
+    is_neox=False,
+):  # fmt: skip
     """See `atom_kernels.ops.mla_rope_store_`."""
     tokens, num_heads, rope = q_rope.shape
     if tokens == 0:
@@ -134,37 +105,13 @@ def mla_rope_store_(
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_latent_ptr,
-    q_rope_ptr,
-    cache_ptr,
-    block_tables_ptr,
-    context_lens_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    scale_log2,
-    ql_stride_b,
-    ql_stride_h,
-    qr_stride_b,
-    qr_stride_h,
-    cache_stride_block,
-    cache_stride_off,
-    bt_stride_b,
-    out_stride_b,
-    out_stride_h,
-    NUM_HEADS: tl.constexpr,
-    LATENT: tl.constexpr,
-    ROPE: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    q_latent_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_acc_ptr,
+    part_max_ptr, part_sum_ptr, scale_log2, ql_stride_b, ql_stride_h, qr_stride_b, qr_stride_h,
+    cache_stride_block, cache_stride_off, bt_stride_b, out_stride_b, out_stride_h,
+    NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head0 = tl.program_id(1) * BLOCK_H
@@ -256,20 +203,9 @@ def mla_decode_config(latent: int) -> dict[str, int]:
 
 
 def mla_decode_attention(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
+    q_latent, q_rope, kv_cache, block_tables, context_lens, scale, out=None, *, num_splits=None,
+    block_n=None, block_h=None, num_warps=None, num_stages=None,
+):  # fmt: skip
     """See `atom_kernels.ops.mla_decode_attention`. The keyword-only arguments override the
     automatic launch choices (tests engage split-K on small shapes; the benchmark sweeps)."""
     batch, num_heads, latent = q_latent.shape
@@ -319,14 +255,7 @@ def mla_decode_attention(
     return out
 
 
-def mla_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lens: tuple[int, ...],
-    kv_lens: tuple[int, ...],
-    scale: float,
-) -> torch.Tensor:
+def mla_prefill_attention(q, k, v, q_lens, kv_lens, scale):
     """See `atom_kernels.ops.mla_prefill_attention`: torch SDPA, one call per chunk (lower-right
     causal where the chunk follows a prefix). V is zero-padded to the query's head dim when
     narrower, so the flash kernel (equal head dims) is eligible; the padding is cut off."""

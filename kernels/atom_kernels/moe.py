@@ -66,30 +66,11 @@ def _expert_act(gate, up, CLAMPED: tl.constexpr, alpha, limit):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    inter_ptr,
-    sorted_pairs_ptr,
-    block_expert_ptr,
-    num_pairs,
-    num_experts,
-    hidden,
-    inter_size,
-    x_stride,
-    w_stride_e,
-    w_stride_n,
-    inter_stride,
-    alpha,
-    limit,
-    TOP_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    CLAMPED: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, w_ptr, b_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
+    hidden, inter_size, x_stride, w_stride_e, w_stride_n, inter_stride, alpha, limit,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return  # a block past the last expert's padded rows
@@ -131,27 +112,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    inter_ptr,
-    w_ptr,
-    b_ptr,
-    out_ptr,
-    weights_ptr,
-    sorted_pairs_ptr,
-    block_expert_ptr,
-    num_pairs,
-    num_experts,
-    hidden,
-    inter_size,
-    inter_stride,
-    w_stride_e,
-    w_stride_n,
-    out_stride,
-    HAS_BIAS: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    inter_ptr, w_ptr, b_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs,
+    num_experts, hidden, inter_size, inter_stride, w_stride_e, w_stride_n, out_stride,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):
+):  # fmt: skip
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -190,18 +155,10 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_topk_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    num_experts,
-    logits_stride,
-    out_stride,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    SHARED: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    logits_ptr, weights_ptr, ids_ptr, num_experts, logits_stride, out_stride, TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
     PDL: tl.constexpr = False,
-):
+):  # fmt: skip
     """Program t: softmax over token t's E router logits in fp32, its TOP_K experts (the lowest
     index first among equal probabilities), their weights (rescaled to sum 1 when
     RENORMALIZE); with SHARED, column TOP_K is the shared expert (index E) weighted by the
@@ -239,26 +196,10 @@ def _moe_topk_kernel(
 
 @triton.jit
 def _moe_gemv_gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    ids_ptr,
-    inter_ptr,
-    hidden,
-    inter_size,
-    x_stride,
-    w_stride_e,
-    w_stride_n,
-    inter_stride,
-    alpha,
-    limit,
-    TOP_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    CLAMPED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    x_ptr, w_ptr, b_ptr, ids_ptr, inter_ptr, hidden, inter_size, x_stride, w_stride_e, w_stride_n,
+    inter_stride, alpha, limit, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     """Program (pair p = (t, j), block of BLOCK_N intermediate columns): the gate and up rows of
     pair p's expert times x[t], fp32 [BLOCK_N, BLOCK_K] accumulators reduced once at the end,
     then SwiGLU; writes inter[p, cols]."""
@@ -294,25 +235,10 @@ def _moe_gemv_gate_up_kernel(
 
 @triton.jit
 def _moe_gemv_down_kernel(
-    inter_ptr,
-    w_ptr,
-    b_ptr,
-    ids_ptr,
-    weights_ptr,
-    y_ptr,
-    hidden,
-    inter_size,
-    inter_stride,
-    w_stride_e,
-    w_stride_n,
-    y_stride,
-    TOP_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    inter_ptr, w_ptr, b_ptr, ids_ptr, weights_ptr, y_ptr, hidden, inter_size, inter_stride,
+    w_stride_e, w_stride_n, y_stride, TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     """Program (token t, block of BLOCK_N hidden columns): the sum over t's TOP_K pairs of the
     pair's expert's down rows times inter[pair] scaled by the pair's routing weight, in one fp32
     accumulator; writes y[t, cols] (no per-pair output, no separate sum). One loop over (pair,
@@ -383,17 +309,9 @@ def sort_pairs_by_expert(
 
 
 def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    activation: str = "silu",
-    swiglu_alpha: float = 1.702,
-    swiglu_limit: float = 7.0,
-) -> torch.Tensor:
+    x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation='silu',
+    swiglu_alpha=1.702, swiglu_limit=7.0,
+):  # fmt: skip
     """See `atom_kernels.ops.fused_moe`."""
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
@@ -569,9 +487,7 @@ def graph_call_us(fn, calls: int) -> float:
     return best
 
 
-def moe_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_expert: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_topk(router_logits, top_k, renormalize, shared_expert=False):
     """See `atom_kernels.ops.moe_topk`: one program per token (softmax, the top k by repeated
     max, the renormalization and the shared expert's sigmoid in one launch)."""
     num_tokens, width = router_logits.shape

@@ -12,19 +12,9 @@ from atom_kernels.pdl import wait_for_inputs
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    x_stride,
-    residual_stride,
-    out_stride,
-    hidden,
-    eps,
-    ADD_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    x_ptr, residual_ptr, weight_ptr, out_ptr, x_stride, residual_stride, out_stride, hidden, eps,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -61,20 +51,10 @@ def _launch(
     if rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2,
-            r2,
-            weight,
-            out,
-            x2.stride(0),
-            r2.stride(0),
-            out.stride(0),
-            hidden,
-            eps,
-            ADD_RESIDUAL=residual is not None,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), hidden, eps,
+            ADD_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
             **pdl.options(x.device),
-        )
+        )  # fmt: skip
     return out.view(x.shape)
 
 
@@ -83,29 +63,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x, residual, weight, eps):
     """See `atom_kernels.ops.fused_add_rms_norm`: `residual` is overwritten with x + residual."""
     return _launch(x, residual, weight, eps), residual
 
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr,
-    z_ptr,
-    weight_ptr,
-    out_ptr,
-    rows,
-    x_stride,
-    z_stride,
-    out_stride,
-    hidden,
-    eps,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    x_ptr, z_ptr, weight_ptr, out_ptr, rows, x_stride, z_stride, out_stride, hidden, eps,
+    BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     # Several short rows per program: Qwen3-Next normalises each 128-wide head separately.
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
@@ -119,9 +86,7 @@ def _gated_rms_norm_kernel(
     tl.store(out_ptr + row * out_stride + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def gated_rms_norm(x, z, weight, eps):
     """See `atom_kernels.ops.gated_rms_norm`."""
     if x.stride(1) != 1 or z.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("gated_rms_norm needs contiguous rows of x, z and a contiguous weight")

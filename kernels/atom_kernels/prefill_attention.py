@@ -43,13 +43,14 @@ the dots, k_scale folded into the softmax scale, v_scale applied to the accumula
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.decode_attention import _add_sink, _multiprocessor_count
+from atom_kernels.decode_attention import _add_sink, _multiprocessor_count, paged_output
 from atom_kernels.fp8_formats import is_fp8
 from atom_kernels.fp8_quant import load_scale, scale_arg
 
@@ -74,24 +75,10 @@ HAS_WARP_SPECIALIZE = _triton_version() >= (3, 4)
 
 @triton.jit
 def _load_kv_tile(
-    cache_ptr,
-    bt_row,
-    head_off,
-    cache_stride_block,
-    cache_stride_off,
-    tile,
-    kv_start,
-    kv_end,
-    offs_n,
-    offs_d,
-    d_mask,
-    MASKED: tl.constexpr,
-    PAD_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    KV_LOOKUP: tl.constexpr,
-):
+    cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_start, kv_end,
+    offs_n, offs_d, d_mask, MASKED: tl.constexpr, PAD_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_LOOKUP: tl.constexpr,
+):  # fmt: skip
     """The [BLOCK_N, BLOCK_D] tile of keys (or values) at positions tile..tile+BLOCK_N-1 of
     one KV head; positions before kv_start or at or past kv_end read as zeros when MASKED."""
     # One return at the end (no early returns: every Triton version compiles this form).
@@ -146,33 +133,11 @@ def _load_kv_tile(
 
 @triton.jit
 def _attend_tile(
-    q,
-    acc,
-    m_i,
-    l_i,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_row,
-    head_off,
-    cache_stride_block,
-    cache_stride_off,
-    tile,
-    q_pos,
-    kv_start,
-    kv_end,
-    scale_log2,
-    offs_n,
-    offs_d,
-    d_mask,
-    CAUSAL: tl.constexpr,
-    PAD_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    KV_LOOKUP: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off, cache_stride_block,
+    cache_stride_off, tile, q_pos, kv_start, kv_end, scale_log2, offs_n, offs_d, d_mask,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, KV_LOOKUP: tl.constexpr, IEEE_DOT: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
     k = _load_kv_tile(
         k_cache_ptr, bt_row, head_off, cache_stride_block, cache_stride_off, tile, kv_start,
         kv_end, offs_n, offs_d, d_mask, CAUSAL, PAD_D, PAGE_SIZE, BLOCK_N, BLOCK_D, KV_LOOKUP,
@@ -212,36 +177,12 @@ def _attend_tile(
 
 @triton.jit
 def _sweep_keys(
-    lo,
-    hi,
-    q,
-    acc,
-    m_i,
-    l_i,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_row,
-    head_off,
-    cache_stride_block,
-    cache_stride_off,
-    q_pos,
-    kv_start,
-    kv_end,
-    scale_log2,
-    offs_n,
-    offs_d,
-    d_mask,
-    CAUSAL: tl.constexpr,
-    PAD_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    KV_LOOKUP: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+    lo, hi, q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, head_off, cache_stride_block,
+    cache_stride_off, q_pos, kv_start, kv_end, scale_log2, offs_n, offs_d, d_mask,
+    CAUSAL: tl.constexpr, PAD_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, KV_LOOKUP: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    WARP_SPEC: tl.constexpr, IEEE_DOT: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
     """Tiles lo, lo + BLOCK_N, ... below hi. LOOP_STAGES > 0 pipelines the loop with
     `tl.range(num_stages=...)` (every load of the loop, the block-table reads included);
     WARP_SPEC asks for automatic warp specialization (Triton >= 3.4)."""
@@ -416,21 +357,10 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_merge_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    cu_seqlens_ptr,
-    sinks_ptr,
-    num_seqs,
-    num_splits,
-    out_stride_t,
-    out_stride_h,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_SINKS: tl.constexpr = False,
-):
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_ptr, sinks_ptr, num_seqs,
+    num_splits, out_stride_t, out_stride_h, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+):  # fmt: skip
     """One program per (token, head): out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s.
     Rows past the last chunk (padding tokens) are left as they are, as the unsplit kernel
     leaves them."""
@@ -487,62 +417,48 @@ PREFILL_DEFAULTS: dict[tuple[str, int], dict] = {
     ("hip", 256): dict(block_m=64, block_n=32, num_warps=4, num_stages=2),
 }
 
+
+def _candidates(names: str) -> list[tuple[str, dict]]:
+    """Launch candidates from their names, `{block_m}x{block_n}w{num_warps}s{num_stages}` and an
+    optional suffix: `-page` (kv_lookup="page"), `-range{n}` (loop_stages=n), `-gqa{n}`
+    (heads_per_program=n)."""
+    suffixes = {
+        "page": ("kv_lookup", None),
+        "range": ("loop_stages", int),
+        "gqa": ("heads_per_program", int),
+    }
+    out = []
+    for name in names.split():
+        base, _, suffix = name.partition("-")
+        m, n, w, st = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", base).groups()
+        launch = dict(block_m=int(m), block_n=int(n), num_warps=int(w), num_stages=int(st))
+        if suffix:
+            key, kind = re.fullmatch(r"([a-z]+)(\d*)", suffix).groups()
+            field, cast = suffixes[key]
+            launch[field] = suffix if cast is None else cast(kind)
+        out.append((name, launch))
+    return out
+
+
 # Candidates the sweep times against SDPA, by head_dim bucket. Each is a set of keyword
 # overrides of `paged_attention_prefill`; the name is what the sweep prints.
 PREFILL_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
-    128: [
-        ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
-        ("128x64w4s2", dict(block_m=128, block_n=64, num_warps=4, num_stages=2)),
-        ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
-        ("128x64w8s4", dict(block_m=128, block_n=64, num_warps=8, num_stages=4)),
-        ("128x128w8s2", dict(block_m=128, block_n=128, num_warps=8, num_stages=2)),
-        ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
-        ("128x32w4s4", dict(block_m=128, block_n=32, num_warps=4, num_stages=4)),
-        ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-        ("64x128w4s2", dict(block_m=64, block_n=128, num_warps=4, num_stages=2)),
-        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
-        ("256x64w8s2", dict(block_m=256, block_n=64, num_warps=8, num_stages=2)),
-        ("128x64w4s3-page", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                                 kv_lookup="page")),
-        ("128x128w8s3-page", dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
-                                  kv_lookup="page")),
-        ("128x64w4s3-range3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                                   loop_stages=3)),
-        ("128x128w8s3-range3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
-                                    loop_stages=3)),
-        ("128x64w4s3-gqa2", dict(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                                 heads_per_program=2)),
-        ("128x64w8s3-gqa2", dict(block_m=128, block_n=64, num_warps=8, num_stages=3,
-                                 heads_per_program=2)),
-    ],
-    256: [
-        ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
-        ("64x32w4s3", dict(block_m=64, block_n=32, num_warps=4, num_stages=3)),
-        ("64x64w4s2", dict(block_m=64, block_n=64, num_warps=4, num_stages=2)),
-        ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
-        ("64x64w8s3", dict(block_m=64, block_n=64, num_warps=8, num_stages=3)),
-        ("128x32w8s2", dict(block_m=128, block_n=32, num_warps=8, num_stages=2)),
-        ("128x64w8s2", dict(block_m=128, block_n=64, num_warps=8, num_stages=2)),
-        ("64x32w4s2-page", dict(block_m=64, block_n=32, num_warps=4, num_stages=2,
-                                kv_lookup="page")),
-    ],
-}  # fmt: skip
+    128: _candidates(
+        "128x64w4s3 128x64w4s2 128x64w8s3 128x64w8s4 128x128w8s2 128x128w8s3 128x32w4s4 "
+        "64x64w4s3 64x128w4s2 64x128w4s3 256x64w8s2 128x64w4s3-page 128x128w8s3-page "
+        "128x64w4s3-range3 128x128w8s3-range3 128x64w4s3-gqa2 128x64w8s3-gqa2"
+    ),
+    256: _candidates(
+        "64x32w4s2 64x32w4s3 64x64w4s2 64x64w8s2 64x64w8s3 128x32w8s2 128x64w8s2 64x32w4s2-page"
+    ),
+}
 
 # Whole-config candidates for short chunks (W3's step), timed by the sweep with automatic
 # splits; the winner goes into PREFILL_DEFAULTS[...]["short_chunks"].
 SHORT_CHUNK_CANDIDATES: dict[int, list[tuple[str, dict]]] = {
-    128: [
-        ("128x64w4s3", dict(block_m=128, block_n=64, num_warps=4, num_stages=3)),
-        ("128x64w8s3", dict(block_m=128, block_n=64, num_warps=8, num_stages=3)),
-        ("128x128w8s3", dict(block_m=128, block_n=128, num_warps=8, num_stages=3)),
-        ("64x64w4s3", dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
-        ("64x128w4s3", dict(block_m=64, block_n=128, num_warps=4, num_stages=3)),
-    ],
-    256: [
-        ("64x32w4s2", dict(block_m=64, block_n=32, num_warps=4, num_stages=2)),
-        ("64x64w8s2", dict(block_m=64, block_n=64, num_warps=8, num_stages=2)),
-    ],
-}  # fmt: skip
+    128: _candidates("128x64w4s3 128x64w8s3 128x128w8s3 64x64w4s3 64x128w4s3"),
+    256: _candidates("64x32w4s2 64x64w8s2"),
+}
 
 
 def _head_dim_bucket(head_dim: int) -> int:
@@ -671,25 +587,11 @@ def plan_prefill_launch(
 # per attention layer, so it costs a dict lookup instead of ~5 us of Python).
 @functools.lru_cache(maxsize=1024)
 def _plan(
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    batch: int,
-    max_seqlen_q: int,
-    max_context: int,
-    num_multiprocessors: int,
-    block_m: int | None,
-    block_n: int | None,
-    num_warps: int | None,
-    num_stages: int | None,
-    num_splits: int | None,
-    heads_per_program: int | None,
-    kv_lookup: str | None,
-    loop_stages: int | None,
-    warp_specialize: bool | None,
-    hip: bool,
-) -> PrefillLaunch:
+    num_heads, num_kv_heads, head_dim, page_size, batch, max_seqlen_q, max_context,
+    num_multiprocessors, block_m, block_n, num_warps, num_stages, num_splits, heads_per_program,
+    kv_lookup, loop_stages, warp_specialize, hip,
+) -> PrefillLaunch:  # fmt: skip
+    """`plan_prefill_launch`'s work, its arguments positional (and `hip`: the vendor)."""
     config = _defaults(head_dim, torch.version.hip is not None, max_seqlen_q <= SHORT_CHUNK_TOKENS)
     block_m = block_m or config["block_m"]
     block_n = block_n or config["block_n"]
@@ -725,41 +627,17 @@ def _plan(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int,
-    out: torch.Tensor | None = None,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-    sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    num_splits: int | None = None,
-    heads_per_program: int | None = None,
-    kv_lookup: str | None = None,
-    loop_stages: int | None = None,
-    warp_specialize: bool | None = None,
-) -> torch.Tensor:
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out=None, *,
+    k_scale=1.0, v_scale=1.0, sliding_window=0, sinks=None, block_m=None, block_n=None,
+    num_warps=None, num_stages=None, num_splits=None, heads_per_program=None, kv_lookup=None,
+    loop_stages=None, warp_specialize=None,
+):  # fmt: skip
     """See `atom_kernels.ops.paged_attention_prefill`. The keyword-only arguments override
     the tuned launch settings and the automatic choices (tests use small tiles and forced
     splits on small shapes; the benchmark sweeps them)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("q and the caches need a contiguous head_dim; caches share strides")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(2) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    out = paged_output(q, k_cache, v_cache, out)
     batch = seq_lens.shape[0]
     if batch == 0 or max_seqlen_q <= 0 or num_tokens == 0:
         return out
@@ -795,68 +673,24 @@ def paged_attention_prefill(
     k_arg, k_ptr = scale_arg(k_scale)
     v_arg, v_ptr = scale_arg(v_scale)
     _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        cu_seqlens_q,
-        seq_lens,
-        block_tables,
-        out if sinks is None else sinks,
-        scale * _LOG2E,
-        num_splits,
-        num_tokens,
-        q_strides[0],
-        q_strides[1],
-        out_strides[0],
-        out_strides[1],
-        cache_strides[0],
-        cache_strides[1],
-        cache_strides[2],
-        block_tables.stride(0),
-        num_heads // num_kv_heads,
-        k_arg,
-        v_arg,
-        HEADS_PER_PROG=hpp,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=block_d,
-        SPLIT=split,
-        KV_LOOKUP=_KV_LOOKUPS[plan.kv_lookup],
-        LOOP_STAGES=plan.loop_stages,
-        WARP_SPEC=plan.warp_specialize,
-        IEEE_DOT=q.dtype == torch.float32,
-        FP8=is_fp8(k_cache),
-        K_SCALE_PTR=k_ptr,
-        V_SCALE_PTR=v_ptr,
-        WINDOW=sliding_window,
-        HAS_SINKS=sinks is not None,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-    )
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, cu_seqlens_q, seq_lens,
+        block_tables, out if sinks is None else sinks, scale * _LOG2E, num_splits, num_tokens,
+        q_strides[0], q_strides[1], out_strides[0], out_strides[1], cache_strides[0],
+        cache_strides[1], cache_strides[2], block_tables.stride(0), num_heads // num_kv_heads,
+        k_arg, v_arg, HEADS_PER_PROG=hpp, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d, SPLIT=split,
+        KV_LOOKUP=_KV_LOOKUPS[plan.kv_lookup], LOOP_STAGES=plan.loop_stages,
+        WARP_SPEC=plan.warp_specialize, IEEE_DOT=q.dtype == torch.float32, FP8=is_fp8(k_cache),
+        K_SCALE_PTR=k_ptr, V_SCALE_PTR=v_ptr, WINDOW=sliding_window, HAS_SINKS=sinks is not None,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
     if split:
         _prefill_merge_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            cu_seqlens_q,
-            out if sinks is None else sinks,
-            batch,
-            num_splits,
-            out_strides[0],
-            out_strides[1],
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            HAS_SINKS=sinks is not None,
-            num_warps=1 if block_d <= 128 else 2,
-        )
+            out, part_acc, part_max, part_sum, cu_seqlens_q, out if sinks is None else sinks, batch,
+            num_splits, out_strides[0], out_strides[1], HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None, num_warps=1 if block_d <= 128 else 2,
+        )  # fmt: skip
     return out
 
 

@@ -29,16 +29,7 @@ from atom_kernels.fp8_formats import (
 _MAX_SCORE_ELEMENTS = 64 * 1024 * 1024
 
 
-def store_kvcache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> None:
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     """Write token `i`'s key/value into cache slot `slot_mapping[i]`; slot -1 is skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
@@ -135,19 +126,9 @@ def causal_attention(
 
 
 def paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-    sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, k_scale=1.0, v_scale=1.0,
+    sliding_window=0, sinks=None,
+):  # fmt: skip
     """One query token per sequence at position `context_lens[b] - 1`; zeros where length is 0.
     Only the window's blocks are read."""
     if out is None:
@@ -165,21 +146,9 @@ def paged_attention_decode(
 
 
 def paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_seqlen_q: int,
-    out: torch.Tensor | None = None,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-    sliding_window: int = 0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, max_seqlen_q, out=None, *,
+    k_scale=1.0, v_scale=1.0, sliding_window=0, sinks=None,
+):  # fmt: skip
     """Causal attention of packed query chunks over their sequences' cached prefix + themselves
     (only the window's blocks read under a sliding window)."""
     if out is None:
@@ -201,16 +170,7 @@ def paged_attention_prefill(
     return out
 
 
-def varlen_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    chunk_lens: tuple[int, ...],
-    scale: float,
-    max_seqlen_q: int,
-    padded_rows: int = 0,
-) -> torch.Tensor:
+def varlen_causal_attention(q, k, v, cu_seqlens_q, chunk_lens, scale, max_seqlen_q, padded_rows=0):
     """Causal attention of packed chunks, each over its own keys only (every chunk at position 0).
     `padded_rows` (rows past T the inputs' buffer holds) changes nothing here."""
     out = torch.empty_like(q)
@@ -230,21 +190,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * inv_rms * weight.float()).to(x.dtype)
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x, residual, weight, eps):
     """`residual += x` (rounded to residual.dtype, in place); returns (rms_norm(residual), residual)."""
     residual.copy_(x.float() + residual.float())
     return rms_norm(residual, weight, eps), residual
 
 
-def rotary_embedding_(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> None:
+def rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True):
     """Rotate the first `rotary_dim` channels of every head of q and k in place.
 
     cos_sin_cache: `[max_position, rotary_dim]`, cos in the first half, sin in the second.
@@ -265,23 +217,9 @@ def rotary_embedding_(
 
 
 def qk_norm_rope_store_(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_gate: bool = False,
-    *,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> None:
+    qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, k_cache, v_cache,
+    slot_mapping, num_heads, num_kv_heads, head_dim, q_gate=False, *, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """The unfused path: per-head RMSNorm of q and k (when weights are given), neox rotary of
     the first rotary_dim channels of q and k in place inside `qkv`, then the k/v cache write.
     With `q_gate` each q head's gate follows it and is not touched."""
@@ -318,53 +256,23 @@ def _linear(x, weight, bias, weight_scale, weight_block_size):
     return y.to(x.dtype)
 
 
-def linear_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
+def linear_small_m(x, weight, bias=None, *, act=None, weight_scale=None, weight_block_size=None):
     """`F.linear` (an FP8 weight dequantized, in fp32), then SwiGLU's activation when
     `act="silu_mul"`."""
     y = _linear(x, weight, bias, weight_scale, weight_block_size)
     return silu_and_mul(y) if act == "silu_mul" else y
 
 
-def linear_few_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-) -> torch.Tensor:
+def linear_few_rows(x, weight, bias=None, *, act=None):
     """`F.linear` of a few rows (a verify step's), then SwiGLU when `act="silu_mul"`."""
     return linear_small_m(x, weight, bias, act=act)
 
 
 def linear_rope_store_small_m(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> torch.Tensor:
+    x, weight, bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+    num_kv_heads, head_dim, q_norm_weight=None, k_norm_weight=None, eps=1e-06, *, weight_scale=None,
+    weight_block_size=None, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """`linear_small_m`, then `qk_norm_rope_store_` on the qkv row."""
     qkv = _linear(x, weight, bias, weight_scale, weight_block_size)
     qk_norm_rope_store_(
@@ -375,17 +283,9 @@ def linear_rope_store_small_m(
 
 
 def rms_norm_linear_small_m(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    act: str | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual, norm_weight, eps, weight, bias=None, *, act=None, weight_scale=None,
+    weight_block_size=None,
+):  # fmt: skip
     """The norm (after the residual add, on a copy of the residual), then `linear_small_m`."""
     normed, total = _add_and_norm(x, residual, norm_weight, eps)
     y = linear_small_m(
@@ -403,29 +303,10 @@ def _add_and_norm(x, residual, norm_weight, eps):
 
 
 def rms_norm_linear_rope_store_small_m(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    qk_eps: float = 1e-6,
-    *,
-    weight_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-    k_scale: torch.Tensor | float = 1.0,
-    v_scale: torch.Tensor | float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual, norm_weight, eps, weight, bias, positions, cos_sin_cache, k_cache, v_cache,
+    slot_mapping, num_heads, num_kv_heads, head_dim, q_norm_weight=None, k_norm_weight=None,
+    qk_eps=1e-06, *, weight_scale=None, weight_block_size=None, k_scale=1.0, v_scale=1.0,
+):  # fmt: skip
     """The norm (after the residual add, on a copy of the residual), then
     `linear_rope_store_small_m`."""
     normed, total = _add_and_norm(x, residual, norm_weight, eps)
@@ -443,9 +324,7 @@ def rms_norm_linear_rope_store_small_m(
 # ---------------------------------------------------------------------------------------------
 
 
-def per_tensor_quant_fp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_tensor_quant_fp8(x, fp8_dtype, scale=None):
     """One scale for all of x: the given one, or amax / `dynamic_quant_max`."""
     if scale is None:
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
@@ -454,30 +333,18 @@ def per_tensor_quant_fp8(
     return round_to_fp8(x.float() / scale, fp8_dtype), scale
 
 
-def per_token_quant_fp8(
-    x: torch.Tensor, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8(x, fp8_dtype):
     """Each row by its own amax / `dynamic_quant_max`; scale `[M, 1]`."""
     return per_token_group_quant_fp8(x, max(1, x.shape[1]), fp8_dtype)
 
 
-def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int, fp8_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x, group_size, fp8_dtype):
     """Each run of `group_size` columns of a row by its own amax / `dynamic_quant_max`;
     scale `[M, ceil(K / group_size)]`: the block quantizer's math with blocks of 1 x g."""
     return quantize_weight_block(x, (1, group_size), fp8_dtype)
 
 
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    input_scale: torch.Tensor | None = None,
-    weight_block_size: tuple[int, int] | list[int] | None = None,
-) -> torch.Tensor:
+def fp8_linear(x, weight, weight_scale, bias=None, *, input_scale=None, weight_block_size=None):
     """W8A8: x quantized as the GPU path quantizes it (per token group for block weights, else
     per token or with the static input_scale), both operands dequantized, the product in fp32,
     plus bias, in x's dtype."""
@@ -523,15 +390,8 @@ def _rows(query_start_loc, slot_ids, has_initial_state):
 
 
 def causal_conv1d_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+    x, weight, bias, conv_state, query_start_loc, slot_ids, has_initial_state, activation='silu',
+):  # fmt: skip
     """Depthwise causal conv over `[state ; x]` per sequence; the slot keeps the last W-1 inputs."""
     width = weight.shape[1]
     y = torch.zeros_like(x)
@@ -556,15 +416,8 @@ def causal_conv1d_(
 
 
 def causal_conv1d_verify_(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
+    x, weight, bias, conv_state, query_start_loc, slots, has_initial_state, activation='silu',
+):  # fmt: skip
     """`causal_conv1d_` reading sequence b's window from slot `slots[b, 0]` and writing the
     window after each of its tokens j to slot `slots[b, j]` (when j < W and it is >= 0)."""
     width = weight.shape[1]
@@ -662,18 +515,9 @@ def gdn_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
 
 
 def gated_delta_rule_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slot_ids, has_initial_state, scale,
+    use_qk_l2norm=True,
+):  # fmt: skip
     """Gated DeltaNet over packed sequences: every 1-token row advances in one batched
     recurrent step, longer rows run chunked; each slot's state is updated in place."""
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -716,18 +560,8 @@ def gated_delta_rule_(
 
 
 def gated_delta_rule_verify_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q, k, v, g, beta, state, query_start_loc, slots, has_initial_state, scale, use_qk_l2norm=True,
+):  # fmt: skip
     """The gated delta rule token by token, sequence b starting from slot `slots[b, 0]` and
     leaving the state after each of its tokens j in slot `slots[b, j]` (when j < W, >= 0);
     between tokens the state is rounded to the state's dtype, so each token sees what one-token
@@ -757,36 +591,23 @@ def gated_delta_rule_verify_(
     return o
 
 
-def gated_rms_norm(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def gated_rms_norm(x, z, weight, eps):
     """`rms_norm(x) * weight * silu(z)` over the last dim, in fp32; output in x.dtype."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (normed * torch.nn.functional.silu(z.float())).to(x.dtype)
 
 
-def gdn_gating(
-    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_gating(a, b, a_log, dt_bias):
     """`(-exp(a_log) * softplus(a + dt_bias), sigmoid(b))`, both fp32 `[T, Hv]`."""
     g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     return g, torch.sigmoid(b.float())
 
 
 def gated_delta_net_decode_(
-    proj: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    ssm_state: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    proj, conv_weight, conv_state, ssm_state, a_log, dt_bias, norm_weight, eps, slot_ids,
+    has_initial_state, scale,
+):  # fmt: skip
     """One token per row through conv + silu, the gates, the L2-normed delta rule step and the
     gated norm, batched over the real rows; both states updated in place at their slots."""
     hv, dk, dv = ssm_state.shape[1:]
@@ -821,9 +642,7 @@ def gated_delta_net_decode_(
     return out
 
 
-def moe_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, shared_expert: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_topk(router_logits, top_k, renormalize, shared_expert=False):
     """Softmax over the experts in fp32, the top_k of it (optionally rescaled to sum 1); with
     shared_expert, a last column for expert E weighted by the sigmoid of the last logit."""
     logits = router_logits.float()
@@ -840,17 +659,9 @@ def moe_topk(
 
 
 def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    activation: str = "silu",
-    swiglu_alpha: float = 1.702,
-    swiglu_limit: float = 7.0,
-) -> torch.Tensor:
+    x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation='silu',
+    swiglu_alpha=1.702, swiglu_limit=7.0,
+):  # fmt: skip
     """Sparse MoE with gated experts, in fp32: one pass per expert that has tokens."""
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -887,9 +698,7 @@ def expert_activation(
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
-def state_copy_(
-    pools: list[torch.Tensor], table: torch.Tensor, unit_bytes: int, max_units: int
-) -> None:
+def state_copy_(pools, table, unit_bytes, max_units):
     """Copy every unit of the affine unit table (see `atom_kernels.copy_table`), run by run,
     the units counted past `max_units` left out (as the kernel's launch leaves them)."""
     left = max_units
@@ -911,16 +720,9 @@ def state_copy_(
 
 
 def mla_rope_store_(
-    q_rope: torch.Tensor,
-    kv_a: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_norm_weight: torch.Tensor,
-    eps: float,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    is_neox: bool = False,
-) -> None:
+    q_rope, kv_a, positions, cos_sin_cache, kv_norm_weight, eps, kv_cache, slot_mapping,
+    is_neox=False,
+):  # fmt: skip
     """Rotate q_rope in place; store [rms_norm(latent) | rotated rope key] at each slot >= 0."""
     rope = q_rope.shape[2]
     latent = kv_cache.shape[2] - rope
@@ -932,15 +734,7 @@ def mla_rope_store_(
     kv_cache.view(-1, kv_cache.shape[2])[slot_mapping[keep]] = rows.to(kv_cache.dtype)
 
 
-def mla_decode_attention(
-    q_latent: torch.Tensor,
-    q_rope: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def mla_decode_attention(q_latent, q_rope, kv_cache, block_tables, context_lens, scale, out=None):
     """Row b's heads attend over the first context_lens[b] cache rows of its block table, the
     row's latent part as the value; zeros where the length is 0. Rows are processed in groups
     (vectorised, gathered up to the group's longest context) small enough to bound memory."""
@@ -970,14 +764,7 @@ def mla_decode_attention(
     return out
 
 
-def mla_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lens: tuple[int, ...],
-    kv_lens: tuple[int, ...],
-    scale: float,
-) -> torch.Tensor:
+def mla_prefill_attention(q, k, v, q_lens, kv_lens, scale):
     """Causal attention of packed chunks over their own packed keys, bottom-right aligned."""
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     q_at = kv_at = 0

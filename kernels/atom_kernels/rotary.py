@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -11,20 +10,25 @@ from atom_kernels.pdl import wait_for_inputs
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr,
-    token,
-    stride_t,
-    stride_h,
-    stride_d,
-    num_heads,
-    cos,
-    sin,
-    HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+def load_cos_sin(
+    cache_ptr, cache_stride, positions_ptr, token, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
+    """The cos and sin halves of `token`'s position (from `positions_ptr`) in a
+    `[max_position, 2 * HALF]` cos/sin cache, fp32 `[BLOCK_HALF]`, zeros past HALF."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < HALF
+    row = cache_ptr + pos * cache_stride
+    cos = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, token, stride_t, stride_h, stride_d, num_heads, cos, sin, HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs_i = tl.arange(0, BLOCK_HALF)
     if IS_NEOX:  # channel i pairs with i + HALF
@@ -47,36 +51,15 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr,
-    q_ptr,
-    k_ptr,
-    cache_ptr,
-    q_stride_t,
-    q_stride_h,
-    q_stride_d,
-    k_stride_t,
-    k_stride_h,
-    k_stride_d,
-    cache_stride,
-    num_heads,
-    num_kv_heads,
-    HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_KV_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+    positions_ptr, q_ptr, k_ptr, cache_ptr, q_stride_t, q_stride_h, q_stride_d, k_stride_t,
+    k_stride_h, k_stride_d, cache_stride, num_heads, num_kv_heads, HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     wait_for_inputs(PDL)
     # One program per token: its cos/sin row is loaded once for every q and k head.
     token = tl.program_id(0)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_i = tl.arange(0, BLOCK_HALF)
-    cs_mask = offs_i < HALF
-    cos = tl.load(cache_ptr + pos * cache_stride + offs_i, mask=cs_mask, other=0.0)
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + offs_i, mask=cs_mask, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
+    cos, sin = load_cos_sin(cache_ptr, cache_stride, positions_ptr, token, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr,
         token,
@@ -107,13 +90,7 @@ def _rotary_kernel(
     )
 
 
-def rotary_embedding_(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> None:
+def rotary_embedding_(positions, q, k, cos_sin_cache, is_neox=True):
     """See `atom_kernels.ops.rotary_embedding_`."""
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k.shape[1]
@@ -125,20 +102,8 @@ def rotary_embedding_(
     block_half = triton.next_power_of_2(half)
     block_h = triton.next_power_of_2(num_heads)
     _rotary_kernel[(num_tokens,)](
-        positions,
-        q,
-        k,
-        cos_sin_cache,
-        *q.stride(),
-        *k.stride(),
-        cos_sin_cache.stride(0),
-        num_heads,
-        num_kv_heads,
-        HALF=half,
-        IS_NEOX=is_neox,
-        BLOCK_H=block_h,
-        BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half,
-        num_warps=4 if block_h * block_half >= 1024 else 1,
-        **pdl.options(q.device),
-    )
+        positions, q, k, cos_sin_cache, *q.stride(), *k.stride(), cos_sin_cache.stride(0),
+        num_heads, num_kv_heads, HALF=half, IS_NEOX=is_neox, BLOCK_H=block_h,
+        BLOCK_KV_H=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
+        num_warps=4 if block_h * block_half >= 1024 else 1, **pdl.options(q.device),
+    )  # fmt: skip

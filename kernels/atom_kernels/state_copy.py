@@ -25,16 +25,9 @@ _pool_offsets: dict[tuple, torch.Tensor] = {}
 
 @triton.jit
 def _state_copy_kernel(
-    base_ptr,
-    pool_offsets_ptr,
-    table_ptr,
-    run_end_ptr,
-    run_of_unit_ptr,
-    num_runs,
-    WORD: tl.constexpr,
-    UNIT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    base_ptr, pool_offsets_ptr, table_ptr, run_end_ptr, run_of_unit_ptr, num_runs,
+    WORD: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     u = tl.program_id(0)
     run = tl.load(run_of_unit_ptr + u)
     if run >= num_runs:
@@ -72,9 +65,7 @@ def _offsets(pools: Sequence[torch.Tensor], word: int) -> torch.Tensor:
     return cached
 
 
-def state_copy_(
-    pools: Sequence[torch.Tensor], table: torch.Tensor, unit_bytes: int, max_units: int
-) -> None:
+def state_copy_(pools, table, unit_bytes, max_units):
     """See `atom_kernels.ops.state_copy_`. No host sync when `table` is on the device."""
     word = unit_alignment(unit_bytes)
     if max_units == 0 or table.shape[0] == 0:

@@ -122,16 +122,7 @@ def bucket_lengths(max_tokens: int, min_tokens: int | None = None) -> list[int]:
     return lengths
 
 
-def varlen_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    chunk_lens: tuple[int, ...],
-    scale: float,
-    max_seqlen_q: int,
-    padded_rows: int = 0,
-) -> torch.Tensor:
+def varlen_causal_attention(q, k, v, cu_seqlens_q, chunk_lens, scale, max_seqlen_q, padded_rows=0):
     if len(chunk_lens) == 1:
         return padded_chunk_attention(q, k, v, scale, sdpa_causal, padded_rows)
     return flash_varlen(q, k, v, cu_seqlens_q, scale, max_seqlen_q)
