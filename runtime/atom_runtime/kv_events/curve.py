@@ -40,19 +40,17 @@ class CurveKeys:
 
     @classmethod
     def for_publisher(cls, directory: str, field: str) -> CurveKeys:
-        return cls(
-            server_public=read_key(directory, SERVER_PUBLIC, field),
-            server_secret=read_key(directory, SERVER_SECRET, field),
-            client_public=read_key(directory, CLIENT_PUBLIC, field),
-        )
+        """The PUB side's: its own pair and the one client key it admits."""
+        names = (SERVER_PUBLIC, SERVER_SECRET, CLIENT_PUBLIC)
+        public, secret, client = (read_key(directory, n, field) for n in names)
+        return cls(server_public=public, server_secret=secret, client_public=client)
 
     @classmethod
     def for_subscriber(cls, directory: str, field: str) -> CurveKeys:
-        return cls(
-            server_public=read_key(directory, SERVER_PUBLIC, field),
-            client_public=read_key(directory, CLIENT_PUBLIC, field),
-            client_secret=read_key(directory, CLIENT_SECRET, field),
-        )
+        """The SUB side's: the server's public key and its own pair."""
+        names = (SERVER_PUBLIC, CLIENT_PUBLIC, CLIENT_SECRET)
+        server, public, secret = (read_key(directory, n, field) for n in names)
+        return cls(server_public=server, client_public=public, client_secret=secret)
 
     def make_server(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE server (before it binds)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from atom_runtime.kv_transfer.base import KVCacheAccess, PullResult, RemoteBlocks, plan_stripes
+from atom_runtime.kv_transfer.base import PullResult, RemoteBlocks, plan_stripes
 from atom_runtime.kv_transfer.config import MAX_STREAMS
 from atom_runtime.kv_transfer.payload import (
     chunks,
@@ -33,30 +33,22 @@ from atom_runtime.kv_transfer.payload import (
     shutdown,
     size_buffers,
 )
+from atom_runtime.kv_transfer.pulls import PullJob, new_pull_job, report_pull, waiting_messages
 from atom_runtime.kv_transfer.wire import PROTOCOL, Pull, PullReply, Release, Stripe
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _PullJob:
-    """One pull, from start_pull until it is reported (under the connector's lock)."""
+class _PullJob(PullJob):
+    """A pull over the portable transport: its ticket, stripes and the tasks moving them."""
 
-    remote: RemoteBlocks
-    local_ids: list[int]
-    deadline: float
-    fence: object  # CUDA event the side-stream writes wait for, or None
-    kv: KVCacheAccess  # the local cache, seen through the heads this pull writes
-    nonce: bytes = b""  # of the Pull sent: the reply must echo it
     stripes: list[tuple[int, int]] = field(default_factory=list)
     data_port: int = 0
     ticket: str = ""
     granted: bool = False  # the producer answered with a ticket: stripes are queued or moving
-    error: str | None = None
-    quiet: bool = False  # cancelled with nothing in flight: cancel_pull said so, no result
     active: int = 0  # stripe tasks touching the local blocks now
     unsettled: int = 0  # stripe tasks not finished
-    reported: bool = False
     socks: set = field(default_factory=set)
 
 
@@ -70,14 +62,7 @@ class ConsumerSide:
     def start_pull(
         self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
     ) -> None:
-        if len(local_block_ids) != len(remote.block_ids) or not local_block_ids:
-            raise ValueError(
-                f"start_pull: {len(remote.block_ids)} remote blocks into "
-                f"{len(local_block_ids)} local ones"
-            )
-        kv = self.kv.restrict(remote.local_heads)
-        deadline = time.monotonic() + timeout_s
-        job = _PullJob(remote, list(local_block_ids), deadline, self.kv.fence(), kv)
+        job = new_pull_job(_PullJob, self.kv, remote, local_block_ids, timeout_s)
         with self._lock:
             self._pulls[remote.key] = job
         self._command_pull(remote.key)
@@ -135,15 +120,7 @@ class ConsumerSide:
             pass  # the producer is gone; its hold times out on its side
 
     def _on_reply(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                reply = self._wire.decode(frames[0].buffer)
-            except ValueError:  # msgspec.DecodeError is one
-                continue
+        for reply in waiting_messages(sock, self._wire):
             if not isinstance(reply, PullReply):
                 continue
             error = self.seal.check(reply)
@@ -208,15 +185,8 @@ class ConsumerSide:
             return
         if job.error is not None and job.active:
             return
-        job.reported = True
-        key = job.remote.key
-        if self._pulls.get(key) is job:
-            del self._pulls[key]
-        if job.quiet:
-            return
-        nbytes = 0 if job.error else job.kv.num_units(len(job.local_ids)) * job.kv.unit_bytes
-        self._results.append(PullResult(key, job.error, nbytes))
-        self._wake.set()
+        if report_pull(job, self._pulls, self._results):
+            self._wake.set()
 
     # -- receiver threads ------------------------------------------------------------------------
 
@@ -277,9 +247,9 @@ class ConsumerSide:
             recv_views(sock, kv.views(job.local_ids, start, end))
             return
         index = kv.block_index(job.local_ids)
-        bufs = [self.staging.acquire(), self.staging.acquire()]
-        done: list = [None, None]  # each buffer's scatter event
-        try:
+        # The pair's exit waits for the last scatters: the bytes are in the cache before the pull
+        # reports.
+        with self.staging.pair() as (bufs, done):  # each buffer's scatter event
             for k, (a, b) in enumerate(chunks(start, end, self._chunk_units)):
                 i = k % 2
                 if done[i] is not None:
@@ -287,9 +257,3 @@ class ConsumerSide:
                     done[i] = None
                 recv_exact(sock, bufs[i][1][: (b - a) * kv.unit_bytes])
                 done[i] = kv.scatter(index, a, b, bufs[i][0], job.fence)
-        finally:
-            for event in done:
-                if event is not None:
-                    event.synchronize()  # the bytes are in the cache before the pull reports
-            for buf in bufs:
-                self.staging.release(buf)

@@ -22,6 +22,7 @@ from atom_runtime.kv_transfer.wire import Release
 # A control message is a pull of at most every block of the pool: a few bytes a block id.
 CONTROL_BYTES_PER_BLOCK = 10
 CONTROL_SLACK_BYTES = 4096
+MAX_TICKETS_PER_PEER = 16  # pulls (TCP tickets, NIXL reads) one consumer may have granted at once
 
 
 def bind_control(ctx: zmq.Context, config: KVTransferConfig, num_blocks: int) -> zmq.Socket:
@@ -131,6 +132,17 @@ class OfferBook:
             missing = sorted(set(block_ids) - offered)[:8]
             return f"transfer {transfer_id}: blocks {missing} not held", None
         return None, fence
+
+
+def refused_pull(msg, seal, kv: KVCacheAccess, protocol: int, transport: str) -> str | None:
+    """Why a producer refuses a pull before looking at its holds (None: it does not): another
+    protocol version, a missing or wrong seal, or its own fields (`pull_error`)."""
+    if msg.version != protocol:
+        return (
+            f"the consumer speaks {transport} protocol {msg.version}, this producer "
+            f"{protocol}: run the same ATOM version on prefill and decode engines"
+        )
+    return seal.check(msg) or pull_error(kv, msg.layout, msg.timeout_s, msg.block_ids, msg.heads)
 
 
 def pull_error(

@@ -38,9 +38,11 @@ from atom_runtime.kv_transfer.nixl_descs import CacheGeometry
 from atom_runtime.kv_transfer.nixl_lib import load_nixl
 from atom_runtime.kv_transfer.nixl_producer import NixlProducer
 from atom_runtime.kv_transfer.nixl_wire import MAX_GRANT_BYTES, NIXL_WIRE, NixlGrant, nixl_seal
+from atom_runtime.kv_transfer.pulls import open_dealer, waiting_messages
 from atom_runtime.system.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_COMMANDS = msgspec.msgpack.Decoder()  # the engine thread's commands to the control thread
 
 LOG_INTERVAL_S = 10.0
 BUSY_POLL_MS = 1  # how often posted reads are polled
@@ -178,41 +180,24 @@ class NixlConnector(NixlProducer, NixlConsumer, KVConnector):
             self._router.close(linger=0)
 
     def _on_commands(self) -> bool:
-        while True:
-            try:
-                raw = self._cmd_pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            cmd = msgspec.msgpack.decode(raw)
+        for cmd in waiting_messages(self._cmd_pull, _COMMANDS):
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "pull":
                 self._send_pull(cmd[1])
             elif cmd[0] == "release":
                 self._send_release(cmd[1], cmd[2], cmd[3])
+        return True
 
     def _dealer(self, host: str, port: int) -> zmq.Socket:
         sock = self._dealers.get((host, port))
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_GRANT_BYTES)
-            h = f"[{host}]" if ":" in host else host
-            sock.connect(f"tcp://{h}:{port}")
-            self._poller.register(sock, zmq.POLLIN)
+            sock = open_dealer(self._ctx, self._poller, host, port, MAX_GRANT_BYTES)
             self._dealers[(host, port)] = sock
             self._address_of[sock] = (host, port)
         return sock
 
     def _on_replies(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                grant = self._wire.decode(frames[0].buffer)
-            except ValueError:  # msgspec.DecodeError is one
-                continue
+        for grant in waiting_messages(sock, self._wire):
             if isinstance(grant, NixlGrant):
                 self._on_grant(grant, self._address_of[sock])

@@ -22,29 +22,22 @@ from dataclasses import dataclass
 
 import zmq
 
-from atom_runtime.kv_transfer.base import KVCacheAccess, PullResult, RemoteBlocks
+from atom_runtime.kv_transfer.base import PullResult, RemoteBlocks
 from atom_runtime.kv_transfer.nixl_descs import CacheGeometry, read_descriptors
 from atom_runtime.kv_transfer.nixl_wire import PROTOCOL, NixlGrant, NixlPull, done_note
+from atom_runtime.kv_transfer.pulls import PullJob, new_pull_job, report_pull
 from atom_runtime.kv_transfer.wire import Release
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _ReadJob:
-    """One pull, from start_pull until it is reported (its fields under the connector's lock)."""
+class _ReadJob(PullJob):
+    """A pull over NIXL: its posted READ and the descriptor handles it holds (`quiet`: cancelled
+    before the read was posted)."""
 
-    remote: RemoteBlocks
-    local_ids: list[int]
-    deadline: float
-    fence: object
-    kv: KVCacheAccess  # the local cache through the heads this pull writes
-    nonce: bytes = b""
     xfer: object = None  # the posted READ; from then on NIXL may write into the blocks
     handles: tuple = ()
-    error: str | None = None
-    quiet: bool = False  # cancelled before its read was posted: no result
-    reported: bool = False
 
 
 class NixlConsumer:
@@ -58,14 +51,7 @@ class NixlConsumer:
     def start_pull(
         self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
     ) -> None:
-        if len(local_block_ids) != len(remote.block_ids) or not local_block_ids:
-            raise ValueError(
-                f"start_pull: {len(remote.block_ids)} remote blocks into "
-                f"{len(local_block_ids)} local ones"
-            )
-        kv = self.kv.restrict(remote.local_heads)
-        deadline = time.monotonic() + timeout_s
-        job = _ReadJob(remote, list(local_block_ids), deadline, self.kv.fence(), kv)
+        job = new_pull_job(_ReadJob, self.kv, remote, local_block_ids, timeout_s)
         with self._lock:
             self._pulls[remote.key] = job
         self._command(("pull", remote.key))
@@ -246,15 +232,8 @@ class NixlConsumer:
         """Under the lock: report a pull nothing writes into any more."""
         if job.reported:
             return
-        job.reported = True
-        key = job.remote.key
-        if self._pulls.get(key) is job:
-            del self._pulls[key]
-        if job.quiet:
-            return
-        nbytes = 0 if job.error else job.kv.num_units(len(job.local_ids)) * job.kv.unit_bytes
-        self._results.append(PullResult(key, job.error, nbytes))
-        self._wake.set()
+        if report_pull(job, self._pulls, self._results):
+            self._wake.set()
 
 
 class _Released:

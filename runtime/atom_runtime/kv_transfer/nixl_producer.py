@@ -19,12 +19,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from atom_runtime.kv_transfer.holds import OfferBook, pull_error
+from atom_runtime.kv_transfer.holds import MAX_TICKETS_PER_PEER, OfferBook, refused_pull
 from atom_runtime.kv_transfer.nixl_wire import PROTOCOL, NixlGrant, NixlPull, read_note
 
 log = logging.getLogger(__name__)
 
-MAX_TICKETS_PER_PEER = 16  # reads one consumer address may have granted at once
 MAX_AGENT_NAME = 256
 
 
@@ -62,15 +61,7 @@ class NixlProducer(OfferBook):
     def _grant(self, msg: NixlPull, peer: str) -> NixlGrant:
         """Check a pull and register its read (the blocks count as being read from now on)."""
         tid = msg.transfer_id
-        if msg.version != PROTOCOL:
-            return NixlGrant(
-                tid,
-                f"the consumer speaks NIXL transfer protocol {msg.version}, this producer "
-                f"{PROTOCOL}: run the same ATOM version on prefill and decode engines",
-            )
-        error = self.seal.check(msg) or pull_error(
-            self.kv, msg.layout, msg.timeout_s, msg.block_ids, msg.heads
-        )
+        error = refused_pull(msg, self.seal, self.kv, PROTOCOL, "NIXL transfer")
         if error is None and not 0 < len(msg.agent) <= MAX_AGENT_NAME:
             error = "a read without the consumer's NIXL agent name"
         if error is not None:

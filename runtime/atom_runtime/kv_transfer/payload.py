@@ -10,9 +10,11 @@ control thread, which shuts a late stripe's sockets down (that wakes the blocked
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -41,6 +43,21 @@ class StagingPool:
             self.allocated += 1
         buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin)
         return buf, memoryview(buf.numpy())
+
+    @contextlib.contextmanager
+    def pair(self) -> Iterator[tuple[list, list]]:
+        """Two buffers for a double-buffered stripe and their copy events (None: no copy
+        pending); on leaving, every pending copy is waited for and both buffers come back."""
+        bufs = [self.acquire(), self.acquire()]
+        done: list = [None, None]
+        try:
+            yield bufs, done
+        finally:
+            for event in done:
+                if event is not None:
+                    event.synchronize()  # a copy still touching a buffer we give back
+            for buf in bufs:
+                self.release(buf)
 
     def release(self, buf: tuple[torch.Tensor, memoryview]) -> None:
         with self._cond:

@@ -30,7 +30,7 @@ import zmq
 
 from atom_runtime.kv_transfer.base import KVCacheAccess, plan_stripes
 from atom_runtime.kv_transfer.config import MAX_STREAMS
-from atom_runtime.kv_transfer.holds import OfferBook, pull_error
+from atom_runtime.kv_transfer.holds import MAX_TICKETS_PER_PEER, OfferBook, refused_pull
 from atom_runtime.kv_transfer.payload import (
     PendingHello,
     chunks,
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0  # a payload connection must name its stripe within this
 MAX_CONNS_PER_PEER = MAX_STREAMS  # a consumer opens at most `streams` stripes at once
 MAX_PENDING_HELLOS = 256
-MAX_TICKETS_PER_PEER = 16  # pulls one consumer address may have granted at once
 LOG_INTERVAL_S = 10.0
 
 
@@ -88,15 +87,7 @@ class ProducerSide(OfferBook):
     def _grant(self, msg: Pull, peer: str) -> PullReply:
         """Check a pull and register its ticket (the blocks count as being read from now on)."""
         tid = msg.transfer_id
-        if msg.version != PROTOCOL:
-            return PullReply(
-                tid,
-                f"the consumer speaks KV transfer protocol {msg.version}, this producer "
-                f"{PROTOCOL}: run the same ATOM version on prefill and decode engines",
-            )
-        error = self.seal.check(msg) or pull_error(
-            self.kv, msg.layout, msg.timeout_s, msg.block_ids, msg.heads
-        )
+        error = refused_pull(msg, self.seal, self.kv, PROTOCOL, "KV transfer")
         if error is not None:
             return PullReply(tid, error)
         with self._lock:
@@ -269,9 +260,7 @@ class ProducerSide(OfferBook):
             return
         parts = chunks(start, end, self._chunk_units)
         index = kv.block_index(ticket.block_ids)
-        bufs = [self.staging.acquire(), self.staging.acquire()]
-        done: list = [None, None]  # each buffer's gather event
-        try:
+        with self.staging.pair() as (bufs, done):  # each buffer's gather event
             a, b = parts[0]
             done[0] = kv.gather(index, a, b, bufs[0][0], ticket.fence)
             for k, (a, b) in enumerate(parts):
@@ -284,9 +273,3 @@ class ProducerSide(OfferBook):
                     done[i].synchronize()
                     done[i] = None
                 conn.sendall(bufs[i][1][: (b - a) * kv.unit_bytes])
-        finally:
-            for event in done:
-                if event is not None:
-                    event.synchronize()  # a copy still writing into a buffer we give back
-            for buf in bufs:
-                self.staging.release(buf)

@@ -37,6 +37,7 @@ from atom_runtime.kv_transfer.consumer import ConsumerSide
 from atom_runtime.kv_transfer.holds import bind_control
 from atom_runtime.kv_transfer.payload import CHUNK_BYTES, StagingPool, shutdown, size_buffers
 from atom_runtime.kv_transfer.producer import LOG_INTERVAL_S, ProducerSide
+from atom_runtime.kv_transfer.pulls import open_dealer, waiting_messages
 from atom_runtime.kv_transfer.wire import WIRE, WireSeal
 from atom_runtime.system.log_limit import RateLimitedLog
 
@@ -227,22 +228,12 @@ class TCPConnector(ProducerSide, ConsumerSide, KVConnector):
     def _dealer(self, dealers, host: str, port: int) -> zmq.Socket:
         sock = dealers.get((host, port))
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, _REPLY_MAX_BYTES)
-            h = f"[{host}]" if ":" in host else host
-            sock.connect(f"tcp://{h}:{port}")
-            self._poller.register(sock, zmq.POLLIN)
+            sock = open_dealer(self._ctx, self._poller, host, port, _REPLY_MAX_BYTES)
             dealers[(host, port)] = sock
         return sock
 
     def _on_commands(self, dealers) -> bool:
-        while True:
-            try:
-                raw = self._cmd_pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            cmd = self._commands.decode(raw)
+        for cmd in waiting_messages(self._cmd_pull, self._commands):
             if isinstance(cmd, _Stop):
                 return False
             if isinstance(cmd, _StartPull):
@@ -255,3 +246,4 @@ class TCPConnector(ProducerSide, ConsumerSide, KVConnector):
             elif isinstance(cmd, _ReleaseRemote):
                 sock = self._dealer(dealers, cmd.host, cmd.port)
                 self._send_release(sock, cmd.transfer_id)
+        return True

@@ -57,10 +57,8 @@ class PagedAttention(nn.Module):
             self.sinks = None
         # Gated attention: each q head is followed by its output gate in the qkv projection.
         self.q_gate = q_gate
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
         # Bound by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)

@@ -53,13 +53,8 @@ class Qwen3NextMtp(nn.Module):
         # The target's embedding and LM head, shared (not submodules: they stay its weights).
         object.__setattr__(self, "target", target)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden: torch.Tensor,
-        step: int = 0,
-    ) -> torch.Tensor:
+    def forward(self, input_ids, positions, previous_hidden, step: int = 0) -> torch.Tensor:
+        """See `MtpHead.forward`."""
         embedded = self.pre_fc_norm_embedding(self.target.model.embed_tokens(input_ids))
         x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous_hidden)], dim=-1))
         hidden, residual = self.model.layers[step % self.num_layers](positions, x, None)

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import signal
-import socket
 import sys
 
 from atom_runtime import envs
@@ -213,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         set_process_title,
     )
     from atom_runtime.web.header_timeout import header_timeout_protocol
+    from atom_runtime.web.listen import listening_socket, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     # httpx logs every request at INFO: with probes every two seconds per pod, noise.
@@ -228,20 +228,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"atom router: error: {e}", file=sys.stderr)
         return 2
     set_process_title("Router")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock = listening_socket(args.host, args.port)
     except OSError as e:
         print(f"atom router: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             build_app(router),
-            log_level=args.log_level,
-            log_config=None,
-            access_log=False,
-            lifespan="on",
+            args.log_level,
             http=header_timeout_protocol(config.request_header_timeout),
         )
     )

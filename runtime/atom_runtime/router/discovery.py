@@ -105,8 +105,8 @@ class EndpointSliceWatch:
             raise ValueError(f"{target.host} is not a <service>.<namespace>.svc name")
         self.target = target
         self.on_change = on_change
-        self.kv_events_port = kv_events_port
-        self.kv_replay_port = kv_replay_port
+        # Every pod found gets its KV-event and replay sockets at these ports (None or 0: none).
+        self.kv_events_port, self.kv_replay_port = kv_events_port, kv_replay_port
         self.api_client = api_client
         self.retry_s = retry_s
         self._stop = threading.Event()

@@ -28,6 +28,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.server.app import build_app
 from atom_runtime.server.state import ServerConfig, ServerState
 from atom_runtime.system.process import set_process_title
+from atom_runtime.web.listen import listening_socket, uvicorn_config
 
 log = logging.getLogger("atom_runtime.server")
 
@@ -50,24 +51,18 @@ def run_event_loop(main: Coroutine[Any, Any, int]) -> int:
 async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     """Run `atom serve` until SIGTERM/SIGINT or engine death; returns the exit code."""
     set_process_title("APIServer")
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((config.host, config.port))
+        sock = listening_socket(config.host, config.port)
     except OSError as e:
         log.error("atom serve: cannot listen on %s:%d: %s", config.host, config.port, e)
-        sock.close()
         return 2
     state = ServerState(config, engine_config)
     app = build_app(state)
     server = _Server(
-        uvicorn.Config(
+        uvicorn_config(
             app,
-            log_level=config.uvicorn_log_level,
-            log_config=None,
-            access_log=False,
+            config.uvicorn_log_level,
             timeout_graceful_shutdown=config.shutdown_grace_period + CUT_DRAIN_S,
-            lifespan="on",
         ),
         state,
     )

@@ -204,6 +204,17 @@ def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False) ->
 _BODIES: dict[str, type[BaseModel]] = {}
 
 
+def parsed_body_route(
+    body: type[BaseModel], ok: type[BaseModel], stream: bool = False
+) -> dict[str, dict]:
+    """The OpenAPI keywords of a POST route that parses `body` itself and answers `ok`: bad
+    input, a wrong key, an unknown model, a body too large, and the engine not serving."""
+    return {
+        "openapi_extra": request_body(body),
+        "responses": responses(ok, 400, 401, 404, 413, 503, stream=stream),
+    }
+
+
 def request_body(model: type[BaseModel]) -> dict:
     """`openapi_extra=` that documents a body the route parses itself."""
     _BODIES[model.__name__] = model

@@ -244,12 +244,7 @@ class StateCheckpointStore:
         if rec.state is CheckpointState.COPYING:
             self.cancel(ref)
         elif rec.state is CheckpointState.READY:
-            self.counters.evicted += 1
-            if rec.pins == 0:
-                self._free_record(rec)
-            else:
-                self._unindex(rec)
-                rec.state = CheckpointState.EVICTING
+            self._evict_ready(rec)
 
     # -- readers -------------------------------------------------------------------------------
 
@@ -319,15 +314,19 @@ class StateCheckpointStore:
         in-flight records turn EVICTING and free themselves later. True when nothing is lent."""
         for rec in list(self._by_hash.values()):
             if rec.state is CheckpointState.READY:
-                self.counters.evicted += 1
-                if rec.pins == 0:
-                    self._free_record(rec)
-                else:
-                    self._unindex(rec)
-                    rec.state = CheckpointState.EVICTING
+                self._evict_ready(rec)
             else:
                 self.cancel(rec.ref)
         return self.units_in_use == 0
+
+    def _evict_ready(self, rec) -> None:
+        """A READY record leaves the index: freed now, or by its last unpin while pinned."""
+        self.counters.evicted += 1
+        if rec.pins == 0:
+            self._free_record(rec)
+        else:
+            self._unindex(rec)
+            rec.state = CheckpointState.EVICTING
 
     # -- invariants ----------------------------------------------------------------------------
 

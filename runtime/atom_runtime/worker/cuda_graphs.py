@@ -8,6 +8,7 @@ asynchronously, so the host never waits for the device to take an input.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -53,6 +54,53 @@ def capture_forward(model: nn.Module, ids, pos, pool, rows=None):
     return graph, logits, hidden
 
 
+def step_buffers(tokens: int, seqs: int, max_blocks: int, device) -> dict[str, torch.Tensor]:
+    """The device inputs every graph reads: ids, positions and cache slots (-1: none) of
+    `tokens` rows, block tables `max_blocks` wide and lengths of `seqs` sequences."""
+    return {
+        "input_ids": torch.zeros(tokens, dtype=torch.int64, device=device),
+        "positions": torch.zeros(tokens, dtype=torch.int64, device=device),
+        "slot_mapping": torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        "block_tables": torch.zeros((seqs, max_blocks), dtype=torch.int32, device=device),
+        "seq_lens": torch.zeros(seqs, dtype=torch.int32, device=device),
+    }
+
+
+def sliced_attention(bufs: dict, tokens: int, seqs: int, **more) -> AttentionMetadata:
+    """Attention metadata over the first `tokens` rows and `seqs` sequences of a graph's
+    buffers (`more`: the step kind's other fields)."""
+    return AttentionMetadata(
+        slot_mapping=bufs["slot_mapping"][:tokens],
+        block_tables=bufs["block_tables"][:seqs],
+        seq_lens=bufs["seq_lens"][:seqs],
+        **more,
+    )
+
+
+def sliced_state(bufs: dict, starts: str, seqs: int, **more) -> StateMetadata:
+    """State metadata over the first `seqs` sequences of a graph's buffers, their first
+    tokens in `bufs[starts]`."""
+    return StateMetadata(
+        query_start_loc=bufs[starts][: seqs + 1],
+        slot_ids=bufs["state_slots"][:seqs],
+        has_initial_state=bufs["has_initial_state"][:seqs],
+        **more,
+    )
+
+
+@contextlib.contextmanager
+def step_metadata(attention: AttentionMetadata, state: StateMetadata | None = None):
+    """The forward context a capture runs in (`state` for hybrid models), cleared after."""
+    set_attention_metadata(attention)
+    if state is not None:
+        set_state_metadata(state)
+    try:
+        yield
+    finally:
+        set_attention_metadata(None)
+        set_state_metadata(None)
+
+
 class _CapturedGraphs:
     """What both kinds of captured graphs hold: the graphs with their output logits, the device
     input buffers they read, and two pinned host staging sets used in turn (with async
@@ -71,6 +119,14 @@ class _CapturedGraphs:
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
+
+    def _capture_one(self, key, model, tokens: int, meta, state, pool, rows=None) -> None:
+        """Capture graph `key`: the forward of the input buffers' first `tokens` rows in the
+        context `meta` (and `state`), its logits of `rows` (None: every row)."""
+        ids, pos = self.inputs["input_ids"][:tokens], self.inputs["positions"][:tokens]
+        with step_metadata(meta, state):
+            graph, logits, self.hidden[key] = capture_forward(model, ids, pos, pool, rows)
+        self.graphs[key] = (graph, logits)
 
     def _next_host_set(self) -> dict[str, torch.Tensor]:
         host = self._host_sets[self._staging_turn]
@@ -114,30 +170,20 @@ class DecodeGraphs(_CapturedGraphs):
         self.windowed = windowed
         max_bs = sizes[-1]
         dev = device
-        bufs = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros((max_bs, max_blocks), dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            # One token per row, so the state's token offsets are fixed; padded rows use slot
-            # -1 (no slot read or written).
-            "state_slots": torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            "has_initial_state": torch.zeros(max_bs, dtype=torch.bool, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-        }
+        bufs = step_buffers(max_bs, max_bs, max_blocks, dev)
+        # One token per row, so the state's token offsets are fixed; padded rows use slot -1
+        # (no slot read or written).
+        bufs["state_slots"] = torch.full((max_bs,), -1, dtype=torch.int32, device=dev)
+        bufs["has_initial_state"] = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        bufs["query_start_loc"] = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         if windowed:
             bufs["window_slot_mapping"] = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
             bufs["window_block_tables"] = torch.zeros_like(bufs["block_tables"])
+        self.inputs = bufs
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(sizes):
-                meta = AttentionMetadata(
-                    slot_mapping=bufs["slot_mapping"][:bs],
-                    block_tables=bufs["block_tables"][:bs],
-                    seq_lens=bufs["seq_lens"][:bs],
-                    decode_only=True,
-                )
+                meta = sliced_attention(bufs, bs, bs, decode_only=True)
                 if windowed:
                     meta.window = AttentionMetadata(
                         slot_mapping=bufs["window_slot_mapping"][:bs],
@@ -145,22 +191,9 @@ class DecodeGraphs(_CapturedGraphs):
                         seq_lens=meta.seq_lens,
                         decode_only=True,
                     )
-                set_attention_metadata(meta)
-                if stateful:
-                    set_state_metadata(
-                        StateMetadata(
-                            query_start_loc=bufs["query_start_loc"][: bs + 1],
-                            slot_ids=bufs["state_slots"][:bs],
-                            has_initial_state=bufs["has_initial_state"][:bs],
-                        )
-                    )
-                ids, pos = bufs["input_ids"][:bs], bufs["positions"][:bs]
-                graph, logits, self.hidden[bs] = capture_forward(model, ids, pos, pool)
-                self.graphs[bs] = (graph, logits)
-                set_attention_metadata(None)
-                set_state_metadata(None)
+                state = sliced_state(bufs, "query_start_loc", bs) if stateful else None
+                self._capture_one(bs, model, bs, meta, state, pool)
         torch.cuda.synchronize(dev)
-        self.inputs = bufs
         self.sizes = sizes
         self._make_staging(bufs, windowed, max_bs * max_blocks, dev)
         log.info("captured CUDA graphs for decode batch sizes %s", sizes)
@@ -303,15 +336,10 @@ class PrefillGraphs(_CapturedGraphs):
         max_t = max(t for t, _ in buckets)
         max_s = max(s for _, s in buckets)
         dev = device
-        bufs = {
-            "input_ids": torch.zeros(max_t, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_t, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_t,), -1, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros((max_s, max_blocks), dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_s, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.zeros(max_s + 1, dtype=torch.int32, device=dev),
-            "sample_rows": torch.zeros(max_s, dtype=torch.int64, device=dev),
-        }
+        bufs = step_buffers(max_t, max_s, max_blocks, dev)
+        bufs["cu_seqlens_q"] = torch.zeros(max_s + 1, dtype=torch.int32, device=dev)
+        bufs["sample_rows"] = torch.zeros(max_s, dtype=torch.int64, device=dev)
+        self.inputs = bufs
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             # Largest first, so the smaller graphs reuse the pool's blocks.
@@ -319,27 +347,14 @@ class PrefillGraphs(_CapturedGraphs):
                 # Warm-up and capture inputs: each sequence one token, the rest padding.
                 bufs["cu_seqlens_q"][: s + 1] = torch.arange(s + 1, dtype=torch.int32)
                 bufs["seq_lens"][:s] = 1
-                meta = AttentionMetadata(
-                    slot_mapping=bufs["slot_mapping"][:t],
-                    block_tables=bufs["block_tables"][:s],
-                    seq_lens=bufs["seq_lens"][:s],
-                    decode_only=False,
-                    cu_seqlens_q=bufs["cu_seqlens_q"][: s + 1],
+                meta = sliced_attention(
+                    bufs, t, s, decode_only=False, cu_seqlens_q=bufs["cu_seqlens_q"][: s + 1],
                     max_seqlen_q=t,
-                )
-                ids, pos = bufs["input_ids"][:t], bufs["positions"][:t]
-                rows = bufs["sample_rows"][:s]
-                set_attention_metadata(meta)
-                try:
-                    graph, logits, hidden = capture_forward(model, ids, pos, pool, rows)
-                finally:
-                    set_attention_metadata(None)
-                self.graphs[(t, s)] = (graph, logits)
-                self.hidden[(t, s)] = hidden
+                )  # fmt: skip
+                self._capture_one((t, s), model, t, meta, None, pool, bufs["sample_rows"][:s])
         torch.cuda.synchronize(dev)
         bufs["seq_lens"].zero_()
         bufs["cu_seqlens_q"].zero_()
-        self.inputs = bufs
         self.buckets = buckets
         self._max_blocks = max_blocks
         self._host_sets = [

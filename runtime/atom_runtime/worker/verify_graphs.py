@@ -19,13 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from atom_runtime.layers.forward_context import (
-    AttentionMetadata,
-    StateMetadata,
-    set_attention_metadata,
-    set_state_metadata,
+from atom_runtime.worker.cuda_graphs import (
+    _CapturedGraphs,
+    sliced_attention,
+    sliced_state,
+    step_buffers,
 )
-from atom_runtime.worker.cuda_graphs import _CapturedGraphs, capture_forward
 
 if TYPE_CHECKING:
     from atom_runtime.protocol.worker import StepInputs
@@ -44,64 +43,36 @@ class VerifyGraphs(_CapturedGraphs):
         self.replays = 0  # steps served by a graph (the tests read it)
 
     def capture(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        sizes: list[int],
-        max_blocks: int,
-        rows: int,
-        stateful: bool = False,
-    ) -> None:
+        self, model: nn.Module, device: torch.device, sizes: list[int], max_blocks: int,
+        rows: int, stateful: bool = False,
+    ) -> None:  # fmt: skip
         """One graph per batch size in `sizes` (ascending) of `rows` tokens a sequence, over
         block tables `max_blocks` wide (wide enough for a padded sequence's reach past its
         real tokens: the caller adds the blocks `rows` tokens can span)."""
         max_b = sizes[-1]
         t = max_b * rows
         dev = device
-        bufs = {
-            "input_ids": torch.zeros(t, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(t, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((t,), -1, dtype=torch.int64, device=dev),
-            "block_tables": torch.zeros((max_b, max_blocks), dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_b, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(max_b + 1, dtype=torch.int32, device=dev) * rows,
-            "state_slots": torch.full((max_b,), -1, dtype=torch.int32, device=dev),
-            "has_initial_state": torch.zeros(max_b, dtype=torch.bool, device=dev),
-            "spec_slots": torch.full((max_b, rows), -1, dtype=torch.int32, device=dev),
-        }
+        bufs = step_buffers(t, max_b, max_blocks, dev)
+        bufs["cu_seqlens_q"] = torch.arange(max_b + 1, dtype=torch.int32, device=dev) * rows
+        bufs["state_slots"] = torch.full((max_b,), -1, dtype=torch.int32, device=dev)
+        bufs["has_initial_state"] = torch.zeros(max_b, dtype=torch.bool, device=dev)
+        bufs["spec_slots"] = torch.full((max_b, rows), -1, dtype=torch.int32, device=dev)
+        self.inputs = bufs
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for b in reversed(sizes):
                 n = b * rows
-                set_attention_metadata(
-                    AttentionMetadata(
-                        slot_mapping=bufs["slot_mapping"][:n],
-                        block_tables=bufs["block_tables"][:b],
-                        seq_lens=bufs["seq_lens"][:b],
-                        decode_only=False,
-                        cu_seqlens_q=bufs["cu_seqlens_q"][: b + 1],
-                        max_seqlen_q=rows,
-                    )
-                )
+                meta = sliced_attention(
+                    bufs, n, b, decode_only=False, cu_seqlens_q=bufs["cu_seqlens_q"][: b + 1],
+                    max_seqlen_q=rows,
+                )  # fmt: skip
+                state = None
                 if stateful:
-                    set_state_metadata(
-                        StateMetadata(
-                            query_start_loc=bufs["cu_seqlens_q"][: b + 1],
-                            slot_ids=bufs["state_slots"][:b],
-                            has_initial_state=bufs["has_initial_state"][:b],
-                            spec_slots=bufs["spec_slots"][:b],
-                            spec_only=True,
-                        )
+                    state = sliced_state(
+                        bufs, "cu_seqlens_q", b, spec_slots=bufs["spec_slots"][:b], spec_only=True
                     )
-                ids, pos = bufs["input_ids"][:n], bufs["positions"][:n]
-                try:
-                    graph, logits, self.hidden[b] = capture_forward(model, ids, pos, pool)
-                finally:
-                    set_attention_metadata(None)
-                    set_state_metadata(None)
-                self.graphs[b] = (graph, logits)
+                self._capture_one(b, model, n, meta, state, pool)
         torch.cuda.synchronize(dev)
-        self.inputs = bufs
         self.sizes, self.rows, self.stateful, self._max_blocks = sizes, rows, stateful, max_blocks
         self._host_sets = [
             {name: torch.empty_like(buf, device="cpu").pin_memory() for name, buf in bufs.items()}

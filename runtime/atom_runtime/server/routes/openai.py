@@ -31,17 +31,14 @@ def openai_routes(state: ServerState, keyed: list) -> APIRouter:
         )
 
     @v1.post(
-        "/completions",
-        openapi_extra=D.request_body(CompletionRequest),
-        responses=D.responses(D.CompletionResponse, 400, 401, 404, 413, 503, stream=True),
+        "/completions", **D.parsed_body_route(CompletionRequest, D.CompletionResponse, stream=True)
     )
     async def completions(request: Request) -> Response:
         return await state.require_serving().completions(request)
 
     @v1.post(
         "/chat/completions",
-        openapi_extra=D.request_body(ChatCompletionRequest),
-        responses=D.responses(D.ChatCompletionResponse, 400, 401, 404, 413, 503, stream=True),
+        **D.parsed_body_route(ChatCompletionRequest, D.ChatCompletionResponse, stream=True),
     )
     async def chat_completions(request: Request) -> Response:
         return await state.require_serving().chat(request)

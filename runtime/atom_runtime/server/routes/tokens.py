@@ -15,15 +15,9 @@ from atom_runtime.web.request_io import json_response, parse_body
 def token_routes(state: ServerState, keyed: list) -> APIRouter:
     router = APIRouter(dependencies=keyed)
 
-    @router.post(
-        "/tokenize",
-        openapi_extra=D.request_body(TokenizeRequest),
-        responses=D.responses(D.TokenizeResponse, 400, 401, 404, 413, 503),
-    )
+    @router.post("/tokenize", **D.parsed_body_route(TokenizeRequest, D.TokenizeResponse))
     async def tokenize(request: Request) -> Response:
-        serving = state.require_serving()
-        req: TokenizeRequest = parse_body(TokenizeRequest, await request.body())
-        serving.check_model(req.model)
+        serving, req = await _serving_request(state, request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt: give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
@@ -40,15 +34,9 @@ def token_routes(state: ServerState, keyed: list) -> APIRouter:
             {"count": len(ids), "max_model_len": state.client.ready.max_model_len, "tokens": ids}
         )
 
-    @router.post(
-        "/detokenize",
-        openapi_extra=D.request_body(DetokenizeRequest),
-        responses=D.responses(D.DetokenizeResponse, 400, 401, 404, 413, 503),
-    )
+    @router.post("/detokenize", **D.parsed_body_route(DetokenizeRequest, D.DetokenizeResponse))
     async def detokenize(request: Request) -> Response:
-        serving = state.require_serving()
-        req: DetokenizeRequest = parse_body(DetokenizeRequest, await request.body())
-        serving.check_model(req.model)
+        serving, req = await _serving_request(state, request, DetokenizeRequest)
         vocab = state.client.ready.vocab_size
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab:
@@ -59,3 +47,12 @@ def token_routes(state: ServerState, keyed: list) -> APIRouter:
         return json_response({"prompt": await serving.decode(req.tokens)})
 
     return router
+
+
+async def _serving_request(state: ServerState, request: Request, kind: type):
+    """The serving side and the request's body parsed as `kind`, its model checked (503 before
+    the engine is ready, 400 or 404 naming the problem)."""
+    serving = state.require_serving()
+    req = parse_body(kind, await request.body())
+    serving.check_model(req.model)
+    return serving, req
