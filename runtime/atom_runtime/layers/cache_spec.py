@@ -49,17 +49,21 @@ class KVCacheSpec:
         return sum(t.bytes_per_token(default) for t in self.tensors)
 
     def allocate(
-        self, num_blocks: int, block_size: int, default: torch.dtype, device: torch.device
+        self,
+        num_blocks: int,
+        block_size: int,
+        default: torch.dtype,
+        device: torch.device,
+        zeroed: bool = False,
     ) -> list[torch.Tensor]:
-        """One `[num_blocks, block_size, *token_shape]` tensor per spec tensor, uninitialised."""
+        """One `[num_blocks, block_size, *token_shape]` tensor per spec tensor: zeros when
+        `zeroed`, else uninitialised."""
+        make = torch.zeros if zeroed else torch.empty
         return [
-            torch.empty(
-                (num_blocks, block_size, *t.token_shape),
-                dtype=t.resolved_dtype(default),
-                device=device,
-            )
+            make((num_blocks, block_size, *t.token_shape), dtype=t.resolved_dtype(default),
+                 device=device)
             for t in self.tensors
-        ]
+        ]  # fmt: skip
 
 
 def paged_kv_spec(

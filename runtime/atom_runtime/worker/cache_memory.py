@@ -276,7 +276,15 @@ class CacheMemory:
         their specs are one)."""
         for layers in self._cache_pairs():
             spec = layers[0].cache_spec()
-            tensors = spec.allocate(self.num_blocks, self.block_size, self.dtype, self.device)
+            # Zeros on a GPU: a captured verify step lengthens a sequence over its padded rows,
+            # so its real rows load key/value slots no step has written yet (weighted zero by
+            # the causal mask), and bytes left by the allocator's earlier tensors can be NaN in
+            # FP8 (0x7f, 0xff): zero times NaN is NaN. Eager steps (all a CPU runs) read only
+            # written slots, and a CPU cache's pages are committed only as they are used.
+            zeroed = self.device.type != "cpu"
+            tensors = spec.allocate(
+                self.num_blocks, self.block_size, self.dtype, self.device, zeroed=zeroed
+            )
             for layer in layers:
                 if layer.cache_spec() != spec:
                     raise RuntimeError("layers sharing cache tensors need one cache spec")
