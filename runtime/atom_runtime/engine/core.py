@@ -416,7 +416,8 @@ class _InFlight:
                         sampled.top_logprobs,
                         sampled.num_tokens,
                     )
-                )
+                ),
+                drafts=sampled.drafts,
             )
             done = torch.cuda.Event()
             done.record()
@@ -429,7 +430,7 @@ class _InFlight:
         if self.done is not None:
             self.done.synchronize()
         s = self.sampled
-        if s.num_tokens is not None:  # a verify step: one row per emitted token
+        if s.num_tokens is not None or s.drafts is not None:  # a verify step: a row per token
             counts, *rows = flatten_verified(s)
             return StepOutput(self.samplers, *rows, num_tokens=counts)
         return StepOutput(

@@ -68,6 +68,10 @@ class SamplerOutput:
     # tensors above gain a dimension: token_ids [S, K + 1] (-1 past them), logprobs [S, K + 1],
     # top_* [S, K + 1, k].
     num_tokens: torch.Tensor | None = None
+    # A greedy verify step (every row decided by its argmax): token_ids holds each verify row's
+    # argmax [R] and these are the drafts each sampler verified; the accepted run is found on
+    # the host once the argmaxes are read back (no rejection-sampling kernels, no uploads).
+    drafts: list[list[int]] | None = None
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -94,12 +94,10 @@ def verify(
     rows = draft_rows(seqs)
     if logits.shape[0] != len(rows):
         raise ValueError(f"logits: {logits.shape[0]} rows for {len(rows)} verify rows")
-    layout = verify_rows([drafts_of(seq) for seq in seqs], logits.device)
+    drafts = [drafts_of(seq) for seq in seqs]
     if all(plain_greedy(row) for row in rows):
-        greedy = greedy_argmax(logits)
-        ones = torch.ones_like(greedy, dtype=torch.bool)
-        tokens, counts = rejection_sample(layout, greedy, ones, None, None, None)
-        return SamplerOutput(token_ids=tokens, num_tokens=counts)
+        return SamplerOutput(token_ids=greedy_argmax(logits), drafts=drafts)
+    layout = verify_rows(drafts, logits.device)
     t = sampler.tensors(rows, eos_token_ids)
     raw_logprobs, greedy, probs = target_distributions(logits, t)
     uniforms = exponentials = None
@@ -126,6 +124,8 @@ def verify(
 def flatten_verified(out: SamplerOutput) -> tuple[list[int], list[int], list | None, list, list]:
     """A verify step's samples, read back, as one row per emitted token: (counts, token ids,
     logprobs, top ids, top logprobs); the last three None without logprobs."""
+    if out.drafts is not None:
+        return _accepted_greedy(out.drafts, out.token_ids.tolist())
     counts = out.num_tokens.tolist()
     tokens = out.token_ids.tolist()
     flat = [t for row, n in zip(tokens, counts, strict=True) for t in row[:n]]
@@ -136,3 +136,19 @@ def flatten_verified(out: SamplerOutput) -> tuple[list[int], list[int], list | N
         return [v for row, n in zip(t.tolist(), counts, strict=True) for v in row[:n]]
 
     return counts, flat, rows(out.logprobs), rows(out.top_ids), rows(out.top_logprobs)
+
+
+def _accepted_greedy(drafts: list[list[int]], argmax: list[int]) -> tuple:
+    """A greedy verify step's emitted tokens from every row's argmax: each sampler keeps its
+    drafts up to the first one that is not its row's argmax, then that row's argmax (the bonus
+    row's when all were kept), as `rejection_sample` decides greedy rows."""
+    counts, flat, at = [], [], 0
+    for row in drafts:
+        n = 0
+        while n < len(row) and row[n] == argmax[at + n]:
+            n += 1
+        flat += row[:n]
+        flat.append(argmax[at + n])
+        counts.append(n + 1)
+        at += len(row) + 1
+    return counts, flat, None, None, None

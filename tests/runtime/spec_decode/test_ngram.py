@@ -31,3 +31,30 @@ def test_no_match_below_the_minimum_gives_no_drafts():
     assert _drafts([1, 2, 3, 4, 5]) == []
     assert _drafts([1, 2, 3, 1, 9, 2, 3], low=3, high=3) == []  # "2 3" only: below 3
     assert _drafts([4]) == []
+
+
+def _reference(tokens, k, low, high):
+    """The definition, checked start by start."""
+    length = len(tokens)
+    for n in range(min(high, length - 1), low - 1, -1):
+        suffix = tokens[length - n :]
+        starts = [i for i in range(length - n) if tokens[i : i + n] == suffix]
+        if starts:
+            full = [i for i in starts if i + n + k <= length]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+def test_matches_the_definition_on_random_token_runs():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, 3, int(rng.integers(1, 40))).tolist()
+        k, low = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 4))
+        assert _drafts(tokens, k, low, high) == _reference(tokens, k, low, high), (
+            tokens,
+            k,
+            low,
+            high,
+        )

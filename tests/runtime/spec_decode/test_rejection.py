@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from atom_runtime.spec_decode.rejection import rejection_sample, verify_rows
+from atom_runtime.worker.sampler import SamplerOutput
+from atom_runtime.worker.verify_sampler import flatten_verified
 
 V = 4  # vocabulary
 # A Markov target: p(next | previous), rows sum to 1.
@@ -33,6 +35,26 @@ def test_greedy_accepts_the_argmax_run_and_emits_the_targets_token():
     )
     assert counts.tolist() == [3, 1, 2]
     assert tokens.tolist() == [[2, 3, 0, -1], [5, -1, -1, -1], [0, 4, -1, -1]]
+
+
+def test_host_greedy_acceptance_matches_the_device_rejection_sampler():
+    """A greedy verify step decides its accepted run on the host (`flatten_verified` of the
+    argmaxes); it emits what `rejection_sample` emits for the same rows, tokens and counts."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        drafts = [
+            torch.randint(0, 3, (int(n),), generator=gen).tolist()
+            for n in torch.randint(
+                0, 5, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen
+            )
+        ]
+        argmax = torch.randint(0, 3, (sum(len(d) + 1 for d in drafts),), generator=gen)
+        rows = verify_rows(drafts, torch.device("cpu"))
+        ones = torch.ones(len(argmax), dtype=torch.bool)
+        tokens, counts = rejection_sample(rows, argmax, ones, None, None, None)
+        want = [t for row, n in zip(tokens.tolist(), counts.tolist(), strict=True) for t in row[:n]]
+        got = flatten_verified(SamplerOutput(token_ids=argmax, drafts=drafts))
+        assert got[:2] == (counts.tolist(), want)
 
 
 def _run(draft_mode: str, n: int, k: int, seed: int, broken: bool = False) -> torch.Tensor:
