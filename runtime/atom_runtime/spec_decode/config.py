@@ -108,12 +108,6 @@ class SpeculativeConfig:
                 "drafts depend on how many of this step's drafts were accepted, which is known "
                 "only once its samples are read back; drop --async-scheduling"
             )
-        if self.uses_model and tensor_parallel_size > 1:
-            raise ValueError(
-                f"{FIELD}.method: {self.method} is not available with tensor_parallel_size > 1 "
-                "yet (the drafting model runs on rank 0 only); use ngram, or "
-                "--tensor-parallel-size 1"
-            )
 
     def check_fits_model(self, model_type: str, num_mtp_layers: int) -> None:
         """Refuse a method the target model cannot serve, naming it."""
