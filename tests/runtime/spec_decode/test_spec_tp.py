@@ -5,6 +5,11 @@ before any process starts."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -112,3 +117,20 @@ def test_tp2_draft_model_on_gpus_replays_graphs(tiny_models):
 @needs_two_gpus
 def test_tp2_mtp_on_gpus_keeps_greedy_output(mtp_model):
     _check(mtp_model, {"method": "mtp", "num_speculative_tokens": 2}, **GPU)
+
+
+def test_tp2_cost_sweep_times_the_draft_model_on_rank_0(tiny_models, tmp_path):
+    atom = Path(sys.executable).parent / "atom"
+    out = tmp_path / "w7.json"
+    spec = json.dumps({"model": str(tiny_models["llama"]), "num_speculative_tokens": 2})
+    proc = subprocess.run(
+        [str(atom), "bench", "latency", "--model", str(tiny_models["qwen2"]),
+         "--dtype", "float32", "--input-len", "8", "--output-len", "8", "--iters", "1",
+         "--num-gpu-blocks-override", "32", "--tensor-parallel-size", "2",
+         "--speculative-config", spec, "--spec-cost-sweep", "--output-json", str(out)],
+        capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    rows = json.loads(out.read_text())["spec_cost_sweep"]["rows"]
+    assert [row["k"] for row in rows] == [0, 1, 2]
+    assert all(row["draft_ms"] > 0 for row in rows[1:])
