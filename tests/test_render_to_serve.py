@@ -350,3 +350,21 @@ def test_every_speculative_method_the_crd_allows_is_the_runtimes():
     from atom_runtime.spec_decode.config import METHODS
 
     assert set(SPECULATIVE_METHODS) <= set(METHODS)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "mtp"])
+def test_a_drafting_model_under_tensor_parallelism_renders_what_atom_serve_runs(method):
+    """spec.engine.speculative with decode tensorParallelSize 2: the runtime runs the drafting
+    model whole on rank 0 (issue 38), so the CRD's only draftTensorParallelSize, 1, is taken."""
+    (doc,) = yaml.safe_load_all(EXAMPLES_DIR.joinpath("amd-mi300x-fp8.yaml").read_text())
+    doc["metadata"]["uid"] = "uid-1"
+    doc["spec"]["decode"]["tensorParallelSize"] = 2
+    speculative = {"method": method, "numSpeculativeTokens": 3}
+    if method == "draft_model":
+        speculative |= {"model": "meta-llama/Llama-3.2-1B-Instruct", "draftTensorParallelSize": 1}
+    doc["spec"]["engine"]["speculative"] = speculative
+    (name, args), *_ = _containers_of(doc, "serve")
+    config = EngineConfig.from_args(_serve_parser().parse_args(args))
+    spec = config.speculative()
+    assert config.tensor_parallel_size == 2, name
+    assert (spec.method, spec.draft_tensor_parallel_size) == (method, 1), name

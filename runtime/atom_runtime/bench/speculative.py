@@ -199,7 +199,8 @@ class _FixedDrafter:
 
 def run_cost_sweep(llm, prompt: list[int], args: argparse.Namespace, result: dict) -> None:
     """W7's step costs: plain, and verify + draft for k = 1..K; per-token latency table."""
-    runner = llm.engine.executor
+    # Under tensor parallelism the drafter is rank 0's runner's (the executor's `runner`).
+    runner = getattr(llm.engine.executor, "runner", llm.engine.executor)
     inner = runner.drafter
     k_max = llm.engine.speculative.num_speculative_tokens
     vocab = llm.engine.model_config.vocab_size

@@ -5,8 +5,8 @@ For (hidden state h_j of the target at position j, token t_{j+1}):
 x = fc([pre_fc_norm_embedding(embed(t_{j+1})) ; pre_fc_norm_hidden(h_j)]), then one
 gated-attention decoder layer (the target's full-attention layer shape, its MLP a MoE when the
 model has experts), then `norm`; the target's LM head gives the logits of t_{j+2}. Every norm
-scales by (1 + weight), as the target's do. Single GPU (the engine refuses `mtp` under tensor
-parallelism).
+scales by (1 + weight), as the target's do. Under tensor parallelism it runs whole on rank 0,
+its `target` a whole-vocabulary copy (spec_decode/whole_vocab.py).
 """
 
 from __future__ import annotations

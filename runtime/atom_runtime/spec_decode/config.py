@@ -3,7 +3,8 @@
 {"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": k,
  "model": "<draft model folder>" (draft_model only),
  "prompt_lookup_min": n, "prompt_lookup_max": m (ngram only),
- "draft_tensor_parallel_size": 1 (draft_model only)}
+ "draft_tensor_parallel_size": 1 (the drafting model runs whole on rank 0 under tensor
+ parallelism)}
 
 A field this runtime does not know is refused by name (vLLM has more of them, e.g.
 `disable_by_batch_size`; silently ignoring one would change what the user asked for). Whether a
@@ -95,8 +96,8 @@ class SpeculativeConfig:
         draft_tp = raw.get("draft_tensor_parallel_size")
         if draft_tp is not None and (type(draft_tp) is not int or draft_tp != 1):
             raise ValueError(
-                f"{FIELD}.draft_tensor_parallel_size: only 1 is supported (the drafter runs on "
-                f"one GPU beside the target), got {draft_tp!r}"
+                f"{FIELD}.draft_tensor_parallel_size: only 1 is supported (the drafter runs whole "
+                f"on rank 0's GPU beside the target), got {draft_tp!r}"
             )
         return cls(method, k, model, low, high, 1)
 
@@ -107,12 +108,6 @@ class SpeculativeConfig:
                 f"async_scheduling: not available with {FIELD}: the next step's positions and "
                 "drafts depend on how many of this step's drafts were accepted, which is known "
                 "only once its samples are read back; drop --async-scheduling"
-            )
-        if self.uses_model and tensor_parallel_size > 1:
-            raise ValueError(
-                f"{FIELD}.method: {self.method} is not available with tensor_parallel_size > 1 "
-                "yet (the drafting model runs on rank 0 only); use ngram, or "
-                "--tensor-parallel-size 1"
             )
 
     def check_fits_model(self, model_type: str, num_mtp_layers: int) -> None:

@@ -17,6 +17,7 @@ distribution exactly whatever the drafter proposes).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from atom_runtime.layers.forward_context import AttentionMetadata, set_attention
 from atom_runtime.protocol.worker import StepInputs
 from atom_runtime.spec_decode.proposer import StepChunk
 from atom_runtime.system.device import to_device_many
+from atom_runtime.system.distributed import rank_local
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ModelDrafter:
     needs_step_chunks = True
     needs_hidden_states = False
     token_shift = 0
+    # Tensor parallelism: built whole on rank 0 and run outside the group (proposer.py).
+    outside_group = False
 
     def __init__(self, k: int, device: torch.device, block_size: int, max_positions: int) -> None:
         self.k = k
@@ -66,6 +70,10 @@ class ModelDrafter:
     def release(self, request_ids) -> None:
         """Nothing kept per request: the KV lives in the target's blocks."""
 
+    def group(self) -> AbstractContextManager:
+        """The group the drafting model runs in: this rank alone under tensor parallelism."""
+        return rank_local() if self.outside_group else nullcontext()
+
     def _forward(self, ids, positions, hidden: torch.Tensor | None, step: int) -> torch.Tensor:
         """The model's final hidden states over the rows; `step`: 0 for the catch-up, i for
         draft i + 1."""
@@ -80,8 +88,9 @@ class ModelDrafter:
         rounds = [self._round(seq, chunk) for seq, chunk in zip(seqs, chunks, strict=True)]
         live = [r for r in rounds if r is not None and len(r.positions)]
         if live:
-            last = self._catch_up(live, hidden)
-            self._draft(live, last)
+            with self.group():
+                last = self._catch_up(live, hidden)
+                self._draft(live, last)
         return [r.drafts if r is not None else [] for r in rounds]
 
     def _round(self, seq: Sequence, chunk: StepChunk | None) -> _Round | None:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from atom_runtime.core.sequence import Sequence
+from atom_runtime.system.distributed import rank_local, tp_rank, tp_size
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,28 @@ def make_drafter(spec, config, model_config, target, dtype: torch.dtype) -> Draf
 
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min,
                             spec.prompt_lookup_max)  # fmt: skip
+    if tp_size() > 1:
+        return _rank_zero_drafter(spec, config, model_config, target, dtype)
+    return _model_drafter(spec, config, model_config, target, dtype)
+
+
+def _rank_zero_drafter(spec, config, model_config, target, dtype: torch.dtype) -> Drafter | None:
+    """Under tensor parallelism a drafting model runs whole on rank 0, outside the group
+    (`rank_local`); its drafts reach the other ranks inside the next step's inputs. The other
+    ranks get None (they only take part in gathering an MTP head's vocabulary)."""
+    if spec.method == "mtp":
+        from atom_runtime.spec_decode.whole_vocab import gather_whole_vocab
+
+        target = gather_whole_vocab(target)  # a collective: every rank
+    if tp_rank() != 0:
+        return None
+    with rank_local():
+        drafter = _model_drafter(spec, config, model_config, target, dtype)
+    drafter.outside_group = True
+    return drafter
+
+
+def _model_drafter(spec, config, model_config, target, dtype: torch.dtype) -> Drafter:
     if spec.method == "draft_model":
         from atom_runtime.spec_decode.draft_model import DraftModelDrafter
 

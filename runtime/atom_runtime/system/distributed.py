@@ -7,6 +7,8 @@ Ranks are wired by torch.distributed (NCCL on NVIDIA, RCCL on AMD, gloo on CPU).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -90,3 +92,31 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's `x` stacked along dim 0 on rank 0 (rank order); None on the other ranks.
+    Every rank must call it (a collective)."""
+    if _world_size == 1:
+        return x
+    x = x.contiguous()
+    if _rank != 0:
+        dist.gather(x, None, dst=0)
+        return None
+    parts = [torch.empty_like(x) for _ in range(_world_size)]
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=0)
+
+
+@contextmanager
+def rank_local() -> Iterator[None]:
+    """Run as a group of one inside the block: layers built here are whole (unsharded) and
+    their collectives are the identity. Rank 0's drafting model (speculative decoding) is
+    built and run this way beside its sharded target; the process group stays as it was."""
+    global _rank, _world_size
+    saved = _rank, _world_size
+    _rank, _world_size = 0, 1
+    try:
+        yield
+    finally:
+        _rank, _world_size = saved

@@ -289,7 +289,8 @@ class TPExecutor:
         self._collect(call_id)
 
     def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Drafts come from rank 0 alone (n-gram lookup: a drafting model needs one rank)."""
+        """Drafts come from rank 0 alone (a drafting model runs whole there, outside the group);
+        the other ranks see them as token ids in the next step's inputs."""
         return self.runner.propose(seqs)
 
     def release(self, request_ids) -> None:

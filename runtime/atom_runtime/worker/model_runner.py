@@ -284,8 +284,9 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         """Speculative decoding: verify steps of up to 16 sequences of k + 1 rows."""
         rows = 1 + self.spec.num_speculative_tokens
         verify_sizes = [s for s in sizes if s <= 16] or sizes[:1]
-        if self.spec.method == "draft_model":  # the draft's one-token steps
-            self.draft_graphs.capture(self.drafter.model, self.device, verify_sizes, max_blocks)
+        if self.spec.method == "draft_model" and self.drafter is not None:  # rank 0 under TP
+            with self.drafter.group():  # the draft's one-token steps
+                self.draft_graphs.capture(self.drafter.model, self.device, verify_sizes, max_blocks)
             self.drafter.decode_graphs = self.draft_graphs
         try:
             self.verify_graphs.capture(

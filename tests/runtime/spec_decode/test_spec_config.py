@@ -81,16 +81,15 @@ def test_the_flag_parses_into_the_engine_config_and_llm_takes_a_dict():
         EngineConfig(speculative_config='{"method": "ngram"}')
 
 
-def test_async_scheduling_and_a_drafting_model_under_tensor_parallelism_are_refused():
+def test_async_scheduling_is_refused_and_every_method_takes_tensor_parallelism():
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="async_scheduling: not available with speculative"):
         EngineConfig(speculative_config=ngram, async_scheduling=True)
-    EngineConfig(speculative_config=ngram, tensor_parallel_size=2)  # host-only drafts: fine
-    with pytest.raises(ValueError, match="speculative_config.method: draft_model is not"):
-        EngineConfig(
-            speculative_config={"model": "/m", "num_speculative_tokens": 2},
-            tensor_parallel_size=2,
-        )
+    EngineConfig(speculative_config=ngram, tensor_parallel_size=2)  # host-only drafts
+    # A drafting model runs whole on rank 0 (tests/runtime/spec_decode/test_spec_tp.py).
+    for spec in ({"model": "/m", "num_speculative_tokens": 2},
+                 {"method": "mtp", "num_speculative_tokens": 2}):  # fmt: skip
+        EngineConfig(speculative_config=spec, tensor_parallel_size=2)
 
 
 def test_methods_the_model_cannot_serve_are_refused_by_name(tiny_models, tmp_path):
