@@ -62,17 +62,9 @@ class DeepseekMtp(MtpHead):
             DeepseekMtpLayer(cfg, self.first_index + i, target.rotary) for i in range(n)
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden: torch.Tensor,
-        step: int = 0,
-    ) -> torch.Tensor:
+    def run_layer(self, layer, positions, embedded, previous_hidden) -> torch.Tensor:
         get_attention_metadata().derived.clear()  # as the target's forward (models/deepseek.py)
-        layer = self.model.layers[step % self.num_layers]
-        embedded = layer.enorm(self.target.model.embed_tokens(input_ids))
-        x = layer.eh_proj(torch.cat([embedded, layer.hnorm(previous_hidden)], dim=-1))
+        x = layer.eh_proj(torch.cat([layer.enorm(embedded), layer.hnorm(previous_hidden)], -1))
         hidden, residual = layer(positions, x, None)
         hidden, _ = layer.shared_head.norm(hidden, residual)
         return hidden

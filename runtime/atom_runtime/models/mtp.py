@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_runtime.models.causal_lm import STACKED_PROJECTIONS, load_ordinary
+from atom_runtime.models.causal_lm import STACKED_PROJECTIONS, load_checkpoint
 
 
 class MtpHead(nn.Module):
     """What the drafter calls; a subclass builds `self.model.layers` (one module a head layer,
     each with `self_attn.attn`), says which checkpoint tensors are its own (`checkpoint_name`)
-    and computes `forward`."""
+    and runs one layer (`run_layer`)."""
 
     stacked_params: dict[str, tuple[str, str | int]] = STACKED_PROJECTIONS
 
@@ -42,6 +42,12 @@ class MtpHead(nn.Module):
         """The head's final hidden states [T, hidden] for (previous_hidden [T, hidden], the
         next token's id) at `positions`; `step`: which draft this is (0: from the target's
         hidden states), choosing the layer when the head has several."""
+        layer = self.model.layers[step % self.num_layers]
+        embedded = self.target.model.embed_tokens(input_ids)
+        return self.run_layer(layer, positions, embedded, previous_hidden)
+
+    def run_layer(self, layer: nn.Module, positions, embedded, previous_hidden) -> torch.Tensor:
+        """One head layer over (the next tokens' embeddings, the previous hidden states)."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,14 +73,7 @@ class MtpHead(nn.Module):
     def load_weights(self, weights) -> set[str]:
         """Load the head's tensors from (checkpoint name, tensor) pairs of the target's
         checkpoint (names outside the head skipped); returns the parameters loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for checkpoint_name, tensor in weights:
-            name = self.checkpoint_name(checkpoint_name)
-            if name is None:
-                continue
-            target = self.load_special(name, tensor)
-            loaded.add(target or load_ordinary(name, tensor, params, self.stacked_params))
+        loaded = load_checkpoint(self, weights)
         self.check_loaded()
         return loaded
 

@@ -50,16 +50,10 @@ class Qwen3NextMtp(MtpHead):
         self.model.layers = nn.ModuleList(HybridDecoderLayer(layer_cfg, i) for i in range(n))
         self.norm = OffsetRMSNorm(h, eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden: torch.Tensor,
-        step: int = 0,
-    ) -> torch.Tensor:
-        embedded = self.pre_fc_norm_embedding(self.target.model.embed_tokens(input_ids))
+    def run_layer(self, layer, positions, embedded, previous_hidden) -> torch.Tensor:
+        embedded = self.pre_fc_norm_embedding(embedded)
         x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous_hidden)], dim=-1))
-        hidden, residual = self.model.layers[step % self.num_layers](positions, x, None)
+        hidden, residual = layer(positions, x, None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
