@@ -158,3 +158,44 @@ def test_mtp_refused_without_nextn_layers_or_their_tensors(tmp_path, deepseek_mt
                        r"model\.layers\.3\.eh_proj\.weight missing"):  # fmt: skip
         LLM(str(bare), speculative_config=spec, **COMMON)
     assert _run(bare, SamplingParams(temperature=0, max_tokens=4), PROMPTS[:1])  # plain: served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_deepseek_mtp_on_the_gpu_keeps_greedy_output(deepseek_mtp, enforce_eager):
+    """The head's MLA layer on the GPU kernels (its latent cache beside the target's), verify
+    steps through CUDA graphs or eager: greedy output is the plain engine's."""
+    kw = dict(device="cuda", enforce_eager=enforce_eager)
+    assert _run(deepseek_mtp, GREEDY, spec=MTP, **kw) == _run(deepseek_mtp, GREEDY, **kw)
+
+
+def test_mtp_drafts_accepted_and_rejected_keep_greedy_output(deepseek_mtp, tmp_path):
+    """A head that drafts the token it reads, again and again (eh_proj passes the hidden state
+    through, the decoder layer adds nothing, unit norms: the target's own prediction at j, which
+    is token j + 1): accepted wherever the target repeats a token, so the head's catch-up runs
+    over several accepted positions; output stays the plain engine's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "echo"
+    shutil.copytree(deepseek_mtp, folder)
+    tensors = load_file(str(folder / "mtp.safetensors"))
+    h = tensors["model.layers.3.hnorm.weight"].numel()
+    for name, t in tensors.items():
+        if name.endswith("norm.weight") and t.numel() == h:
+            tensors[name] = torch.ones_like(t)
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            tensors[name] = torch.zeros_like(t)
+    tensors["model.layers.3.eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], 1)
+    save_file(tensors, str(folder / "mtp.safetensors"))
+    prompts = [[7] * 12, [5, 6] * 9, PROMPTS[1]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _run(folder, params, prompts)
+    llm = LLM(str(folder), speculative_config=MTP, **COMMON)
+    try:
+        assert _ids(llm, params, prompts) == want
+        stats = llm.engine.scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    finally:
+        llm.shutdown()
