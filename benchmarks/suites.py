@@ -21,6 +21,7 @@ MODELS = {
     "M35": "benchmarks/configs/qwen3.5-35b-a3b",
     "Q30": "benchmarks/configs/qwen3-30b-a3b",
     "G20": "benchmarks/configs/gpt-oss-20b",
+    "D4M": "benchmarks/configs/deepseek-v3-4l-mtp",
     # The same architectures with a block-FP8 quantization_config (128 x 128, DeepSeek-V3's and
     # Qwen3-*-FP8's layout): dummy weights quantized at load in that layout.
     "L8B": "benchmarks/configs/llama-3.1-8b-fp8-block",
@@ -368,7 +369,8 @@ SUITES: tuple[Suite, ...] = (
     # from the CPU run in docs/benchmarks.md.
     Suite(
         "spec",
-        "W7: speculative step costs (n-gram, a 1B-class draft, the hybrid's MTP head) and the "
+        "W7: speculative step costs (n-gram, a 1B-class draft, the MTP heads of the hybrid and "
+        "of DeepSeek-V3) and the "
         "per-token latency they give at acceptance 0.6/0.8/0.9, beside the 8B's plain W2 (the "
         "goal: ms_per_token_a0.8 at k = 4 <= 0.45x it)",
         (
@@ -390,6 +392,11 @@ SUITES: tuple[Suite, ...] = (
                 ),
             ),
             _w2("H4", "w7_qwen3.5-4b_mtp", _spec('{"method":"mtp","num_speculative_tokens":5}')),
+            _w2(
+                "D4M",
+                "w7_deepseek-v3-4l_mtp",
+                _spec('{"method":"deepseek_mtp","num_speculative_tokens":3}'),
+            ),
         ),
     ),
 )

@@ -289,9 +289,10 @@ def make_tiny_model(
 ) -> Path:
     """Write a random `kind` model (see CONFIGS, MOE_CONFIGS, HYBRID_CONFIGS,
     MLA_CONFIGS; `overrides`
-    replace config fields) to folder; returns the folder. `mtp_layers` (hybrid kinds): a
+    replace config fields) to folder; returns the folder. `mtp_layers` (hybrid and MLA kinds): a
     multi-token-prediction head of that many layers too, as the released checkpoints carry it
-    (`mtp.*` tensors in their own file, declared in config.json; transformers ignores both)."""
+    (`mtp.*`, or DeepSeek's `model.layers.{num_hidden_layers + k}.*`, tensors in their own file,
+    declared in config.json; transformers ignores both)."""
     import transformers
 
     from atom_runtime.models.loader import default_model_path
@@ -309,8 +310,8 @@ def make_tiny_model(
     model_type = spec.pop("model_type")
     spec.pop("architectures")
     if mtp_layers:
-        name = "num_nextn_predict_layers" if kind == "qwen3_next" else "mtp_num_hidden_layers"
-        spec[name] = mtp_layers
+        nextn = kind == "qwen3_next" or kind in MLA_CONFIGS
+        spec["num_nextn_predict_layers" if nextn else "mtp_num_hidden_layers"] = mtp_layers
     config = transformers.AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -325,7 +326,9 @@ def make_tiny_model(
             if name.endswith("e_score_correction_bias"):  # zeros by default: make it count
                 b.normal_(0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)
-    if mtp_layers:
+    if mtp_layers and kind in MLA_CONFIGS:
+        _write_deepseek_mtp_layers(folder, model, config, mtp_layers)
+    elif mtp_layers:
         _write_mtp_head(folder, model, config, mtp_layers)
     try:
         tok = Tokenizer.from_gguf(default_model_path())
@@ -343,6 +346,36 @@ def make_tiny_model(
         )
     )
     return folder
+
+
+def _mtp_rand(t: torch.Tensor, norm: bool, gen: torch.Generator) -> torch.Tensor:
+    scale = 0.1 if norm else 0.08
+    return (torch.randn(t.shape, generator=gen) * scale).contiguous()
+
+
+def _write_deepseek_mtp_layers(folder: Path, model, config, num_layers: int) -> None:
+    """Random DeepSeek-V3 MTP layers `model.layers.{num_hidden_layers + k}`: `enorm`, `hnorm`,
+    `eh_proj`, `shared_head.norm`, the last decoder layer's tensors (a MoE layer's), and the
+    copies of the embedding and LM head the released checkpoints carry."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    last, h = config.num_hidden_layers - 1, config.hidden_size
+    gen = torch.Generator().manual_seed(1234)
+    out = {}
+    for layer in range(config.num_hidden_layers, config.num_hidden_layers + num_layers):
+        p = f"model.layers.{layer}."
+        out[p + "eh_proj.weight"] = _mtp_rand(torch.empty(h, 2 * h), False, gen)
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            out[f"{p}{norm}.weight"] = 1 + _mtp_rand(torch.empty(h), True, gen)
+        for name, t in state.items():
+            if name.startswith(f"model.layers.{last}."):
+                rest = name[len(f"model.layers.{last}.") :]
+                out[p + rest] = (1 + _mtp_rand(t, True, gen)) if "norm" in rest else (
+                    _mtp_rand(t, False, gen))  # fmt: skip
+        out[p + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        out[p + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(out, str(folder / "mtp.safetensors"))
 
 
 def _write_mtp_head(folder: Path, model, config, num_layers: int) -> None:

@@ -87,17 +87,24 @@ class CausalLM(nn.Module):
     def load_weights(self, weights) -> set[str]:
         """Copy (name, tensor) pairs in Hugging Face naming into this model's (possibly fused,
         sharded) parameters. Returns the names of the parameters that were loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for checkpoint_name, tensor in weights:
-            name = self.checkpoint_name(checkpoint_name)
-            if name is None:
-                continue
-            target = self.load_special(name, tensor)
-            if target is None:
-                target = load_ordinary(name, tensor, params, self.stacked_params)
-            loaded.add(target)
-        return loaded
+        return load_checkpoint(self, weights)
+
+
+def load_checkpoint(model: nn.Module, weights) -> set[str]:
+    """`model.load_weights`'s loop for a model that names its tensors (`checkpoint_name`: None
+    skips one), loads some its own way (`load_special`) and fuses `stacked_params`: a CausalLM
+    or an MTP head. Returns the names of the parameters loaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for checkpoint_name, tensor in weights:
+        name = model.checkpoint_name(checkpoint_name)
+        if name is None:
+            continue
+        target = model.load_special(name, tensor)
+        if target is None:
+            target = load_ordinary(name, tensor, params, model.stacked_params)
+        loaded.add(target)
+    return loaded
 
 
 def load_ordinary(

@@ -15,7 +15,7 @@ softmax scale is qk_head_dim^-0.5 times YaRN's mscale(mscale_all_dim) squared.
 Checkpoints: the tensors of transformers' and DeepSeek's releases (experts one by one or
 fused). The multi-token-prediction layers that follow the decoder layers
 (`num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers + k}`) are skipped with
-one INFO line: no speculative decoding here uses them yet. Every linear layer is a `LinearBase`
+one INFO line: they are the `mtp` speculative method's head (models/deepseek_mtp.py). Every linear layer is a `LinearBase`
 (a quantized linear plugs in by subclassing it); MLA multiplies by parts of kv_b_proj itself,
 through `LinearBase.dense_weight`. FP8 checkpoints (DeepSeek-V3's 128x128 blocks) load their
 linear layers as FP8 (kv_b_proj and the routed experts dequantized, models/fp8_loading.py).
@@ -181,7 +181,7 @@ class DeepseekForCausalLM(CausalLM):
             n, first = self.config.num_nextn_predict_layers, self.config.num_hidden_layers
             log.info(
                 "skipped %d tensors of the %d multi-token-prediction layer(s) (model.layers.%d%s):"
-                " no speculative decoding uses them yet",
+                " the `mtp` speculative method's head (models/deepseek_mtp.py) reads them",
                 self._skipped_mtp, n, first, f"-{first + n - 1}" if n > 1 else "",
             )  # fmt: skip
         return loaded

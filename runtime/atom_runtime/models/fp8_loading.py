@@ -210,7 +210,6 @@ def mtp_head_stream(weights: Iterable, head: nn.Module, cfg, dtype: torch.dtype)
     """The multi-token-prediction head's checkpoint stream (models/loader.py build_mtp_head):
     an FP8 checkpoint's head is dequantized at load (its layers are not made FP8: one draft
     layer is little of a step's bytes)."""
-    from atom_runtime.models.mtp import mtp_tensor_name
     from atom_runtime.models.quant_config import resolve_quantization
 
     qcfg = resolve_quantization(cfg.quantization_config, None, cfg.model_type)
@@ -218,7 +217,7 @@ def mtp_head_stream(weights: Iterable, head: nn.Module, cfg, dtype: torch.dtype)
         return refuse_undeclared_fp8(weights)
     # Only the head's tensors: the target's FP8 weights would be read and dequantized for
     # nothing (their scales do not pair with any of the head's parameters).
-    mine = ((n, t) for n, t in weights if mtp_tensor_name(n) is not None)
+    mine = ((n, t) for n, t in weights if head.checkpoint_name(n) is not None)
     return Fp8CheckpointStream(head, mine, dtype, qcfg)
 
 

@@ -434,19 +434,23 @@ def build_mtp_head(
     seed: int = 0,
 ):
     """The target's multi-token-prediction head (models/mtp.py), its tensors read from the
-    target's checkpoint (`mtp.*`) or dummy ones."""
+    target's checkpoint (`mtp.*`, DeepSeek's `model.layers.{num_hidden_layers + k}.*`) or dummy
+    ones."""
     if cfg.num_nextn_predict_layers < 1:
         raise ValueError(f"{cfg.model_type}: the checkpoint declares no MTP layers")
-    if not cfg.is_hybrid:
-        raise ValueError(
-            f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5 and "
-            "Qwen3-Next have theirs; DeepSeek-V3's comes with its model)"
-        )
     from atom_runtime.models import fp8_loading
-    from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp
 
+    if cfg.is_hybrid:
+        from atom_runtime.models.qwen3_next_mtp import Qwen3NextMtp as head_class
+    elif cfg.mla is not None:
+        from atom_runtime.models.deepseek_mtp import DeepseekMtp as head_class
+    else:
+        raise ValueError(
+            f"{cfg.model_type}: no MTP head in this runtime for this family yet (Qwen3.5, "
+            "Qwen3-Next and DeepSeek-V3 / R1 have theirs)"
+        )
     with torch.device(device), _default_dtype(dtype):
-        head = Qwen3NextMtp(cfg, target)
+        head = head_class(cfg, target)
     _to_run_dtype(head, dtype)
     if load_format == "dummy":
         _fill_dummy(head, seed)

@@ -8,11 +8,14 @@ the flag: a tensor-parallel size the model's heads or widths do not split into, 
 `--load-format dummy`), a `--tokenizer` that does not exist, a `quantization_config` or
 `--quantization` the engine cannot run (models/quant_config.py), `--kv-cache-dtype fp8` for a
 model whose cache has no FP8 kernels, a `--speculative-config` method the model (or its draft
-model) cannot serve. Torch-free (models/source.py).
+model) cannot serve, `mtp` on a checkpoint whose files lack the MTP head's tensors (their names
+read from the safetensors headers). Torch-free (models/source.py).
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +96,48 @@ def preflight(config) -> CheckedModel:
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"speculative_config.model: {e}") from None
         spec.check_configs(checked.config, draft)
+        if spec.method == "mtp" and config.load_format != "dummy":
+            _check_mtp_tensors(checked.path, checked.config)
     return checked
+
+
+# The tensor that marks a Qwen-style MTP head, under each prefix its checkpoints use.
+_QWEN_MTP_MARKERS = ("mtp.fc.weight", "model.mtp.fc.weight", "model.language_model.mtp.fc.weight")
+
+
+def _check_mtp_tensors(path: Path, cfg: ModelConfig) -> None:
+    """`mtp`: the checkpoint's files hold the head the config declares (`eh_proj` of each of
+    DeepSeek's MTP layers, Qwen's `mtp.fc`), or ValueError naming what is missing."""
+    if is_gguf(path):
+        raise ValueError("speculative_config.method: mtp: GGUF files carry no MTP head here")
+    names = _checkpoint_tensor_names(path if path.is_dir() else path.parent)
+    if cfg.mla is not None:
+        first = cfg.num_hidden_layers
+        wanted = [
+            f"model.layers.{first + k}.eh_proj.weight" for k in range(cfg.num_nextn_predict_layers)
+        ]
+        missing = [n for n in wanted if n not in names]
+    else:
+        missing = [] if names.intersection(_QWEN_MTP_MARKERS) else [_QWEN_MTP_MARKERS[0]]
+    if missing:
+        raise ValueError(
+            f"speculative_config.method: mtp: {cfg.model_type} declares "
+            f"{cfg.num_nextn_predict_layers} MTP layer(s) but the checkpoint's files lack "
+            f"their tensors ({', '.join(missing[:3])} missing); use another method"
+        )
+
+
+def _checkpoint_tensor_names(folder: Path) -> set[str]:
+    """Every tensor name of a safetensors checkpoint: its index's, and each file's header."""
+    names: set[str] = set()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names.update(json.loads(index.read_text())["weight_map"])
+    for file in folder.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names.update(json.loads(f.read(n)))
+    return names
 
 
 def tensor_parallel_problem(cfg: ModelConfig, tp: int) -> str | None:

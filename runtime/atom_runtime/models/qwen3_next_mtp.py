@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from atom_runtime.layers.linear import LinearBase
-from atom_runtime.models.causal_lm import CausalLM, load_ordinary
+from atom_runtime.models.causal_lm import CausalLM
 from atom_runtime.models.config import ModelConfig
-from atom_runtime.models.mtp import mtp_tensor_name
+from atom_runtime.models.mtp import MtpHead, mtp_tensor_name
 from atom_runtime.models.qwen3_next import (
     HybridDecoderLayer,
     OffsetRMSNorm,
@@ -28,9 +28,8 @@ from atom_runtime.models.qwen3_next import (
 )
 
 
-class Qwen3NextMtp(nn.Module):
+class Qwen3NextMtp(MtpHead):
     def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
-        super().__init__()
         n = cfg.num_nextn_predict_layers
         if n < 1:
             raise ValueError(f"{cfg.model_type}: the config declares no MTP layers")
@@ -42,41 +41,30 @@ class Qwen3NextMtp(nn.Module):
             mlp_only_layers=[],
             decoder_sparse_step=1,
         )
+        super().__init__(target, n)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.num_layers = n
         self.fc = LinearBase(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = OffsetRMSNorm(h, eps)
         self.pre_fc_norm_hidden = OffsetRMSNorm(h, eps)
         self.model = nn.Module()  # `model.layers.N`: the names the hybrid loaders expect
         self.model.layers = nn.ModuleList(HybridDecoderLayer(layer_cfg, i) for i in range(n))
         self.norm = OffsetRMSNorm(h, eps)
-        # The target's embedding and LM head, shared (not submodules: they stay its weights).
-        object.__setattr__(self, "target", target)
 
-    def forward(self, input_ids, positions, previous_hidden, step: int = 0) -> torch.Tensor:
-        """See `MtpHead.forward`."""
-        embedded = self.pre_fc_norm_embedding(self.target.model.embed_tokens(input_ids))
+    def run_layer(self, layer, positions, embedded, previous_hidden) -> torch.Tensor:
+        embedded = self.pre_fc_norm_embedding(embedded)
         x = self.fc(torch.cat([embedded, self.pre_fc_norm_hidden(previous_hidden)], dim=-1))
-        hidden, residual = self.model.layers[step % self.num_layers](positions, x, None)
+        hidden, residual = layer(positions, x, None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+    def checkpoint_name(self, name: str) -> str | None:
+        name = mtp_tensor_name(name)
+        if name is not None and name.startswith("layers."):
+            return "model." + name  # `model.layers.N`: the names the hybrid loaders expect
+        return name
 
-    def attention_layers(self) -> list:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    def load_special(self, name: str, tensor) -> str | None:
+        return load_hybrid_special(self, name, tensor)
 
-    def load_weights(self, weights) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for checkpoint_name, tensor in weights:
-            name = mtp_tensor_name(checkpoint_name)
-            if name is None:
-                continue
-            if name.startswith("layers."):
-                name = "model." + name
-            target = load_hybrid_special(self, name, tensor)
-            loaded.add(target or load_ordinary(name, tensor, params))
+    def check_loaded(self) -> None:
         check_stacked_experts(self)
-        return loaded

@@ -19,13 +19,24 @@ from atom_runtime.system.distributed import gather_rows, rank_local
 
 
 class WholeVocab(nn.Module):
-    """What an MTP head reads of its target (`model.embed_tokens`, `compute_logits`), unsharded."""
+    """What an MTP head reads of its target: `model.embed_tokens` and `compute_logits` unsharded;
+    anything else (DeepSeek's head reads the rotary table and the stacked-parameter names, which
+    no rank shards) from the target itself."""
 
-    def __init__(self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead) -> None:
+    def __init__(
+        self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead, target: nn.Module
+    ) -> None:
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = embed
         self.lm_head = lm_head
+        object.__setattr__(self, "_target", target)  # not a submodule: its weights stay its own
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_target"), name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -45,7 +56,7 @@ def gather_whole_vocab(target: nn.Module) -> WholeVocab | None:
         whole_head = _whole(ParallelLMHead, head, head_rows)
     if tied:
         whole_head.weight = whole_embed.weight
-    return WholeVocab(whole_embed, whole_head)
+    return WholeVocab(whole_embed, whole_head, target)
 
 
 def _whole(kind, sharded: VocabParallelEmbedding, rows: torch.Tensor):

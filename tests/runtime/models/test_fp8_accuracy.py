@@ -194,13 +194,18 @@ def test_checkpoint_kv_scales_reach_the_fp8_cache(checkpoints, tmp_path):
     ]
 
 
-def test_fp8_mtp_head_is_dequantized_and_is_its_twins_head(tmp_path):
-    """Qwen3-Next FP8 checkpoints carry the MTP head in FP8 too (`mtp.*` with their scales): it
-    loads dequantized, the same head as the dequantized twin's, and with `--speculative-config
-    mtp` the engine drafts and keeps greedy output."""
+@pytest.mark.parametrize(
+    ("kind", "param"),
+    [("qwen3_next", "fc.weight"), ("deepseek_v3", "model.layers.0.eh_proj.weight")],
+)
+def test_fp8_mtp_head_is_dequantized_and_is_its_twins_head(tmp_path, kind, param):
+    """Qwen3-Next and DeepSeek-V3 FP8 checkpoints carry the MTP head in FP8 too (`mtp.*`,
+    `model.layers.{num_hidden_layers}.*`, with their scales): it loads dequantized, the same
+    head as the dequantized twin's, and with `--speculative-config mtp` the engine drafts and
+    keeps greedy output."""
     from tests.model_factory import make_tiny_model
 
-    src = make_tiny_model(tmp_path / "src", "qwen3_next", mtp_layers=1)
+    src = make_tiny_model(tmp_path / "src", kind, mtp_layers=1)
     fp8_dir, twin = write_fp8_checkpoint(src, tmp_path, "block", 16)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -219,7 +224,7 @@ def test_fp8_mtp_head_is_dequantized_and_is_its_twins_head(tmp_path):
             llm.shutdown()
     (ids, head, drafts), (twin_ids, twin_head, _) = runs["fp8"], runs["twin"]
     assert ids == twin_ids and drafts > 0
-    assert head.keys() == twin_head.keys() and "fc.weight" in head
+    assert head.keys() == twin_head.keys() and param in head
     assert all(torch.equal(head[n], twin_head[n]) for n in head)
 
 

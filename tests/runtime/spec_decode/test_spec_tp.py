@@ -32,6 +32,17 @@ def mtp_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tp_mtp") / "qwen3_5", "qwen3_5", mtp_layers=1)
 
 
+@pytest.fixture(scope="module")
+def deepseek_mtp_model(tmp_path_factory):
+    from tests.model_factory import make_tiny_model
+
+    # Four heads, two a rank.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tp_ds_mtp"), "deepseek_v3", mtp_layers=1, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+
+
 def _ids(model, tp: int, spec=None, drafts=None, **kw) -> tuple[list[list[int]], object]:
     """Greedy ids of PROMPTS and the speculation stats; `drafts`, a list, collects every
     proposal rank 0's executor makes."""
@@ -72,6 +83,18 @@ def test_tp2_mtp_keeps_greedy_output_and_drafts_what_one_rank_drafts(mtp_model):
     one, tp = [], []
     _ids(mtp_model, 1, spec, drafts=one, **CPU)
     _check(mtp_model, spec, drafts=tp, **CPU)
+    assert tp == one and any(any(d) for d in one)
+
+
+def test_tp2_deepseek_mtp_keeps_greedy_output_and_drafts_what_one_rank_drafts(
+    deepseek_mtp_model,
+):
+    # DeepSeek's head reads the target's rotary table and parameter names beside the
+    # whole-vocabulary copy (MLA latent KV on rank 0).
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    one, tp = [], []
+    _ids(deepseek_mtp_model, 1, spec, drafts=one, **CPU)
+    _check(deepseek_mtp_model, spec, drafts=tp, **CPU)
     assert tp == one and any(any(d) for d in one)
 
 
