@@ -53,3 +53,13 @@ def same_named(args: argparse.Namespace, names: str) -> dict[str, Any]:
     """The parsed values of the flags whose dest is the config field's name (space-separated
     `names`), as keywords for the config's constructor."""
     return {name: getattr(args, name) for name in names.split()}
+
+
+def add_number_flags(parser: argparse.ArgumentParser, **defaults: float) -> None:
+    """Numeric flags with no help text, in the keywords' order: `num_prompts=256` is
+    `--num-prompts`, an int (a float default makes a float flag)."""
+    for name, value in defaults.items():
+        if type(value) not in (int, float):
+            raise TypeError(f"--{name.replace('_', '-')}: a number flag's default must be an int "
+                            f"or a float, got {value!r}")  # fmt: skip
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from atom_runtime.system.flag_table import add_flags, flag_arguments, same_named
+from atom_runtime.system.flag_table import add_flags, add_number_flags, flag_arguments, same_named
 
 
 @dataclass
@@ -62,3 +62,16 @@ def test_a_malformed_row_is_refused_by_name():
         flag_arguments(_Defaults(), ("--rate", "rate"))
     with pytest.raises(AttributeError):
         flag_arguments(_Defaults(), ("--nope", "nope", None))
+
+
+def test_number_flags_take_their_type_from_the_default():
+    parser = argparse.ArgumentParser()
+    add_number_flags(parser, num_prompts=256, range_ratio=0.0)
+    assert [a.option_strings for a in parser._actions[1:]] == [["--num-prompts"], ["--range-ratio"]]
+    args = parser.parse_args(["--num-prompts", "7", "--range-ratio", "0.5"])
+    assert (args.num_prompts, args.range_ratio) == (7, 0.5)
+    assert parser.parse_args([]).num_prompts == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num-prompts", "1.5"])
+    with pytest.raises(TypeError, match="--peer-cache: a number flag's default"):
+        add_number_flags(parser, peer_cache="auto")
