@@ -26,17 +26,21 @@ from atom_runtime.bench import bound as bench_bound
 from atom_runtime.bench import speculative as bench_spec
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine_args import add_engine_arguments
+from atom_runtime.system.flag_table import add_number_flags
 from atom_runtime.system.process import LOG_FORMAT, LOG_LEVELS, log_level
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="workload", required=True)
     tp = sub.add_parser("throughput", help="W1: offline throughput (output tokens/s)")
-    tp.add_argument("--num-prompts", type=int, default=256)
-    tp.add_argument("--input-len-min", type=int, default=100)
-    tp.add_argument("--input-len-max", type=int, default=1024)
-    tp.add_argument("--output-len", type=int, default=512)
-    tp.add_argument("--peer-batch-size", type=int, default=64)
+    add_number_flags(
+        tp,
+        num_prompts=256,
+        input_len_min=100,
+        input_len_max=1024,
+        output_len=512,
+        peer_batch_size=64,
+    )
     tp.add_argument(
         "--peer-num-prompts",
         type=int,
@@ -44,9 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompts for the peer (default: all; the peer is slow)",
     )
     lat = sub.add_parser("latency", help="W2: single-stream decode latency (ms/token)")
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=256)
-    lat.add_argument("--iters", type=int, default=3)
+    add_number_flags(lat, input_len=128, output_len=256, iters=3)
     lat.add_argument(
         "--peer-cache",
         choices=["auto", "static", "dynamic"],

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from atom_runtime.config import EngineConfig
 from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.protocol.block_hash import hash_token_blocks
+from atom_runtime.system.flag_table import add_number_flags
 
 DEFAULT_INTERVALS = "-1,512,2048,8192"
 
@@ -52,9 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="W5: multi-turn prefix reuse (realized vs ideal prefix hit, TTFT)",
         conflict_handler="resolve",
     )
-    p.add_argument("--num-conversations", type=int, default=64)
-    p.add_argument("--num-turns", type=int, default=8)
-    p.add_argument("--system-prompt-len", type=int, default=2048)
+    add_number_flags(p, num_conversations=64, num_turns=8, system_prompt_len=2048)
     p.add_argument(
         "--user-len-range",
         type=_parse_range,

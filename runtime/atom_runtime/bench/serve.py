@@ -44,6 +44,7 @@ from atom_runtime.bench.serve_metrics import (
     format_report,
     parse_goodput,
 )
+from atom_runtime.system.flag_table import add_number_flags
 
 # Per-request lists dropped from the saved file unless --save-detailed (as vLLM does).
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
@@ -102,9 +103,7 @@ def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sharegpt: a ShareGPT JSON file (default: the synthetic mix); custom: a JSONL file",
     )
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    add_number_flags(p, num_prompts=1000, random_input_len=1024, random_output_len=128)
     p.add_argument(
         "--random-range-ratio",
         type=float,

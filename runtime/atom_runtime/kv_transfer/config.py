@@ -57,6 +57,12 @@ MAX_PULL_TIMEOUT_S = 300.0  # also the longest a producer keeps a ticket for one
 WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
+def _extra_number(name: str, default: float) -> property:
+    """kv_connector_extra_config[name] as the default's type (int or float), else the default."""
+    kind = type(default)
+    return property(lambda self: kind(self.kv_connector_extra_config.get(name, default)))
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_connector: str
@@ -89,17 +95,13 @@ class KVTransferConfig:
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
-    @property
-    def hold_timeout_s(self) -> float:
-        return float(self.kv_connector_extra_config.get("hold_timeout_s", 60.0))
-
-    @property
-    def pull_timeout_s(self) -> float:
-        return float(self.kv_connector_extra_config.get("pull_timeout_s", 30.0))
-
-    @property
-    def max_held_fraction(self) -> float:
-        return float(self.kv_connector_extra_config.get("max_held_fraction", 0.5))
+    # kv_connector_extra_config's numbers (checked by _check_extra), else their defaults.
+    hold_timeout_s = _extra_number("hold_timeout_s", 60.0)
+    pull_timeout_s = _extra_number("pull_timeout_s", 30.0)
+    max_held_fraction = _extra_number("max_held_fraction", 0.5)
+    streams = _extra_number("streams", DEFAULT_STREAMS)
+    data_port = _extra_number("data_port", 0)
+    socket_buffer_bytes = _extra_number("socket_buffer_bytes", 0)
 
     @property
     def insecure(self) -> bool:
@@ -127,18 +129,6 @@ class KVTransferConfig:
                 "runs without one, for local experiments only)"
             )
         return key
-
-    @property
-    def streams(self) -> int:
-        return int(self.kv_connector_extra_config.get("streams", DEFAULT_STREAMS))
-
-    @property
-    def data_port(self) -> int:
-        return int(self.kv_connector_extra_config.get("data_port", 0))
-
-    @property
-    def socket_buffer_bytes(self) -> int:
-        return int(self.kv_connector_extra_config.get("socket_buffer_bytes", 0))
 
     def advertise_host(self) -> str:
         host = self.kv_connector_extra_config.get("advertise_host") or os.environ.get("POD_IP")

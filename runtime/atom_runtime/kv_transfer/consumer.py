@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from atom_runtime.kv_transfer.base import PullResult, RemoteBlocks, plan_stripes
+from atom_runtime.kv_transfer.base import PullResult, plan_stripes
 from atom_runtime.kv_transfer.config import MAX_STREAMS
 from atom_runtime.kv_transfer.payload import (
     chunks,
@@ -33,7 +33,7 @@ from atom_runtime.kv_transfer.payload import (
     shutdown,
     size_buffers,
 )
-from atom_runtime.kv_transfer.pulls import PullJob, new_pull_job, report_pull, waiting_messages
+from atom_runtime.kv_transfer.pulls import PullBook, PullJob, report_pull, waiting_messages
 from atom_runtime.kv_transfer.wire import PROTOCOL, Pull, PullReply, Release, Stripe
 
 log = logging.getLogger(__name__)
@@ -52,20 +52,14 @@ class _PullJob(PullJob):
     socks: set = field(default_factory=set)
 
 
-class ConsumerSide:
+class ConsumerSide(PullBook):
+    job_type = _PullJob
+
     def _init_consumer(self) -> None:
         self._pulls: dict[str, _PullJob] = {}
         self._results: deque[PullResult] = deque()
 
     # -- engine thread ---------------------------------------------------------------------------
-
-    def start_pull(
-        self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
-    ) -> None:
-        job = new_pull_job(_PullJob, self.kv, remote, local_block_ids, timeout_s)
-        with self._lock:
-            self._pulls[remote.key] = job
-        self._command_pull(remote.key)
 
     def cancel_pull(self, transfer_id: str) -> bool:
         with self._lock:
@@ -79,12 +73,6 @@ class ConsumerSide:
 
     def release_remote(self, host: str, port: int, transfer_id: str) -> None:
         self._command_release(host, port, transfer_id)
-
-    def completed(self) -> list[PullResult]:
-        with self._lock:
-            out = list(self._results)
-            self._results.clear()
-        return out
 
     # -- control thread --------------------------------------------------------------------------
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from atom_runtime.kv_transfer.base import PullResult, RemoteBlocks
+from atom_runtime.kv_transfer.base import PullResult
 from atom_runtime.kv_transfer.nixl_descs import CacheGeometry, read_descriptors
 from atom_runtime.kv_transfer.nixl_wire import PROTOCOL, NixlGrant, NixlPull, done_note
-from atom_runtime.kv_transfer.pulls import PullJob, new_pull_job, report_pull
+from atom_runtime.kv_transfer.pulls import PullBook, PullJob, report_pull
 from atom_runtime.kv_transfer.wire import Release
 
 log = logging.getLogger(__name__)
@@ -40,21 +40,15 @@ class _ReadJob(PullJob):
     handles: tuple = ()
 
 
-class NixlConsumer:
+class NixlConsumer(PullBook):
+    job_type = _ReadJob
+
     def _init_consumer(self) -> None:
         self._pulls: dict[str, _ReadJob] = {}
         self._results: deque[PullResult] = deque()
         self._agent_at: dict[tuple[str, int], str] = {}  # producer address -> its agent, loaded
 
     # -- engine thread ---------------------------------------------------------------------------
-
-    def start_pull(
-        self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
-    ) -> None:
-        job = new_pull_job(_ReadJob, self.kv, remote, local_block_ids, timeout_s)
-        with self._lock:
-            self._pulls[remote.key] = job
-        self._command(("pull", remote.key))
 
     def cancel_pull(self, key: str) -> bool:
         with self._lock:
@@ -72,11 +66,8 @@ class NixlConsumer:
     def release_remote(self, host: str, port: int, transfer_id: str) -> None:
         self._command(("release", host, port, transfer_id))
 
-    def completed(self) -> list[PullResult]:
-        with self._lock:
-            out = list(self._results)
-            self._results.clear()
-        return out
+    def _command_pull(self, key: str) -> None:
+        self._command(("pull", key))
 
     # -- control thread --------------------------------------------------------------------------
 

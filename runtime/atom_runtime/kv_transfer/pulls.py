@@ -1,5 +1,6 @@
 """What both transports' consumers share: a pull's job made from its checked block lists, the
-DEALER to a producer's control port, and the messages waiting on a socket."""
+engine thread's start_pull and completed (PullBook), the DEALER to a producer's control port,
+and the messages waiting on a socket."""
 
 from __future__ import annotations
 
@@ -50,6 +51,28 @@ def new_pull_job(
     deadline = time.monotonic() + timeout_s
     view = kv.restrict(remote.local_heads)
     return job_type(remote, list(local_block_ids), deadline, kv.fence(), view)
+
+
+class PullBook:
+    """The engine-thread calls both consumers answer alike. The consumer holds `kv`, `_lock`,
+    `_pulls` (jobs by transfer id) and `_results` (finished pulls), sets `job_type`, and hands a
+    started pull to its control thread in `_command_pull(key)`."""
+
+    job_type: type[PullJob] = PullJob
+
+    def start_pull(
+        self, remote: RemoteBlocks, local_block_ids: list[int], timeout_s: float
+    ) -> None:
+        job = new_pull_job(self.job_type, self.kv, remote, local_block_ids, timeout_s)
+        with self._lock:
+            self._pulls[remote.key] = job
+        self._command_pull(remote.key)
+
+    def completed(self) -> list[PullResult]:
+        with self._lock:
+            out = list(self._results)
+            self._results.clear()
+        return out
 
 
 def report_pull(job: PullJob, pulls: dict, results: deque) -> bool:

@@ -17,150 +17,90 @@ from atom_runtime import envs
 from atom_runtime.router.app import CACHE_SALT_HEADER, Router
 from atom_runtime.router.config import POLICIES, RouterConfig
 from atom_runtime.router.routes import build_app
+from atom_runtime.system.flag_table import add_flags, same_named
 from atom_runtime.system.process import LOG_LEVELS, log_level
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = RouterConfig(backends=["http://x"])
-    g = parser.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument(
-        "--log-level", default="info", type=log_level, choices=LOG_LEVELS, help="any case"
-    )
+    add_flags(parser, "router", d, (
+        ("--host", None, "address to listen on (default 127.0.0.1)", {"default": "127.0.0.1"}),
+        ("--port", None, None, {"type": int, "default": 8000}),
+        ("--log-level", None, "any case",
+         {"default": "info", "type": log_level, "choices": LOG_LEVELS}),
+    ))  # fmt: skip
     _add_backend_arguments(parser, d)
     _add_routing_arguments(parser, d)
     _add_security_arguments(parser, d)
 
 
 def _add_backend_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    b = parser.add_argument_group("backends")
-    b.add_argument(
-        "--decode-service",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="decode pods behind a (headless) Service, http://<svc>.<ns>.svc.cluster.local:PORT: "
-        "its EndpointSlices are watched in a cluster, else its DNS name is resolved",
-    )
-    b.add_argument(
-        "--prefill-service",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="prefill pods behind a Service (disaggregated mode), found as for --decode-service",
-    )
-    b.add_argument(
-        "--backend",
-        action="append",
-        default=[],
-        metavar="URL[,kv-events=PORT][,kv-replay=PORT]",
-        help="a decode (or aggregated) engine by URL; repeat for more",
-    )
-    b.add_argument(
-        "--prefill-backend",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a prefill engine by URL (disaggregated mode); repeat for more",
-    )
-    b.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=d.kv_events_port,
-        help="port of every decode pod's KV-event PUB socket (0: subscribe to none)",
-    )
-    b.add_argument(
-        "--kv-events-replay-port",
-        type=int,
-        default=d.kv_replay_port,
-        help="port of every decode pod's KV-event replay socket (0: no replay)",
-    )
-    b.add_argument(
-        "--discovery",
-        choices=("auto", "kubernetes", "dns"),
-        default=d.discovery,
-        help="how services are resolved: the EndpointSlice watch (needs list/watch on "
-        "endpointslices), DNS, or auto (the watch in a cluster, DNS otherwise or when refused)",
-    )
-    b.add_argument("--discovery-interval", type=float, default=d.discovery_interval)
+    add_flags(parser, "backends", d, (
+        ("--decode-service", None, "decode pods behind a (headless) Service, "
+         "http://<svc>.<ns>.svc.cluster.local:PORT: its EndpointSlices are watched in a "
+         "cluster, else its DNS name is resolved", _urls("URL")),
+        ("--prefill-service", None, "prefill pods behind a Service (disaggregated mode), found "
+         "as for --decode-service", _urls("URL")),
+        ("--backend", None, "a decode (or aggregated) engine by URL; repeat for more",
+         _urls("URL[,kv-events=PORT][,kv-replay=PORT]")),
+        ("--prefill-backend", None, "a prefill engine by URL (disaggregated mode); repeat for "
+         "more", _urls("URL")),
+        ("--kv-events-port", "kv_events_port", "port of every decode pod's KV-event PUB socket "
+         "(0: subscribe to none)"),
+        ("--kv-events-replay-port", "kv_replay_port", "port of every decode pod's KV-event "
+         "replay socket (0: no replay)"),
+        ("--discovery", "discovery", "how services are resolved: the EndpointSlice watch (needs "
+         "list/watch on endpointslices), DNS, or auto (the watch in a cluster, DNS otherwise or "
+         "when refused)", {"choices": ("auto", "kubernetes", "dns")}),
+        ("--discovery-interval", "discovery_interval", None),
+    ))  # fmt: skip
+
+
+def _urls(metavar: str) -> dict:
+    """A repeatable URL flag: each use appends one."""
+    return {"action": "append", "default": [], "metavar": metavar}
 
 
 def _add_routing_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    r = parser.add_argument_group("routing")
-    r.add_argument("--policy", choices=POLICIES, default=d.policy)
-    r.add_argument(
-        "--remote-prefill-threshold",
-        type=int,
-        default=d.remote_prefill_threshold,
-        help="prefill on a prefill pod only when the chosen decode pod would compute more than "
-        "this many prompt tokens itself (prompt minus its cached prefix)",
-    )
-    r.add_argument(
-        "--load-weight",
-        type=float,
-        default=d.load_weight,
-        help="prompt tokens one running or waiting request on a pod is worth when ranking pods",
-    )
-    r.add_argument("--max-attempts", type=int, default=d.max_attempts)
-    r.add_argument("--probe-interval", type=float, default=d.probe_interval)
-    r.add_argument("--probe-timeout", type=float, default=d.probe_timeout)
-    r.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
-    q = parser.add_argument_group("queue (scale from zero)")
-    q.add_argument(
-        "--queue-size",
-        type=int,
-        default=d.queue_size,
-        help="requests held while a role has no ready pod; beyond it: 429",
-    )
-    q.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=d.queue_timeout,
-        help="seconds a held request waits for a ready pod before a 503",
-    )
+    add_flags(parser, "routing", d, (
+        ("--policy", "policy", None, {"choices": POLICIES}),
+        ("--remote-prefill-threshold", "remote_prefill_threshold", "prefill on a prefill pod "
+         "only when the chosen decode pod would compute more than this many prompt tokens "
+         "itself (prompt minus its cached prefix)"),
+        ("--load-weight", "load_weight", "prompt tokens one running or waiting request on a pod "
+         "is worth when ranking pods"),
+        ("--max-attempts", "max_attempts", None),
+        ("--probe-interval", "probe_interval", None),
+        ("--probe-timeout", "probe_timeout", None),
+        ("--connect-timeout", "connect_timeout", None),
+    ))  # fmt: skip
+    add_flags(parser, "queue (scale from zero)", d, (
+        ("--queue-size", "queue_size", "requests held while a role has no ready pod; beyond "
+         "it: 429"),
+        ("--queue-timeout", "queue_timeout", "seconds a held request waits for a ready pod "
+         "before a 503"),
+    ))  # fmt: skip
 
 
 def _add_security_arguments(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    s = parser.add_argument_group("access and limits (docs/security.md)")
-    s.add_argument(
-        "--api-key",
-        default=envs.ROUTER_API_KEY.value() or None,
-        help="require `Authorization: Bearer <key>` on every route but /health (admin routes "
-        f"and /metrics included); enables the {CACHE_SALT_HEADER} header "
-        f"(default: ${envs.ROUTER_API_KEY.name})",
-    )
-    s.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=d.max_request_body_bytes,
-        help="largest request body accepted; a bigger one is answered 413 before it is read "
-        "(default 8 MiB)",
-    )
-    s.add_argument(
-        "--request-header-timeout",
-        type=float,
-        default=d.request_header_timeout,
-        help="seconds a client has to send a request's headers before the connection is closed",
-    )
-    s.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=d.request_body_timeout,
-        help="seconds a client has to send a request's body after its headers (then 408)",
-    )
-    s.add_argument(
-        "--kv-events-curve-dir",
-        metavar="DIR",
-        help="CurveZMQ keys for the engines' KV-event sockets (engines run with "
-        "curve_keys_dir; `atom kv-events keygen DIR` makes them)",
-    )
-    s.add_argument(
-        "--kv-transfer-insecure",
-        action="store_true",
-        help="disaggregated without a transfer key: send kv_transfer_params unsigned (the "
-        'engines must run with "insecure": true); local experiments only',
-    )
+    add_flags(parser, "access and limits (docs/security.md)", d, (
+        ("--api-key", None, "require `Authorization: Bearer <key>` on every route but /health "
+         f"(admin routes and /metrics included); enables the {CACHE_SALT_HEADER} header "
+         f"(default: ${envs.ROUTER_API_KEY.name})",
+         {"default": envs.ROUTER_API_KEY.value() or None}),
+        ("--max-request-body-bytes", "max_request_body_bytes", "largest request body accepted; "
+         "a bigger one is answered 413 before it is read (default 8 MiB)"),
+        ("--request-header-timeout", "request_header_timeout", "seconds a client has to send a "
+         "request's headers before the connection is closed"),
+        ("--request-body-timeout", "request_body_timeout", "seconds a client has to send a "
+         "request's body after its headers (then 408)"),
+        ("--kv-events-curve-dir", None, "CurveZMQ keys for the engines' KV-event sockets "
+         "(engines run with curve_keys_dir; `atom kv-events keygen DIR` makes them)",
+         {"metavar": "DIR"}),
+        ("--kv-transfer-insecure", None, "disaggregated without a transfer key: send "
+         "kv_transfer_params unsigned (the engines must run with \"insecure\": true); local "
+         "experiments only", {"action": "store_true"}),
+    ))  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -171,23 +111,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_backends=args.prefill_backend,
         kv_events_port=args.kv_events_port or None,
         kv_replay_port=args.kv_events_replay_port or None,
-        discovery=args.discovery,
-        discovery_interval=args.discovery_interval,
-        policy=args.policy,
-        remote_prefill_threshold=args.remote_prefill_threshold,
-        load_weight=args.load_weight,
-        queue_size=args.queue_size,
-        queue_timeout=args.queue_timeout,
-        probe_interval=args.probe_interval,
-        probe_timeout=args.probe_timeout,
-        connect_timeout=args.connect_timeout,
-        max_attempts=args.max_attempts,
         api_key=args.api_key or None,
-        max_request_body_bytes=args.max_request_body_bytes,
-        request_header_timeout=args.request_header_timeout,
-        request_body_timeout=args.request_body_timeout,
-        kv_events_curve_dir=args.kv_events_curve_dir,
-        kv_transfer_insecure=args.kv_transfer_insecure,
+        **same_named(
+            args,
+            "discovery discovery_interval policy remote_prefill_threshold load_weight queue_size "
+            "queue_timeout probe_interval probe_timeout connect_timeout max_attempts "
+            "max_request_body_bytes request_header_timeout request_body_timeout "
+            "kv_events_curve_dir kv_transfer_insecure",
+        ),
     )
 
 

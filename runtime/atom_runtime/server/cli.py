@@ -21,6 +21,7 @@ from atom_runtime.config import EngineConfig
 from atom_runtime.engine_args import add_engine_arguments
 from atom_runtime.server.reasoning import REASONING_PARSERS
 from atom_runtime.server.tools import TOOL_CALL_PARSERS
+from atom_runtime.system.flag_table import same_named
 from atom_runtime.system.process import LOG_LEVELS, log_level
 
 API_KEY_ENV = envs.API_KEY.name
@@ -222,27 +223,19 @@ def _configs(args: argparse.Namespace, started: float):
     KVEventsConfig.from_cli(engine_config.kv_events_config)
     preflight(engine_config)
     config = ServerConfig(
-        host=args.host,
-        port=args.port,
         api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        uvicorn_log_level=args.uvicorn_log_level,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
-        shutdown_grace_period=args.shutdown_grace_period,
-        engine_stall_timeout=args.engine_stall_timeout,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_sequences_per_request=args.max_sequences_per_request,
-        enable_debug_endpoints=args.enable_debug_endpoints,
         chat_template=_chat_template(args.chat_template),
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials,
         started=started,
+        **same_named(
+            args,
+            "host port served_model_name log_level uvicorn_log_level shutdown_grace_period "
+            "engine_stall_timeout reasoning_parser max_request_body_bytes "
+            "max_sequences_per_request enable_debug_endpoints allowed_origins allowed_methods "
+            "allowed_headers allow_credentials",
+        ),
     )
     return config, engine_config
 

@@ -29,19 +29,21 @@ from atom_runtime.state.checkpoint_store import StateCheckpointStore
 
 
 @dataclass(frozen=True)
-class StoreOp:
+class _SlotCopy:
+    """A copy between a sequence's state slot and a checkpoint's pool units."""
+
     seq_id: str
     slot: int
     ref: CheckpointRef
     units: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class RestoreOp:
-    seq_id: str
-    slot: int
-    ref: CheckpointRef
-    units: tuple[int, ...]
+class StoreOp(_SlotCopy):
+    """Slot -> checkpoint units."""
+
+
+class RestoreOp(_SlotCopy):
+    """Checkpoint units -> slot."""
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,11 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: P
     return TPExecutor(config, model_config, model_path)
 
 
+def _from_runner(name: str) -> property:
+    """A read-only attribute of the executor that is rank 0's model runner's."""
+    return property(lambda self: getattr(self.runner, name), doc=f"ModelRunner.{name}")
+
+
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, driving the worker processes of ranks 1..N-1."""
 
@@ -232,29 +237,13 @@ class TPExecutor:
 
     # -- what EngineCore uses ----------------------------------------------------------------------
 
-    @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.runner.max_num_batched_tokens
-
-    @property
-    def num_state_slots(self) -> int:
-        return self.runner.num_state_slots
-
-    @property
-    def state_bytes_per_slot(self) -> int:
-        return self.runner.state_bytes_per_slot
-
-    @property
-    def checkpoint_spec(self):
-        return self.runner.checkpoint_spec
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
+    # Rank 0's runner answers for every rank (they sized the same cache, load the same model).
+    num_blocks = _from_runner("num_blocks")
+    max_num_batched_tokens = _from_runner("max_num_batched_tokens")
+    num_state_slots = _from_runner("num_state_slots")
+    state_bytes_per_slot = _from_runner("state_bytes_per_slot")
+    checkpoint_spec = _from_runner("checkpoint_spec")
+    device = _from_runner("device")
 
     @property
     def eos_token_ids(self) -> list[int]:

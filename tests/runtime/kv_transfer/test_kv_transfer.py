@@ -217,6 +217,26 @@ def test_a_vllm_style_config_is_accepted():
     )
     assert cfg.is_producer and cfg.is_consumer and cfg.kv_port == 14579
     assert (cfg.streams, cfg.data_port, cfg.socket_buffer_bytes) == (4, 0, 0)
+    assert (cfg.hold_timeout_s, cfg.pull_timeout_s, cfg.max_held_fraction) == (60.0, 30.0, 0.5)
+
+
+def test_extra_config_numbers_are_read_as_their_defaults_type():
+    cfg = KVTransferConfig.from_cli(
+        '{"kv_connector": "TCPConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"streams": 8, "hold_timeout_s": 5, "data_port": 15000, "max_held_fraction": 1}}'
+    )
+    assert (cfg.streams, cfg.hold_timeout_s, cfg.data_port, cfg.max_held_fraction) == (
+        8,
+        5.0,
+        15000,
+        1.0,
+    )
+    assert [type(v) for v in (cfg.streams, cfg.hold_timeout_s, cfg.max_held_fraction)] == [
+        int,
+        float,
+        float,
+    ]
+    assert cfg.for_rank(1).data_port == 15001
 
 
 @pytest.mark.parametrize(
