@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from atom_runtime.kv_transfer.holds import MAX_TICKETS_PER_PEER, OfferBook, refused_pull
@@ -25,6 +26,7 @@ from atom_runtime.kv_transfer.nixl_wire import PROTOCOL, NixlGrant, NixlPull, re
 log = logging.getLogger(__name__)
 
 MAX_AGENT_NAME = 256
+MAX_NOTELESS = 1024  # released reads whose note may still come, newest kept
 
 
 @dataclass(eq=False)
@@ -44,6 +46,9 @@ class NixlProducer(OfferBook):
     def _init_producer(self) -> None:
         self._init_offers()
         self._reads: dict[str, _Read] = {}  # by ticket
+        # Reads ended by their transfer's release before their note came: NIXL may deliver the
+        # note after the consumer's release (another channel), and it still counts as sent.
+        self._noteless: OrderedDict[str, _Read] = OrderedDict()
         self.blocks_sent = 0
         self.bytes_sent = 0
 
@@ -56,6 +61,9 @@ class NixlProducer(OfferBook):
         """Under the lock: a consumer releases only once none of its reads is in flight."""
         for read in [r for r in self._reads.values() if r.transfer_id == transfer_id]:
             self._end(read, done=False)
+            self._noteless[read.ticket] = read
+            while len(self._noteless) > MAX_NOTELESS:
+                self._noteless.popitem(last=False)
         self._released.append(transfer_id)
 
     def _grant(self, msg: NixlPull, peer: str) -> NixlGrant:
@@ -111,9 +119,15 @@ class NixlProducer(OfferBook):
         with self._lock:
             for agent, messages in notes.items():
                 for note in messages:
-                    read = self._reads.get(read_note(self.seal.key, note) or "")
+                    ticket = read_note(self.seal.key, note) or ""
+                    read = self._reads.get(ticket)
                     if read is not None and read.agent == agent:
                         self._end(read, done=True)
+                        continue
+                    late = self._noteless.get(ticket)
+                    if late is not None and late.agent == agent:
+                        del self._noteless[ticket]
+                        self._count_sent(late)
 
     def _expire_producer(self, now: float) -> None:
         with self._lock:
@@ -126,5 +140,8 @@ class NixlProducer(OfferBook):
             return
         self._end_read(read.transfer_id)
         if done:
-            self.blocks_sent += read.blocks
-            self.bytes_sent += read.nbytes
+            self._count_sent(read)
+
+    def _count_sent(self, read: _Read) -> None:
+        self.blocks_sent += read.blocks
+        self.bytes_sent += read.nbytes
