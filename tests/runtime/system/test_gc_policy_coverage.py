@@ -21,6 +21,8 @@ REQUIRED = ("set_process_title", "apply_gc_policy", "release_gc_policy")
 ENGINE_BUILDERS = {"EngineCore", "ModelRunner"}
 # A uvicorn.Config marks a server process too: `atom serve` runs a uvicorn.Server subclass.
 SERVER_LOOPS = {("uvicorn", "Server"), ("uvicorn", "Config"), ("uvicorn", "run"), ("kopf", "run")}
+# The shared uvicorn settings (web/listen.py): a function calling it starts a server loop too.
+SERVER_CALLS = {"uvicorn_config"}
 
 # Modules that build an engine inside someone else's process, and whose process that is.
 LIBRARY_MODULES = {
@@ -90,13 +92,15 @@ def _server_loop_functions(info: ModuleInfo) -> list[str]:
         for fn in defs:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
+            if fn.name in SERVER_CALLS:  # the settings helper itself, not a process's loop
+                continue
             for n in ast.walk(fn):
                 f = n.func if isinstance(n, ast.Call) else None
                 if (
                     isinstance(f, ast.Attribute)
                     and isinstance(f.value, ast.Name)
                     and (f.value.id, f.attr) in SERVER_LOOPS
-                ):
+                ) or (isinstance(f, ast.Name) and f.id in SERVER_CALLS):
                     found.append(fn.name)
                     break
     return found
