@@ -147,8 +147,7 @@ def _accepted_greedy(drafts: list[list[int]], argmax: list[int]) -> tuple:
         n = 0
         while n < len(row) and row[n] == argmax[at + n]:
             n += 1
-        flat += row[:n]
-        flat.append(argmax[at + n])
+        flat += argmax[at : at + n + 1]  # the kept drafts are their rows' argmax
         counts.append(n + 1)
         at += len(row) + 1
     return counts, flat, None, None, None
