@@ -291,5 +291,8 @@ class CacheMemory:
                 layer.bind_cache(tensors)
 
     def _release_kv_cache(self) -> None:
+        """Unbind every layer's cache tensors and drop the checkpoint copy plan, which holds byte
+        views of them (and of the state slots)."""
+        self._copy_plan = None
         for layer in self.kv_layers():
             layer.bind_cache([torch.empty(0) for _ in layer.cache_spec().tensors])
