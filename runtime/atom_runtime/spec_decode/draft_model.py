@@ -43,6 +43,9 @@ class DraftModelDrafter(ModelDrafter):
     def attention_layers(self) -> list:
         return self.model.attention_layers()
 
+    def graph_model(self, layer: int, max_rows: int) -> torch.nn.Module:
+        return self.model
+
     def _forward(self, ids, positions, hidden, step: int = 0):
         return self.model(ids, positions)
 

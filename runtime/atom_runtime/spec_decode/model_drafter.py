@@ -13,6 +13,11 @@ state at position j, token j + 1) at position j and predicts token j + 2; its fu
 read its own last hidden state in place of the target's (vLLM's MTP and EAGLE do the same).
 Drafts are the argmax (deterministic proposals: the rejection sampler keeps the target's
 distribution exactly whatever the drafter proposes).
+
+On a GPU the runner captures the drafting model's steps (worker/draft_graphs.py): the catch-up
+of a verify step (at most `catch_up_rows` positions a sequence) and each one-token draft step.
+Run eagerly, a step costs a Python launch a kernel, several times its GPU time; steps that do
+not fit a graph (the catch-up over a prompt chunk) still run eagerly.
 """
 
 from __future__ import annotations
@@ -58,11 +63,30 @@ class ModelDrafter:
         self.device = device
         self.block_size = block_size
         self.max_positions = max_positions  # rotary tables end there
-        # Captured one-token steps of the drafting model, set by the model runner on a GPU
-        # (its DecodeGraphs: `replay(StepInputs, fill_pending)` -> logits, or None when no
-        # graph fits): drafts 2..k of a draft model then cost their GPU time, not a launch a
-        # kernel.
-        self.decode_graphs = None
+        # The captured steps, set by the model runner on a GPU (worker/draft_graphs.DrafterGraphs:
+        # `catch_up.replay(StepInputs, before)` and `drafts[layer].replay(StepInputs, None)` give
+        # logits, or None when no graph fits, and leave `last_hidden`).
+        self.graphs = None
+
+    @property
+    def catch_up_rows(self) -> int:
+        """The most positions a sequence's catch-up after a verify step reads: the step's k + 1
+        rows, and for a draft model the new last token too."""
+        return self.k + 2 - self.token_shift
+
+    def layer_of(self, step: int) -> int:
+        """Which of the drafting model's step modules draft `step` runs (an MTP head with several
+        layers uses them in turn; a draft model has one)."""
+        return 0
+
+    def draft_layers(self) -> set[int]:
+        """The step modules drafts 2..k run: one set of draft graphs each."""
+        return {self.layer_of(step) for step in range(1, self.k)}
+
+    def graph_model(self, layer: int, max_rows: int) -> torch.nn.Module:
+        """What a captured step runs: a module of (ids, positions) with `compute_logits`,
+        reading at most `max_rows` rows."""
+        raise NotImplementedError
 
     def attention_layers(self) -> list:
         raise NotImplementedError
@@ -122,15 +146,31 @@ class ModelDrafter:
         np.cumsum(lens, out=cu[1:])
         positions = np.concatenate([r.positions for r in live])
         tokens = np.concatenate([r.tokens for r in live])
-        seq_lens = np.asarray([r.positions[-1] + 1 for r in live], dtype=np.int32)
+        inputs = self._inputs(live, tokens, positions, cu, max(lens))
         prev = None
         if self.needs_hidden_states:
             rows = np.concatenate([r.hidden_rows for r in live])
             prev = hidden[torch.from_numpy(rows).to(hidden.device)]
-        out = self._run(live, tokens, positions, seq_lens, cu, max(lens), prev)
-        last = out[torch.from_numpy(cu[1:] - 1).to(out.device, dtype=torch.int64)]
-        self._take_drafts([r for r in live], last, [r.wanted > 0 for r in live])
+        ends = torch.from_numpy(cu[1:] - 1).to(self.device, dtype=torch.int64)
+        want = [r.wanted > 0 for r in live]
+        logits = self._replay_catch_up(inputs, prev)
+        if logits is not None:
+            self._take_drafts(live, logits.index_select(0, ends), want)
+            return self.graphs.catch_up.last_hidden.index_select(0, ends)
+        last = self._run(inputs, prev).index_select(0, ends)
+        self._take_drafts(live, self._logits(last), want)
         return last
+
+    def _replay_catch_up(self, inputs: StepInputs, prev) -> torch.Tensor | None:
+        """The catch-up's logits through a captured graph, or None (none fits)."""
+        if self.graphs is None:
+            return None
+        before = None if prev is None else lambda index: self._fill_previous(index, prev)
+        return self.graphs.catch_up.replay(inputs, before)
+
+    def _fill_previous(self, index: torch.Tensor, prev: torch.Tensor) -> None:
+        """Put the hidden states a captured step reads (`prev`) at its rows `index`."""
+        raise NotImplementedError
 
     def _draft(self, live: list[_Round], last: torch.Tensor) -> None:
         """Drafts 2..k: one single-token forward each, over the rounds still wanting more."""
@@ -141,72 +181,72 @@ class ModelDrafter:
             rounds = [live[i] for i in keep]
             positions = np.asarray([r.positions[-1] + step for r in rounds], dtype=np.int64)
             tokens = np.asarray([r.drafts[-1] for r in rounds], dtype=np.int64)
-            logits = self._replay(rounds, tokens, positions)
-            if logits is not None:
-                for r, token in zip(rounds, logits.argmax(dim=-1).tolist(), strict=True):
-                    r.drafts.append(token)
-                continue
-            rows = torch.tensor(keep, device=last.device)
-            prev = last[rows] if self.needs_hidden_states else None
             cu = np.arange(len(rounds) + 1, dtype=np.int32)
-            seq_lens = (positions + 1).astype(np.int32)
-            out = self._run(rounds, tokens, positions, seq_lens, cu, 1, prev, step)
-            self._take_drafts(rounds, out, [True] * len(rounds))
+            inputs = self._inputs(rounds, tokens, positions, cu, 1)
+            rows = torch.tensor(keep, device=last.device)
+            prev = last.index_select(0, rows) if self.needs_hidden_states else None
+            graphs = self.graphs.drafts.get(self.layer_of(step)) if self.graphs else None
+            if graphs is not None and prev is not None:
+                self._fill_previous(torch.arange(len(rounds), device=self.device), prev)
+            logits = graphs.replay(inputs, None) if graphs is not None else None
+            if logits is not None:
+                out = graphs.last_hidden
+            else:
+                out = self._run(inputs, prev, step)
+                logits = self._logits(out)
+            self._take_drafts(rounds, logits, [True] * len(rounds))
             if self.needs_hidden_states:
                 last = last.index_copy(0, rows, out)
 
-    def _replay(self, rounds: list[_Round], tokens, positions) -> torch.Tensor | None:
-        """The logits of a one-token step through the captured graphs, or None (none set, none
-        large enough, or a drafter that reads hidden states)."""
-        if self.decode_graphs is None or self.needs_hidden_states:
-            return None
-        bs = self.block_size
-        width = max(len(r.seq.block_table) for r in rounds)
-        tables = np.zeros((len(rounds), width), dtype=np.int32)
-        for i, r in enumerate(rounds):
-            tables[i, : len(r.seq.block_table)] = np.frombuffer(r.seq.block_table, dtype=np.int32)
-        slots = tables[np.arange(len(rounds)), positions // bs].astype(np.int64) * bs
-        inputs = StepInputs(
-            input_ids=tokens,
-            positions=positions,
-            slot_mapping=slots + positions % bs,
-            block_tables=tables,
-            seq_lens=(positions + 1).astype(np.int32),
-            cu_seqlens_q=np.arange(len(rounds) + 1, dtype=np.int32),
-            max_seqlen_q=1,
-            sample_rows=np.arange(len(rounds), dtype=np.int64),
-        )
-        return self.decode_graphs.replay(inputs, None)
-
-    def _take_drafts(self, rounds: list[_Round], hidden: torch.Tensor, want: list[bool]) -> None:
-        picked = [i for i, w in enumerate(want) if w]
-        if not picked:
-            return
-        rows = torch.tensor(picked, device=hidden.device)
-        ids = self._logits(hidden[rows]).argmax(dim=-1).tolist()
-        for i, token in zip(picked, ids, strict=True):
-            rounds[i].drafts.append(token)
-
-    def _run(self, rounds, tokens, positions, seq_lens, cu, max_q, prev, step=0) -> torch.Tensor:
-        """The drafting model over packed rows of `rounds` (cu: each round's row offsets), its
-        KV written at the rounds' slots. Returns the hidden states of every row."""
+    def _inputs(self, rounds: list[_Round], tokens, positions, cu, max_q: int) -> StepInputs:
+        """A drafting step over packed rows of `rounds` (cu: each round's row offsets), its KV
+        written at the rounds' slots (the target's block tables); every row samples."""
         bs = self.block_size
         width = max(len(r.seq.block_table) for r in rounds)
         tables = np.zeros((len(rounds), width), dtype=np.int32)
         slots = np.empty(len(positions), dtype=np.int64)
+        ends = np.empty(len(rounds), dtype=np.int32)
         for i, r in enumerate(rounds):
             table = np.frombuffer(r.seq.block_table, dtype=np.int32)
             tables[i, : len(table)] = table
             pos = positions[cu[i] : cu[i + 1]]
             slots[cu[i] : cu[i + 1]] = table[pos // bs].astype(np.int64) * bs + pos % bs
-        d = to_device_many([tokens, positions, slots, tables, seq_lens, cu], self.device)
+            ends[i] = pos[-1] + 1
+        return StepInputs(
+            input_ids=tokens,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=ends,
+            cu_seqlens_q=cu,
+            max_seqlen_q=max_q,
+            sample_rows=np.arange(len(positions), dtype=np.int64),
+        )
+
+    def _take_drafts(self, rounds: list[_Round], logits: torch.Tensor, want: list[bool]) -> None:
+        """Each wanting round's next draft: the argmax of its row of `logits`."""
+        picked = [i for i, w in enumerate(want) if w]
+        if not picked:
+            return
+        ids = logits.argmax(dim=-1).tolist()
+        for i in picked:
+            rounds[i].drafts.append(ids[i])
+
+    def _run(self, inputs: StepInputs, prev, step: int = 0) -> torch.Tensor:
+        """The drafting model eagerly over a step's rows; the hidden states of every row."""
+        d = to_device_many(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+             inputs.seq_lens, inputs.cu_seqlens_q],
+            self.device,
+        )  # fmt: skip
+        decode = inputs.max_seqlen_q == 1
         meta = AttentionMetadata(
             slot_mapping=d[2],
             block_tables=d[3],
             seq_lens=d[4],
-            decode_only=max_q == 1,
-            cu_seqlens_q=None if max_q == 1 else d[5],
-            max_seqlen_q=max_q,
+            decode_only=decode,
+            cu_seqlens_q=None if decode else d[5],
+            max_seqlen_q=inputs.max_seqlen_q,
         )
         set_attention_metadata(meta)
         try:

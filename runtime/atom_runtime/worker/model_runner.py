@@ -50,6 +50,7 @@ from atom_runtime.worker.cuda_graphs import (
     default_capture_sizes,
     default_prefill_buckets,
 )
+from atom_runtime.worker.draft_graphs import DrafterGraphs
 from atom_runtime.worker.few_rows_choice import choose_few_rows_kernels
 from atom_runtime.worker.gdn_decode_choice import choose_gdn_decode_launch
 from atom_runtime.worker.kernel_choice import choose_small_m_kernels, select_small_m_kernels
@@ -132,7 +133,7 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.graphs = DecodeGraphs()
         self.prefill_graphs = PrefillGraphs()
         self.verify_graphs = VerifyGraphs()
-        self.draft_graphs = DecodeGraphs()
+        self.draft_graphs = DrafterGraphs()
         # Banned until min_tokens is reached; the engine sets them once the model is known.
         self.eos_token_ids: list[int] = []
 
@@ -284,10 +285,17 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         """Speculative decoding: verify steps of up to 16 sequences of k + 1 rows."""
         rows = 1 + self.spec.num_speculative_tokens
         verify_sizes = [s for s in sizes if s <= 16] or sizes[:1]
-        if self.spec.method == "draft_model" and self.drafter is not None:  # rank 0 under TP
-            with self.drafter.group():  # the draft's one-token steps
-                self.draft_graphs.capture(self.drafter.model, self.device, verify_sizes, max_blocks)
-            self.drafter.decode_graphs = self.draft_graphs
+        if self.drafter is not None and hasattr(self.drafter, "graph_model"):  # rank 0 under TP
+            reach = max_blocks + -(-self.drafter.catch_up_rows // self.block_size)
+            try:
+                with self.drafter.group():
+                    self.draft_graphs.capture(self.drafter, self.device, verify_sizes, reach)
+                self.drafter.graphs = self.draft_graphs
+            except Exception as exc:  # a GPU stack that cannot capture the drafter's steps
+                self.draft_graphs.clear()
+                torch.cuda.synchronize(self.device)
+                log.warning("the drafter runs eagerly: capturing its CUDA graphs failed (%s: %s)",
+                            type(exc).__name__, exc)  # fmt: skip
         try:
             self.verify_graphs.capture(
                 self.model, self.device, verify_sizes, max_blocks + -(-rows // self.block_size),

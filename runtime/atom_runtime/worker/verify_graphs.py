@@ -13,6 +13,7 @@ ones are read only by padding rows). Their logits are dropped on the way out.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,9 +82,13 @@ class VerifyGraphs(_CapturedGraphs):
         log.info("captured CUDA graphs for verify steps of %d rows a sequence, batch sizes %s",
                  rows, sizes)  # fmt: skip
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+    def replay(
+        self, inputs: StepInputs, before: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
         """Logits of every row of a qualifying verify step (rows in the step's order), through
-        the smallest graph of enough sequences; None when the step does not qualify."""
+        the smallest graph of enough sequences; None when the step does not qualify. `before`
+        gets the padded row of each real token (on the device) ahead of the replay: a drafting
+        MTP head fills its hidden-state input there."""
         plan = self._plan(inputs)
         if plan is None:
             return None
@@ -99,9 +104,11 @@ class VerifyGraphs(_CapturedGraphs):
         for name, count in names:
             dev[name][:count].copy_(host[name][:count], non_blocking=True)
         graph, logits = self.graphs[b]
+        index = torch.from_numpy(real).pin_memory().to(logits.device, non_blocking=True)
+        if before is not None:
+            before(index)
         graph.replay()
         self.replays += 1
-        index = torch.from_numpy(real).pin_memory().to(logits.device, non_blocking=True)
         self.last_hidden = self.hidden[b].index_select(0, index)
         return logits.index_select(0, index)
 

@@ -62,6 +62,39 @@ def test_mtp_on_the_gpu_keeps_greedy_output(gpu_models):
     try:
         assert _ids(llm) == want
         assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+        assert llm.engine.executor.draft_graphs.catch_up.replays > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["draft_model", "deepseek_mtp"])
+def test_drafter_steps_replay_graphs_and_keep_greedy_output(tmp_path_factory, case):
+    """The drafter's catch-up and draft steps replay its CUDA graphs (k = 3: two one-token
+    draft steps), and greedy output stays the plain engine's: a draft model of the target's own
+    weights (every draft accepted: the catch-up's widest rows) and DeepSeek's MTP head (random:
+    nearly every draft rejected)."""
+    from tests.model_factory import make_tiny_model
+
+    root = tmp_path_factory.mktemp(case)
+    if case == "draft_model":
+        target = make_tiny_model(root / "qwen2", "qwen2")
+        spec = {"model": str(target), "num_speculative_tokens": 3}
+    else:
+        target = make_tiny_model(root / "deepseek", "deepseek_v3", mtp_layers=1)
+        spec = {"method": "deepseek_mtp", "num_speculative_tokens": 3}
+    common = dict(dtype="float32", gpu_memory_utilization=0.3)
+    plain = LLM(str(target), **common)
+    try:
+        want = _ids(plain)
+    finally:
+        plain.shutdown()
+    llm = LLM(str(target), speculative_config=spec, **common)
+    try:
+        assert _ids(llm) == want
+        graphs = llm.engine.executor.draft_graphs
+        assert graphs.catch_up.replays > 0 and set(graphs.drafts) == {0}
+        if case == "draft_model":
+            assert llm.engine.scheduler.spec_stats.acceptance_rate == 1.0
     finally:
         llm.shutdown()
 
