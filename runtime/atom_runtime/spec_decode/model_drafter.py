@@ -113,8 +113,13 @@ class ModelDrafter:
         live = [r for r in rounds if r is not None and len(r.positions)]
         if live:
             with self.group():
-                last = self._catch_up(live, hidden)
-                self._draft(live, last)
+                # Each live round's drafts, kept on the device until the last one is known: the
+                # chain of draft steps runs without waiting for the host.
+                chain = torch.zeros(len(live), self.k, dtype=torch.int64, device=self.device)
+                last = self._catch_up(live, hidden, chain)
+                self._draft(live, last, chain)
+                for r, ids in zip(live, chain.tolist(), strict=True):
+                    r.drafts = ids[: r.wanted]
         return [r.drafts if r is not None else [] for r in rounds]
 
     def _round(self, seq: Sequence, chunk: StepChunk | None) -> _Round | None:
@@ -138,9 +143,11 @@ class ModelDrafter:
             wanted = max(0, min(self.k, capacity - end + 1))
         return _Round(seq, positions, tokens.astype(np.int64), rows, wanted, [])
 
-    def _catch_up(self, live: list[_Round], hidden: torch.Tensor | None) -> torch.Tensor:
-        """One forward over every round's catch-up positions; the first drafts from each last
-        row. Returns the last row's hidden state of each round."""
+    def _catch_up(
+        self, live: list[_Round], hidden: torch.Tensor | None, chain: torch.Tensor
+    ) -> torch.Tensor:
+        """One forward over every round's catch-up positions; the first drafts (`chain`'s first
+        column) from each last row. Returns the last row's hidden state of each round."""
         lens = [len(r.positions) for r in live]
         cu = np.zeros(len(live) + 1, dtype=np.int32)
         np.cumsum(lens, out=cu[1:])
@@ -152,13 +159,12 @@ class ModelDrafter:
             rows = np.concatenate([r.hidden_rows for r in live])
             prev = hidden[torch.from_numpy(rows).to(hidden.device)]
         ends = torch.from_numpy(cu[1:] - 1).to(self.device, dtype=torch.int64)
-        want = [r.wanted > 0 for r in live]
         logits = self._replay_catch_up(inputs, prev)
         if logits is not None:
-            self._take_drafts(live, logits.index_select(0, ends), want)
+            chain[:, 0] = logits.index_select(0, ends).argmax(dim=-1)
             return self.graphs.catch_up.last_hidden.index_select(0, ends)
         last = self._run(inputs, prev).index_select(0, ends)
-        self._take_drafts(live, self._logits(last), want)
+        chain[:, 0] = self._logits(last).argmax(dim=-1)
         return last
 
     def _replay_catch_up(self, inputs: StepInputs, prev) -> torch.Tensor | None:
@@ -172,29 +178,31 @@ class ModelDrafter:
         """Put the hidden states a captured step reads (`prev`) at its rows `index`."""
         raise NotImplementedError
 
-    def _draft(self, live: list[_Round], last: torch.Tensor) -> None:
-        """Drafts 2..k: one single-token forward each, over the rounds still wanting more."""
+    def _draft(self, live: list[_Round], last: torch.Tensor, chain: torch.Tensor) -> None:
+        """Drafts 2..k (`chain`'s further columns): one single-token forward each, over the
+        rounds still wanting more, its input the previous draft still on the device."""
         for step in range(1, self.k):
             keep = [i for i, r in enumerate(live) if r.wanted > step]
             if not keep:
                 return
             rounds = [live[i] for i in keep]
             positions = np.asarray([r.positions[-1] + step for r in rounds], dtype=np.int64)
-            tokens = np.asarray([r.drafts[-1] for r in rounds], dtype=np.int64)
             cu = np.arange(len(rounds) + 1, dtype=np.int32)
-            inputs = self._inputs(rounds, tokens, positions, cu, 1)
-            rows = torch.tensor(keep, device=last.device)
+            # The ids are on the device (`ids`); the staged ones are placeholders.
+            inputs = self._inputs(rounds, np.zeros(len(rounds), np.int64), positions, cu, 1)
+            rows = torch.tensor(keep, device=self.device)
+            ids = chain[:, step - 1].index_select(0, rows)
             prev = last.index_select(0, rows) if self.needs_hidden_states else None
             graphs = self.graphs.drafts.get(self.layer_of(step)) if self.graphs else None
             if graphs is not None and prev is not None:
                 self._fill_previous(torch.arange(len(rounds), device=self.device), prev)
-            logits = graphs.replay(inputs, None) if graphs is not None else None
+            logits = graphs.replay(inputs, None, ids) if graphs is not None else None
             if logits is not None:
                 out = graphs.last_hidden
             else:
-                out = self._run(inputs, prev, step)
+                out = self._run(inputs, prev, step, ids)
                 logits = self._logits(out)
-            self._take_drafts(rounds, logits, [True] * len(rounds))
+            chain[:, step].index_copy_(0, rows, logits.argmax(dim=-1))
             if self.needs_hidden_states:
                 last = last.index_copy(0, rows, out)
 
@@ -223,17 +231,9 @@ class ModelDrafter:
             sample_rows=np.arange(len(positions), dtype=np.int64),
         )
 
-    def _take_drafts(self, rounds: list[_Round], logits: torch.Tensor, want: list[bool]) -> None:
-        """Each wanting round's next draft: the argmax of its row of `logits`."""
-        picked = [i for i, w in enumerate(want) if w]
-        if not picked:
-            return
-        ids = logits.argmax(dim=-1).tolist()
-        for i in picked:
-            rounds[i].drafts.append(ids[i])
-
-    def _run(self, inputs: StepInputs, prev, step: int = 0) -> torch.Tensor:
-        """The drafting model eagerly over a step's rows; the hidden states of every row."""
+    def _run(self, inputs: StepInputs, prev, step: int = 0, ids=None) -> torch.Tensor:
+        """The drafting model eagerly over a step's rows (`ids`: their ids already on the
+        device, else the staged ones); the hidden states of every row."""
         d = to_device_many(
             [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
              inputs.seq_lens, inputs.cu_seqlens_q],
@@ -250,6 +250,6 @@ class ModelDrafter:
         )
         set_attention_metadata(meta)
         try:
-            return self._forward(d[0], d[1], prev, step)
+            return self._forward(d[0] if ids is None else ids, d[1], prev, step)
         finally:
             set_attention_metadata(None)

@@ -220,11 +220,14 @@ class DecodeGraphs(_CapturedGraphs):
     def replay(
         self,
         inputs: StepInputs,
-        fill_pending: Callable[[torch.Tensor, np.ndarray], None],
+        fill_pending: Callable[[torch.Tensor, np.ndarray], None] | None,
+        device_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Logits of every row of a decode-only batch through a captured graph (padded to the
         next captured size), or None when the batch is larger than every graph. `fill_pending`
-        copies the tokens still on the device into the input ids buffer (async scheduling)."""
+        copies the tokens still on the device into the input ids buffer (async scheduling);
+        `device_ids`, when given, are the rows' ids already on the device (a drafter's chained
+        drafts), taken over the staged ones."""
         n = len(inputs.input_ids)
         bs = next((s for s in self.sizes if s >= n), None) if self.graphs else None
         if bs is None:
@@ -267,6 +270,8 @@ class DecodeGraphs(_CapturedGraphs):
             self._copy_table(host, "window_block_tables", inputs.window_block_tables)
         if inputs.pending_sources is not None:
             fill_pending(dev["input_ids"], inputs.pending_sources)
+        if device_ids is not None:
+            dev["input_ids"][:n].copy_(device_ids)
         graph, logits = self.graphs[bs]
         graph.replay()
         self.last_hidden = self.hidden[bs][:n]
