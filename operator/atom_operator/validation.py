@@ -175,10 +175,13 @@ def _check_speculative(spec: dict[str, Any]) -> None:
     if low is not None and high is not None and low > high:
         raise SpecError(f"{field}.promptLookupMax", f"must be >= promptLookupMin ({low})")
     draft_tp = speculative.get("draftTensorParallelSize")
-    if draft_tp is not None and method != "draft_model":
-        raise SpecError(f"{field}.draftTensorParallelSize", "is for method draft_model")
+    if draft_tp is not None and method == "ngram":
+        raise SpecError(
+            f"{field}.draftTensorParallelSize", "is for a drafting model (draft_model, mtp)"
+        )
     if draft_tp is not None and draft_tp != 1:
-        # The runtime runs the draft on rank 0's GPU only (spec_decode/config.py).
+        # The runtime runs a draft model or an MTP head whole on rank 0's GPU
+        # (spec_decode/config.py).
         raise SpecError(f"{field}.draftTensorParallelSize", f"must be 1, got {draft_tp}")
 
 

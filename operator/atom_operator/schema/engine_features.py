@@ -36,8 +36,8 @@ SPECULATIVE = object_field(
             "method ngram: the longest n-gram matched in the prompt.", minimum=1, maximum=64
         ),
         "draftTensorParallelSize": int_field(
-            "method draft_model: the draft's tensor-parallel size; only 1 (the draft runs on "
-            "rank 0's GPU).",
+            "methods draft_model and mtp: the drafting model's tensor-parallel size; only 1 (it "
+            "runs whole on rank 0's GPU).",
             minimum=1,
             maximum=1,
         ),
@@ -68,8 +68,8 @@ SPECULATIVE = object_field(
                 "fieldPath": ".promptLookupMax",
             },
             {
-                "rule": "self.method == 'draft_model' || !has(self.draftTensorParallelSize)",
-                "message": "draftTensorParallelSize is for method draft_model",
+                "rule": "self.method != 'ngram' || !has(self.draftTensorParallelSize)",
+                "message": "draftTensorParallelSize is for a drafting model (draft_model, mtp)",
                 "fieldPath": ".draftTensorParallelSize",
             },
         ]
