@@ -302,13 +302,16 @@ class TPExecutor:
             return
         if getattr(self, "_stop_watch", None) is not None:
             self._stop_watch.set()  # workers exiting now is expected: no abort
-        if self._failure is None and all(p.is_alive() for p in self.workers):
-            try:
-                self._collect(self._send_call("shutdown", []), timeout_s=SHUTDOWN_WAIT_S)
-            except RuntimeError as e:
-                log.warning("tensor-parallel shutdown: %s", e)
+        asked = self._failure is None and all(p.is_alive() for p in self.workers)
+        if asked:
+            # Each worker answers and exits; its exit is what is waited for (the answer may
+            # still be on its way when the process is gone).
+            self._send_call("shutdown", [])
         self._closed = True
         _reap(self.workers, wait_s=SHUTDOWN_WAIT_S)
+        for rank, proc in enumerate(self.workers, start=1):
+            if asked and proc.exitcode != 0:
+                log.warning("tensor-parallel shutdown: %s", _death_message(rank, proc, None))
         self._finalizer.detach()
         runner = getattr(self, "runner", None)
         if runner is not None:
