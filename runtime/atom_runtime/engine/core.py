@@ -10,7 +10,9 @@ launched, so the CPU prepares N+1 while the GPU runs N: step N+1's inputs take t
 N sampled straight from the device, and each call returns the previous step's outputs. A
 sequence whose pending token ends it by length is not scheduled again; one that stops on a
 token runs one wasted row, whose result is dropped. A sequence whose next step needs its last
-token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight.
+token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight;
+so does a speculating sequence while any step of it is, and its drafts are proposed as soon as
+that step completes (docs/speculative-decoding.md, "With async scheduling").
 
 The same class runs in-process under `LLM` and in its own process under `atom serve`. `executor`
 (an executor.Executor) is the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a
@@ -146,7 +148,8 @@ class EngineCore:
             self.scheduler.on_finish = self.kv_transfer.on_finished
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
-            # Speculation needs each step's acceptance before the next is scheduled.
+            # Speculating, only when asked for: a speculating sequence runs every other step
+            # while its own is in flight, and the gain is unmeasured.
             self.async_scheduling = (
                 self.executor.device.type == "cuda"
                 and config.tensor_parallel_size == 1

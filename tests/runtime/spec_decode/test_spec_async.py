@@ -151,18 +151,62 @@ def qwen3_5_mtp(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mtp") / "qwen3_5", "qwen3_5", mtp_layers=1)
 
 
+def _staggered(engine, prompts, params) -> list[list[int]]:
+    """The prompts' tokens, their requests added one a step: out of phase, so one's step runs
+    while another's is in flight (a step's record then outlives the next step)."""
+    tokens, arriving = {}, list(enumerate(prompts))
+    while arriving or engine.has_unfinished_requests():
+        if arriving:
+            i, prompt = arriving.pop(0)
+            engine.add_request(EngineRequest(str(i), prompt, params))
+        for rid, new in engine.step().tokens_by_request().items():
+            tokens.setdefault(rid, []).extend(new)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
 def test_mtp_head_on_a_hybrid_model(qwen3_5_mtp):
     """The head reads the hidden states of the step it drafts after, kept with that step while
     the next one runs; the hybrid's 1 + k state slots all come back."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     kw = dict(dtype="float32", num_gpu_blocks_override=96, max_num_batched_tokens=16)
     prompts = PROMPTS[:4]
-    want = _plain(qwen3_5_mtp, GREEDY, prompts, **kw)
+    want = [outs[0].token_ids for outs in _plain(qwen3_5_mtp, GREEDY, prompts, **kw)]
     llm = _async_spec(qwen3_5_mtp, spec, **kw)
     try:
-        assert _ids(llm, GREEDY, prompts) == [[o.token_ids for o in outs] for outs in want]
+        assert [ids for [ids] in _ids(llm, GREEDY, prompts)] == want
+        assert _staggered(llm.engine, prompts, GREEDY) == want
         stats = llm.engine.scheduler.spec_stats
         assert stats.num_draft_tokens > 0
+        _assert_drained(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["mtp", "ngram", "draft_model"])
+def test_on_a_gpu_with_captured_graphs(tiny_models, qwen3_5_mtp, method):
+    """Verify steps replay captured graphs, whose hidden-state buffer the next replay writes
+    over: an MTP head drafts from its step's copy. Requests arrive one a step (out of phase)."""
+    model = tiny_models["qwen3"] if method == "draft_model" else qwen3_5_mtp
+    spec = {
+        "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+        "ngram": NGRAM,
+        "draft_model": {"model": str(model), "num_speculative_tokens": K},
+    }[method]
+    gpu = dict(dtype="float32", gpu_memory_utilization=0.3)
+    want = [outs[0].token_ids for outs in _plain(model, GREEDY, **gpu)]
+    llm = _async_spec(model, spec, **gpu)
+    try:
+        if method == "ngram":
+            truth = {tuple(p): ids for p, ids in zip(PROMPTS, want, strict=True)}
+            install(llm, OracleDrafter(truth, K, lambda s, p: p == s % (K + 2)))
+        assert _staggered(llm.engine, PROMPTS, GREEDY) == want
+        assert [ids for [ids] in _ids(llm, GREEDY)] == want
+        assert llm.engine.executor.verify_graphs.replays > 0
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_draft_tokens > 0
+        if method != "mtp":  # a random head's drafts may all miss
+            assert stats.num_accepted_tokens > 0
         _assert_drained(llm)
     finally:
         llm.shutdown()
