@@ -224,6 +224,9 @@ def test_alone_it_runs_every_other_step_and_a_new_prompt_runs_in_between(tiny_mo
     engine = llm.engine
     try:
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        # Drafts for every decoding sequence (wrong ones: the schedule is what is looked at).
+        junk = list(range(500, 560))
+        install(llm, OracleDrafter({tuple(p): junk for p in PROMPTS}, K))
         engine.add_request(EngineRequest("a", PROMPTS[3], params))
         pattern = [_launched(engine)[0] for _ in range(8)]
         # Prompt of 18 tokens: chunks of 16 and 2, then decodes; never two steps in flight.
@@ -239,9 +242,12 @@ def test_alone_it_runs_every_other_step_and_a_new_prompt_runs_in_between(tiny_mo
         assert _launched(engine)[0] == ["c"]
         assert _launched(engine)[0] == ["a", "b"]
         assert _launched(engine)[0] == ["c"]
+        # Aborted with their verify steps in flight (c's) or just proposed for (a's, b's).
+        assert engine._in_flight.batch.seqs[0].num_spec
         engine.abort_requests(["a", "b", "c"])
-        while engine.has_unfinished_requests():
-            engine.step()
+        assert not engine.has_unfinished_requests()
+        assert not engine.step()  # the aborted step completes: nothing more for them
+        _assert_drained(llm)
     finally:
         llm.shutdown()
 
