@@ -166,17 +166,18 @@ def _staggered(engine, prompts, params) -> list[list[int]]:
 
 def test_mtp_head_on_a_hybrid_model(qwen3_5_mtp):
     """The head reads the hidden states of the step it drafts after, kept with that step while
-    the next one runs; the hybrid's 1 + k state slots all come back."""
+    the next one runs; preempted sequences start over (the head's catch-up too); the hybrid's
+    1 + k state slots all come back."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    kw = dict(dtype="float32", num_gpu_blocks_override=96, max_num_batched_tokens=16)
+    kw = dict(dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=16)
     prompts = PROMPTS[:4]
     want = [outs[0].token_ids for outs in _plain(qwen3_5_mtp, GREEDY, prompts, **kw)]
     llm = _async_spec(qwen3_5_mtp, spec, **kw)
     try:
         assert [ids for [ids] in _ids(llm, GREEDY, prompts)] == want
         assert _staggered(llm.engine, prompts, GREEDY) == want
-        stats = llm.engine.scheduler.spec_stats
-        assert stats.num_draft_tokens > 0
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
         _assert_drained(llm)
     finally:
         llm.shutdown()
