@@ -113,9 +113,7 @@ class EngineConfig:
 
             # Raises naming the field, or what to set when there is no transfer key.
             KVTransferConfig.from_cli(self.kv_transfer_config).load_key()
-        spec = self.speculative()
-        if spec is not None:
-            spec.check_engine(self.tensor_parallel_size, self.async_scheduling)
+        self.speculative()  # checked here: a bad --speculative-config fails before anything starts
 
     def speculative(self):
         """The checked `SpeculativeConfig`, or None without speculation."""

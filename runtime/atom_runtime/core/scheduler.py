@@ -122,15 +122,13 @@ class Scheduler(SpeculativeSteps):
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.final_pending or (seq.needs_token_history and seq.num_pending):
-                # Its last token is being sampled right now, or its next step needs the token
-                # still in flight (penalties, a grammar's mask): nothing to run this step.
+            if self._sits_out(seq):
                 i += 1
                 continue
             num_new, boundary = self._plan(seq, budget)
             drafts = self._drafts_for(seq, num_new, budget) if self.num_speculative_tokens else []
             while not self._allocate_step(seq, num_new, drafts):
-                victim = self.running.pop()
+                victim = self.running.pop(self._victim_index(i))
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is seq:
@@ -145,6 +143,14 @@ class Scheduler(SpeculativeSteps):
                 if boundary is not None and not seq.num_spec:
                     boundaries.append((seq, boundary))
         return budget
+
+    def _sits_out(self, seq: Sequence) -> bool:
+        """Whether seq's next step waits on its step in flight (async scheduling): its last
+        token is being sampled; its next step reads that token (penalties, a grammar's mask);
+        or it speculates (core/spec_schedule.py)."""
+        if seq.final_pending or (seq.needs_token_history and seq.num_pending):
+            return True
+        return bool(self.num_speculative_tokens and seq.steps_in_flight)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, boundaries: list) -> None:
         """Admit waiting sequences into `batch` in arrival order while the budget, the
@@ -335,6 +341,7 @@ class Scheduler(SpeculativeSteps):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(num_new, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += num_new
+            seq.steps_in_flight += 1
         for seq in samplers:
             seq.append_pending(self.max_model_len)
 
@@ -346,6 +353,8 @@ class Scheduler(SpeculativeSteps):
         launched (an abort, or a stop found by the step before) are skipped: their row was
         wasted. Returns the step's outputs (a row per token; an update with each sequence's
         first token and with its finish) and the sequences it finished."""
+        for seq in batch.seqs:
+            seq.steps_in_flight -= 1
         live = [seq for seq in batch.seqs if not seq.is_finished]
         outputs = StepOutputs()
         if output is not None and output.num_tokens is not None:

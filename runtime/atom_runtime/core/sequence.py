@@ -78,9 +78,12 @@ class Sequence:
         # further step.
         self.num_pending = 0
         self.final_pending = False
-        # Speculative decoding (sync scheduling only): the drafts proposed to follow the last
-        # token, and how many of them the step in flight runs after it (placed at the tail of
-        # token_ids by the scheduler, taken off again by `take_verified`).
+        # Launched steps of this sequence whose outputs are not applied yet (`Scheduler.commit`
+        # to `update_from_output`): under async scheduling, the step in flight.
+        self.steps_in_flight = 0
+        # Speculative decoding: the drafts proposed to follow the last token, and how many of
+        # them the step in flight runs after it (placed at the tail of token_ids by the
+        # scheduler, taken off again by `take_verified`).
         self.spec_token_ids: list[int] = []
         self.num_spec = 0
         # Penalties read the output tokens themselves, a grammar's mask needs the last token

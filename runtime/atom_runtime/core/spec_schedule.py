@@ -11,6 +11,11 @@ stay with the sequence (the next step writes there again) and only blocks of acc
 ever hashed and published (contract 2). The emitted tokens then go in one by one, each checked
 for a stop, so a stop inside the accepted run ends the sequence right there.
 
+Under async scheduling a speculating sequence sits out the steps launched while one of its steps
+is in flight (`Scheduler._sits_out`; a prompt chunk's too): its next step's length, positions and
+drafts follow from that step's acceptance, and a drafting model catches up on each step from that
+step's record. Nor is it preempted then (`_victim_index`).
+
 Hybrid models hold 1 + k state slots a sequence: the verify step writes the recurrent state
 after each of its positions into slot i (slot 0 after the last token); taking the verified
 tokens swaps the slot holding the state after the last accepted one into place 0.
@@ -68,6 +73,16 @@ class SpeculativeSteps:
                 seq.place_drafts(drafts)
             return True
         return self._allocate(seq, num_new, hit)
+
+    def _victim_index(self, i: int) -> int:
+        """Where in `running` the sequence to preempt for running[i] sits: the newest one, at
+        the latest running[i] itself. Speculating, never one with a step in flight: its verify
+        step's outcome (drafts taken back, state slots swapped) is applied when it completes."""
+        j = len(self.running) - 1
+        if self.num_speculative_tokens:
+            while j > i and self.running[j].steps_in_flight:
+                j -= 1
+        return j
 
     def _apply_verified(self, batch_id, output: StepOutput, outputs: StepOutputs) -> None:
         """Fill in a verify step's tokens: per sampler, take its drafts back and append what it

@@ -10,7 +10,9 @@ launched, so the CPU prepares N+1 while the GPU runs N: step N+1's inputs take t
 N sampled straight from the device, and each call returns the previous step's outputs. A
 sequence whose pending token ends it by length is not scheduled again; one that stops on a
 token runs one wasted row, whose result is dropped. A sequence whose next step needs its last
-token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight.
+token (penalties, a grammar's mask) sits out the steps prepared while that token is in flight;
+so does a speculating sequence while any step of it is, and its drafts are proposed as soon as
+that step completes (docs/speculative-decoding.md, "With async scheduling").
 
 The same class runs in-process under `LLM` and in its own process under `atom serve`. `executor`
 (an executor.Executor) is the ModelRunner itself, or with `tensor_parallel_size > 1` rank 0 of a
@@ -46,6 +48,7 @@ from atom_runtime.protocol.engine_core import (
     check_token_ids,
 )
 from atom_runtime.sampling_params import SamplingParams
+from atom_runtime.spec_decode.proposer import StepRecord
 from atom_runtime.state.engine_checkpoints import EngineCheckpoints
 from atom_runtime.state.slot_pool import StateSlotPool
 from atom_runtime.system import startup
@@ -145,7 +148,8 @@ class EngineCore:
             self.scheduler.on_finish = self.kv_transfer.on_finished
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
-            # Speculation needs each step's acceptance before the next is scheduled.
+            # Speculating, only when asked for: a speculating sequence runs every other step
+            # while its own is in flight, and the gain is unmeasured.
             self.async_scheduling = (
                 self.executor.device.type == "cuda"
                 and config.tensor_parallel_size == 1
@@ -320,31 +324,41 @@ class EngineCore:
         if launched is not None and not self.async_scheduling:
             outputs = self._complete(launched)  # nothing was in flight: the only outputs
             self._in_flight = None
-            if self.speculative is not None:
-                self._propose(launched.batch)
         self.publisher.publish(self.pool.drain_events())
         self.publisher.raise_if_failed()
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
         """Run the batch on the device and commit it; the samples start their way back to the
-        host."""
+        host. Speculating under async scheduling, the step's drafting record is kept with it:
+        its drafts are proposed once it completes, after the next step was launched."""
         samplers, sampled = self.executor.execute(batch)
         self.scheduler.commit(batch, samplers)
-        return _InFlight.start(batch, samplers, sampled)
-
-    def _propose(self, batch: ScheduledBatch) -> None:
-        """Drafts for the step's sequences still running, for the next step to verify."""
-        live = [seq for seq in batch.seqs if seq.status is SequenceStatus.RUNNING]
-        if live:
-            for seq, drafts in zip(live, self.executor.propose(live), strict=True):
-                seq.spec_token_ids = drafts
+        record = None
+        if self.speculative is not None and self.async_scheduling:
+            record = self.executor.step_record()
+        return _InFlight.start(batch, samplers, sampled, record)
 
     def _complete(self, step: _InFlight) -> StepOutputs:
-        """Read a launched step's samples back and hand them to the scheduler."""
+        """Read a launched step's samples back, hand them to the scheduler and, speculating,
+        propose drafts for its sequences before any of them is scheduled again."""
         outputs, finished = self.scheduler.update_from_output(step.batch, step.wait())
         self.executor.release(seq.request_id for seq in finished)
+        if self.speculative is not None:
+            self._propose(step)
         return outputs
+
+    def _propose(self, step: _InFlight) -> None:
+        """Drafts for the step's sequences still running, for their next step to verify. A
+        speculating sequence sits out the steps launched while its step was in flight
+        (`Scheduler._sits_out`), so none of them has another step in flight here."""
+        live = [seq for seq in step.batch.seqs if seq.status is SequenceStatus.RUNNING]
+        if any(seq.steps_in_flight for seq in live):
+            raise RuntimeError("drafts proposed for a sequence with a step in flight")
+        if live:
+            proposed = self.executor.propose(live, step.record)
+            for seq, drafts in zip(live, proposed, strict=True):
+                seq.spec_token_ids = drafts
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -400,9 +414,13 @@ class _InFlight:
     samplers: list[Sequence]
     sampled: SamplerOutput | None
     done: torch.cuda.Event | None
+    # What the step leaves its drafter (`ModelRunner.step_record`); None: the runner's latest.
+    record: StepRecord | None = None
 
     @classmethod
-    def start(cls, batch, samplers, sampled: SamplerOutput | None) -> _InFlight:
+    def start(
+        cls, batch, samplers, sampled: SamplerOutput | None, record: StepRecord | None = None
+    ) -> _InFlight:
         done = None
         if sampled is not None and sampled.token_ids.is_cuda:
             # non_blocking copies to the host land in pinned memory; the event marks them done.
@@ -421,7 +439,7 @@ class _InFlight:
             )
             done = torch.cuda.Event()
             done.record()
-        return cls(batch, samplers, sampled, done)
+        return cls(batch, samplers, sampled, done, record)
 
     def wait(self) -> StepOutput | None:
         """The samples as host lists (None when no sequence sampled)."""

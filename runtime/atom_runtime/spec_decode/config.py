@@ -101,15 +101,6 @@ class SpeculativeConfig:
             )
         return cls(method, k, model, low, high, 1)
 
-    def check_engine(self, tensor_parallel_size: int, async_scheduling: bool | None) -> None:
-        """Refuse the engine settings speculation cannot run with, naming them."""
-        if async_scheduling:
-            raise ValueError(
-                f"async_scheduling: not available with {FIELD}: the next step's positions and "
-                "drafts depend on how many of this step's drafts were accepted, which is known "
-                "only once its samples are read back; drop --async-scheduling"
-            )
-
     def check_fits_model(self, model_type: str, num_mtp_layers: int) -> None:
         """Refuse a method the target model cannot serve, naming it."""
         if self.method == "mtp" and num_mtp_layers < 1:

@@ -32,6 +32,15 @@ class StepChunk:
     row: int  # its first row among the step's token rows
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step leaves its drafter: where each sequence's chunk sat (by `id(seq)`; None
+    for a drafter that reads none) and the step's hidden states (None unless it reads them)."""
+
+    chunks: dict[int, StepChunk] | None
+    hidden: torch.Tensor | None
+
+
 class Drafter(Protocol):
     # Whether `propose` reads the step's hidden states (`hidden`), and where each sequence's
     # chunk sat (`chunks`).

@@ -49,6 +49,7 @@ from atom_runtime.core.sequence import Sequence
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.protocol import codec
 from atom_runtime.protocol import worker as wire
+from atom_runtime.spec_decode.proposer import StepRecord
 from atom_runtime.system.device import resolve_device
 from atom_runtime.system.distributed import (
     abort_tensor_parallel,
@@ -86,8 +87,13 @@ class Executor(Protocol):
     def copy_state(self, unit_rows) -> None:
         """Run state-checkpoint copies alone (no forward pass follows; hybrid models)."""
 
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Speculative decoding: drafts for the last step's live sequences."""
+    def step_record(self) -> StepRecord:
+        """Speculative decoding: what the last step leaves its drafter, kept apart from later
+        steps (async scheduling proposes for a step once the next one was launched)."""
+
+    def propose(self, seqs: list[Sequence], record: StepRecord | None = None) -> list[list[int]]:
+        """Speculative decoding: drafts for a step's live sequences, from its `record` (None:
+        the last step's)."""
 
     def release(self, request_ids) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""
@@ -277,10 +283,13 @@ class TPExecutor:
         self._guarded(self.runner.copy_state, unit_rows)
         self._collect(call_id)
 
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+    def step_record(self) -> StepRecord:
+        return self.runner.step_record()
+
+    def propose(self, seqs: list[Sequence], record: StepRecord | None = None) -> list[list[int]]:
         """Drafts come from rank 0 alone (a drafting model runs whole there, outside the group);
         the other ranks see them as token ids in the next step's inputs."""
-        return self.runner.propose(seqs)
+        return self.runner.propose(seqs, record)
 
     def release(self, request_ids) -> None:
         self.runner.release(request_ids)

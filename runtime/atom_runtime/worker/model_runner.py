@@ -33,7 +33,7 @@ from atom_runtime.layers.forward_context import (
 from atom_runtime.models.config import ModelConfig
 from atom_runtime.models.loader import build_model
 from atom_runtime.protocol.worker import StepInputs
-from atom_runtime.spec_decode.proposer import StepChunk, make_drafter
+from atom_runtime.spec_decode.proposer import StepChunk, StepRecord, make_drafter
 from atom_runtime.state.checkpoint_spec import (
     PagedStateCheckpointSpec,
 )
@@ -434,13 +434,23 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         return self.sampler(logits, samplers, self.eos_token_ids)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Drafts for the last step's live sequences (speculative decoding), from its drafter."""
+    def step_record(self) -> StepRecord:
+        """What the last step left its drafter, kept apart from later steps: the hidden states
+        are copied (a captured graph's next replay writes over its buffer)."""
+        hidden = self._last_hidden
+        return StepRecord(self._step_chunks, None if hidden is None else hidden.clone())
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], record: StepRecord | None = None) -> list[list[int]]:
+        """Drafts for a step's live sequences (speculative decoding), from its drafter and
+        the step's `record` (None: the last step's)."""
         if self.drafter is None:
             raise RuntimeError("propose: this engine has no speculative_config")
-        chunks = self._step_chunks or {}
+        if record is None:
+            record = StepRecord(self._step_chunks, self._last_hidden)
+        chunks = record.chunks or {}
         found = [chunks.get(id(seq)) for seq in seqs]
-        return self.drafter.propose(seqs, found, self._last_hidden)
+        return self.drafter.propose(seqs, found, record.hidden)
 
     def release(self, request_ids) -> None:
         request_ids = list(request_ids)

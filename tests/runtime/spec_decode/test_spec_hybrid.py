@@ -129,16 +129,19 @@ def test_mtp_drafts_are_what_transformers_layers_compute(mtp_models):
     assert drafts[:2] == [d1, int(ids2[-1])]
 
 
-def test_checkpoints_resume_the_next_turn_under_speculation(mtp_models):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_checkpoints_resume_the_next_turn_under_speculation(mtp_models, async_scheduling):
     """A conversation's second turn resumes from a state checkpoint (decode anchors placed only
     where a verify step's accepted state landed on a block boundary) and its output is the plain
-    engine's."""
+    engine's. Under async scheduling a verify step's boundary is staged after the next step was
+    launched; its copy runs before the sequence's next forward (it sat out the one between)."""
     folder = mtp_models["qwen3_5"]
     first = [list(range(200, 243))]
     turn1 = _plain(folder, GREEDY, first)[0]
     second = [first[0] + turn1 + [301, 302, 303]]
     want = _plain(folder, GREEDY, second)
-    llm = LLM(str(folder), speculative_config=NGRAM, state_checkpoint_interval_tokens=16, **COMMON)
+    llm = LLM(str(folder), speculative_config=NGRAM, state_checkpoint_interval_tokens=16,
+              async_scheduling=async_scheduling, **COMMON)  # fmt: skip
     try:
         truth = {tuple(first[0]): turn1, tuple(second[0]): want[0]}
         install(llm, OracleDrafter(truth, K, lambda s, p: p == 2))
@@ -151,7 +154,8 @@ def test_checkpoints_resume_the_next_turn_under_speculation(mtp_models):
         llm.shutdown()
 
 
-def test_preemption_frees_every_slot(mtp_models):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_frees_every_slot(mtp_models, async_scheduling):
     folder = mtp_models["qwen3_next"]
     prompts = [PROMPTS[0] * 2, PROMPTS[1], [5, 6] * 10, PROMPTS[2] * 5]
     small = dict(dtype="float32", num_gpu_blocks_override=7, max_num_batched_tokens=32)
@@ -161,7 +165,7 @@ def test_preemption_frees_every_slot(mtp_models):
         want = _ids(plain, params, prompts)
     finally:
         plain.shutdown()
-    llm = LLM(str(folder), speculative_config=NGRAM, **small)
+    llm = LLM(str(folder), speculative_config=NGRAM, async_scheduling=async_scheduling, **small)
     try:
         truth = {tuple(p): ids for p, ids in zip(prompts, want, strict=True)}
         install(llm, OracleDrafter(truth, K, lambda s, p: (s + p) % 4 == 0))

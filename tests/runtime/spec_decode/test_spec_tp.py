@@ -51,7 +51,9 @@ def _ids(model, tp: int, spec=None, drafts=None, **kw) -> tuple[list[list[int]],
         if drafts is not None:
             executor = llm.engine.executor
             propose = executor.propose
-            executor.propose = lambda seqs: drafts.append(propose(seqs)) or drafts[-1]
+            executor.propose = lambda seqs, record: (
+                drafts.append(propose(seqs, record)) or drafts[-1]
+            )
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         stats = llm.engine.scheduler.spec_stats if spec else None
         return [o.outputs[0].token_ids for o in outs], stats
