@@ -131,6 +131,9 @@ class ModelDrafter:
         # A draft model also reads the last token (its KV is the target's next input's);
         # an MTP head pairs each computed position with the token after it.
         end = seq.num_tokens - shift if ready else seq.num_computed_tokens
+        capacity = min(len(seq.block_table) * self.block_size, self.max_positions)
+        if end > capacity:  # the step's lookahead slots did not fit: the next catch-up reads on
+            end, ready = capacity, False
         positions = np.arange(chunk.start, end, dtype=np.int64)
         tokens = np.frombuffer(seq.token_ids, dtype=np.int32)[chunk.start + shift : end + shift]
         rows = None
@@ -139,7 +142,6 @@ class ModelDrafter:
         wanted = 0
         if ready and len(positions):
             # Draft i + 1 is read at position end - 1 + i: its slot must be allocated.
-            capacity = min(len(seq.block_table) * self.block_size, self.max_positions)
             wanted = max(0, min(self.k, capacity - end + 1))
         return _Round(seq, positions, tokens.astype(np.int64), rows, wanted, [])
 

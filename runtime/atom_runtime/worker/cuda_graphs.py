@@ -3,7 +3,8 @@
 A decode-only step of n sequences replays the smallest graph of at least n rows, its rows past n
 padded (attending to nothing, writing no cache slot). The graphs read their inputs from fixed
 device buffers; a step fills one of two pinned host staging sets and copies it into them
-asynchronously, so the host never waits for the device to take an input.
+asynchronously, so the host does not wait for the device to take an input unless it comes
+round to a set whose copies are still queued.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def step_metadata(attention: AttentionMetadata, state: StateMetadata | None = No
 class _CapturedGraphs:
     """What both kinds of captured graphs hold: the graphs with their output logits, the device
     input buffers they read, and two pinned host staging sets used in turn (with async
-    scheduling step N+1 is staged while step N's copies may still be queued; step N-1's, same
-    set, are done: its samples were read back)."""
+    scheduling step N+1 is staged while step N's copies may still be queued); an event per set
+    says when the device has taken its copies, and a set is refilled only after it (the target's
+    steps find it passed, their samples read back in between)."""
 
     def __init__(self) -> None:
         self.graphs: dict = {}
@@ -116,6 +118,7 @@ class _CapturedGraphs:
         self.inputs: dict[str, torch.Tensor] = {}
         self._host_sets: list[dict[str, torch.Tensor]] = []
         self._staging_turn = 0
+        self._staged: list[torch.cuda.Event | None] = [None, None]
 
     def __bool__(self) -> bool:
         return bool(self.graphs)
@@ -129,9 +132,20 @@ class _CapturedGraphs:
         self.graphs[key] = (graph, logits)
 
     def _next_host_set(self) -> dict[str, torch.Tensor]:
-        host = self._host_sets[self._staging_turn]
+        """The staging set to fill, once the device has taken what it held before: a drafter's
+        chain of steps replays without reading anything back in between, so the GPU may not
+        have run the copies of two replays ago yet."""
+        turn = self._staging_turn
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()
         self._staging_turn ^= 1
-        return host
+        return self._host_sets[turn]
+
+    def _mark_staged(self) -> None:
+        """After a replay's copies are queued: the set they read is free once this passes."""
+        event = torch.cuda.Event()
+        event.record()
+        self._staged[self._staging_turn ^ 1] = event
 
     def clear(self) -> None:
         """Drop the graphs and their buffers, so their memory can be freed."""
@@ -140,6 +154,7 @@ class _CapturedGraphs:
         self.last_hidden = None
         self.inputs = {}
         self._host_sets = []
+        self._staged = [None, None]
 
 
 class DecodeGraphs(_CapturedGraphs):
@@ -272,6 +287,7 @@ class DecodeGraphs(_CapturedGraphs):
             fill_pending(dev["input_ids"], inputs.pending_sources)
         if device_ids is not None:
             dev["input_ids"][:n].copy_(device_ids)
+        self._mark_staged()
         graph, logits = self.graphs[bs]
         graph.replay()
         self.last_hidden = self.hidden[bs][:n]
@@ -424,6 +440,7 @@ class PrefillGraphs(_CapturedGraphs):
             dev[name][:n].copy_(host[name][:n], non_blocking=True)
         if inputs.pending_sources is not None:
             fill_pending(dev["input_ids"], inputs.pending_sources)
+        self._mark_staged()
         graph, logits = self.graphs[bucket]
         graph.replay()
         self.replays += 1

@@ -105,6 +105,7 @@ class VerifyGraphs(_CapturedGraphs):
             dev[name][:count].copy_(host[name][:count], non_blocking=True)
         graph, logits = self.graphs[b]
         index = torch.from_numpy(real).pin_memory().to(logits.device, non_blocking=True)
+        self._mark_staged()
         if before is not None:
             before(index)
         graph.replay()
