@@ -142,10 +142,12 @@ class _CapturedGraphs:
         return self._host_sets[turn]
 
     def _mark_staged(self) -> None:
-        """After a replay's copies are queued: the set they read is free once this passes."""
-        event = torch.cuda.Event()
-        event.record()
-        self._staged[self._staging_turn ^ 1] = event
+        """After a replay's copies are queued: the set they read is free once this passes
+        (one event a set, recorded again at each use)."""
+        turn = self._staging_turn ^ 1
+        if self._staged[turn] is None:
+            self._staged[turn] = torch.cuda.Event()
+        self._staged[turn].record()
 
     def clear(self) -> None:
         """Drop the graphs and their buffers, so their memory can be freed."""

@@ -318,9 +318,10 @@ class TPExecutor:
             self._send_call("shutdown", [])
         self._closed = True
         _reap(self.workers, wait_s=SHUTDOWN_WAIT_S)
-        for rank, proc in enumerate(self.workers, start=1):
-            if asked and proc.exitcode != 0:
-                log.warning("tensor-parallel shutdown: %s", _death_message(rank, proc, None))
+        if asked:  # a worker told to stop that did not exit cleanly
+            for rank, proc in enumerate(self.workers, start=1):
+                if proc.exitcode != 0:
+                    log.warning("tensor-parallel shutdown: %s", _death_message(rank, proc, None))
         self._finalizer.detach()
         runner = getattr(self, "runner", None)
         if runner is not None:
