@@ -11,7 +11,7 @@ import pytest
 
 from tests.router.conftest import launch_engine, launch_router, prompt_ids, transfer_config
 from tests.router.test_disaggregated import _stream, _wait
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, free_ports
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (pip install --no-deps nixl-cu12) is absent")
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def pd_tp(tiny_models, tmp_path_factory):
     try:
         prefill = launch_engine(
             tmp, model, "--tensor-parallel-size", "2",
-            "--kv-transfer-config", transfer_config("kv_producer", free_port(), NIXL),
+            "--kv-transfer-config", transfer_config("kv_producer", free_ports(2), NIXL),
         )  # fmt: skip
         procs.append(prefill.server)
         decode = launch_engine(

@@ -13,6 +13,7 @@ test waits for a state (a /health answer, a metric, an exit code), never for a c
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import time
@@ -33,6 +34,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free now, for a tensor-parallel producer (rank r listens on
+    kv_port + r). Chosen below the kernel's ephemeral range, so no port the kernel hands out to
+    another socket of the run (gloo, UCX, a client) can land in the span between the pick and
+    the ranks' binds; a port from `free_port()` could, its neighbours being ephemeral too."""
+    rng = random.Random()
+    floor = _ephemeral_floor()
+    while True:
+        base = rng.randrange(20000, floor - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 120.0, what: str = "condition"):

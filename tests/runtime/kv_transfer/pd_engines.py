@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 from pathlib import Path
 
 import httpx
@@ -16,33 +15,11 @@ import httpx
 from atom_runtime import LLM, SamplingParams
 from atom_runtime.kv_transfer.auth import TransferKey
 from atom_runtime.protocol.engine_core import EngineRequest
-from tests.server.conftest import TINY_FLAGS, Launcher, ServerProcess
+from tests.server.conftest import TINY_FLAGS, Launcher, ServerProcess, free_ports
 
 KEY_HEX = "6d" * 32
 KEY = TransferKey.from_text(KEY_HEX, "test")
 _ids = itertools.count()
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free now (rank r of a producer listens on kv_port + r)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
 
 
 def transfer_config(connector: str, role: str, tp: int, **extra) -> str:
