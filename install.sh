@@ -37,7 +37,15 @@ if [ -n "${ATOM_TORCH_SPEC:-}" ]; then
   torch_spec="${ATOM_TORCH_SPEC}"
 elif [ "$(uname -s)" = Linux ]; then
   torch_spec="torch==2.13.0+cpu"
-  torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  # Asked once, with a short timeout: where the index's host cannot even be resolved (a machine
+  # that reaches only a mirror holding the +cpu wheel), pip would otherwise retry it five times for
+  # torch and for each of its dependencies, about 90 s of waiting for nothing.
+  if timeout 10 "$py" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], 443)' \
+      download.pytorch.org 2>/dev/null; then
+    torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  else
+    echo "      download.pytorch.org cannot be resolved: looking for ${torch_spec} in pip's configured indexes only"
+  fi
 else
   torch_spec="torch==2.13.0"
 fi

@@ -259,6 +259,8 @@ def test_kubernetes_quick_start_queries_the_name_the_example_serves():
 FAKE_PYTHON = """#!/usr/bin/env bash
 # Records each call; `-m venv DIR` makes DIR/bin/python this same recorder.
 echo "$*" >> "$INSTALL_LOG"
+# `-c CODE HOST`: the probe of PyTorch's index host; it fails where FAKE_UNRESOLVED names that host.
+if [ "$1" = "-c" ] && [ "$3" = "${FAKE_UNRESOLVED:-}" ]; then exit 1; fi
 if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
 """
 
@@ -299,3 +301,16 @@ def test_install_names_each_step_and_takes_the_cpu_torch_build(tmp_path):
     _, calls = _install(tmp_path, "--test", env={"ATOM_TORCH_SPEC": "torch>=2.6"})
     pips = [c for c in calls if c.startswith("-m pip install")]
     assert pips[1] == "-m pip install --quiet torch>=2.6" and pips[2].endswith("-e .[engine,test]")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux", reason="PyTorch's CPU index is asked for on Linux only"
+)
+def test_install_leaves_out_a_torch_index_it_cannot_resolve(tmp_path):
+    """Where download.pytorch.org cannot be resolved (a machine that reaches only a mirror), the
+    install says so and asks pip's configured indexes alone, instead of letting pip retry the
+    unreachable host for torch and each of its dependencies."""
+    stdout, calls = _install(tmp_path, env={"FAKE_UNRESOLVED": "download.pytorch.org"})
+    torch_call = [c for c in calls if c.startswith("-m pip install")][1]
+    assert torch_call == "-m pip install --quiet torch==2.13.0+cpu", torch_call
+    assert "download.pytorch.org cannot be resolved" in stdout
