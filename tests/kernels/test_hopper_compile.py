@@ -229,33 +229,67 @@ TAIL = """
 """
 
 
-def _compile(tmp_path, script: str, target: str, fp8: str) -> None:
+BUILDS = {  # test name: (script, target, FP8 element type, the Triton backend it needs)
+    "hopper": (HEAD + BF16_VARIANTS + TAIL, "cuda:90", "*fp8e4nv", "nvidia"),
+    "hopper fp8": (HEAD + FP8_VARIANTS + TAIL, "cuda:90", "*fp8e4nv", "nvidia"),
+    "mi300 fp8": (HEAD + FP8_VARIANTS + TAIL, "hip:gfx942", "*fp8e4b8", "amd"),
+}
+
+
+def _has_backend(name: str) -> bool:
+    try:
+        __import__(f"triton.backends.{name}")
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The three builds, started together (each is a single-threaded compiler run, and the suite
+    runs one test at a time: side by side they take the machine's other cores) and awaited by the
+    test that reads one. Each compiles into its own empty cache: build, do not reuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "kernels"), str(ROOT / "runtime"), env.get("PYTHONPATH", "")]
     )
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # build, do not reuse a cached one
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    code = textwrap.dedent(script)
-    proc = subprocess.run(
-        [sys.executable, "-c", code, target, fp8],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    procs = {}
+    try:
+        for name, (script, target, fp8, backend) in BUILDS.items():
+            if not _has_backend(backend):
+                continue
+            cache = tmp_path_factory.mktemp("triton-cache")
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(script), target, fp8],
+                env={**env, "TRITON_CACHE_DIR": str(cache)},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
 
 
-def test_shape_sensitive_kernels_compile_for_hopper(tmp_path):
-    pytest.importorskip("triton.backends.nvidia")
-    _compile(tmp_path, HEAD + BF16_VARIANTS + TAIL, "cuda:90", "*fp8e4nv")
+def _compiled(builds, name: str) -> None:
+    backend = BUILDS[name][3]
+    if name not in builds:
+        pytest.skip(f"Triton has no {backend} backend here (triton.backends.{backend})")
+    proc = builds[name]
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stdout[-6000:] + stderr[-6000:]
 
 
-def test_fp8_kernels_compile_for_hopper(tmp_path):
+def test_shape_sensitive_kernels_compile_for_hopper(builds):
+    _compiled(builds, "hopper")
+
+
+def test_fp8_kernels_compile_for_hopper(builds):
     """The FP8 paths in H100/H200's format (e4m3fn), FP8 tensor-core dot included."""
-    pytest.importorskip("triton.backends.nvidia")
-    _compile(tmp_path, HEAD + FP8_VARIANTS + TAIL, "cuda:90", "*fp8e4nv")
+    _compiled(builds, "hopper fp8")
 
 
-def test_fp8_kernels_compile_for_mi300(tmp_path):
+def test_fp8_kernels_compile_for_mi300(builds):
     """The FP8 paths in MI300's format (e4m3fnuz, gfx942), which no CPU test can run."""
-    pytest.importorskip("triton.backends.amd")
-    _compile(tmp_path, HEAD + FP8_VARIANTS + TAIL, "hip:gfx942", "*fp8e4b8")
+    _compiled(builds, "mi300 fp8")
