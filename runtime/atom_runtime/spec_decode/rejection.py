@@ -12,6 +12,13 @@ The first rejection at row i emits a token drawn from the residual max(0, p_i - 
 (greedy: the argmax), and ends the run; when every draft is accepted, row n's token is drawn
 from p_n (the bonus). Every draw uses the exponential race (argmax of p / E, E ~ Exp(1)), as
 the plain sampler does. No host syncs: everything stays on the device until read back.
+
+Deterministic drafts (q_i = 1 at d, every drafter here) need no uniform draw: row i draws its
+token t_i from p_i with the race and accepts d exactly when t_i = d. That accepts with
+probability p_i(d), as min(1, p_i(d) / 1) does, and a rejected row emits t_i, which given
+t_i != d is distributed as p_i with d removed, the residual. With E a function of the request's
+seed and the token's position (worker/sampler.py), a seeded request then emits the very tokens
+the plain sampler draws, whether speculating or not.
 """
 
 from __future__ import annotations
@@ -63,8 +70,9 @@ def rejection_sample(
 
     greedy_ids `[R]`: the argmax of every row; greedy_rows bool `[R]`: rows that decide by it.
     probs `[R, V]` fp32: the target's distribution of every row (None when every row is greedy);
-    uniforms `[R]` in [0, 1) and exponentials `[R, V]` Exp(1) draws (None likewise);
-    draft_probs `[R, V]`: the drafter's distributions (None: deterministic drafts, q = 1 at d).
+    exponentials `[R, V]` Exp(1) draws (None likewise); draft_probs `[R, V]`: the drafter's
+    distributions (None: deterministic drafts, q = 1 at d), and then uniforms `[R]` in [0, 1)
+    (unused for deterministic drafts).
 
     Returns (tokens `[S, K + 1]`, the accepted drafts then the drawn token, -1 past them;
     num_emitted `[S]`, accepted drafts + 1)."""
@@ -73,14 +81,14 @@ def rejection_sample(
     safe = draft.clamp(min=0)
     accept = greedy_ids == draft
     recovered = greedy_ids
-    if probs is not None:
+    if probs is not None and draft_probs is None:
+        drawn = (probs / exponentials).argmax(dim=-1)
+        recovered = torch.where(greedy_rows, greedy_ids, drawn)
+        accept = recovered == draft
+    elif probs is not None:
         p_draft = probs.gather(1, safe[:, None]).squeeze(1)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            residual = probs.scatter(1, safe[:, None], 0.0).where(is_draft[:, None], probs)
-        else:
-            q_draft = draft_probs.gather(1, safe[:, None]).squeeze(1)
-            residual = (probs - draft_probs).clamp(min=0).where(is_draft[:, None], probs)
+        q_draft = draft_probs.gather(1, safe[:, None]).squeeze(1)
+        residual = (probs - draft_probs).clamp(min=0).where(is_draft[:, None], probs)
         sampled_accept = uniforms * q_draft < p_draft
         drawn = (residual / exponentials).argmax(dim=-1)
         accept = torch.where(greedy_rows, accept, sampled_accept)

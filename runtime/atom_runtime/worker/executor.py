@@ -96,7 +96,7 @@ class Executor(Protocol):
         the last step's)."""
 
     def release(self, request_ids) -> None:
-        """Forget the per-request state (seeded generators) of finished requests."""
+        """Forget the per-request state (a drafter's) of finished requests."""
 
     def shutdown(self) -> None:
         """Free the device memory (and stop any worker process); idempotent."""

@@ -1,7 +1,7 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the model and the KV cache tensors, and drives three helpers of its own: the decode CUDA
-graphs (cuda_graphs.py), the sampler with its per-request generators (sampler.py) and the
+graphs (cuda_graphs.py), the sampler (sampler.py) and the
 batch-1 kernel choice made at start-up (kernel_choice.py). It makes no policy decisions (the
 scheduler does). CPU is a first-class device; on a GPU the same runner sizes the cache from
 `gpu_memory_utilization` after a profiling forward (cache_memory.py); step_inputs.py builds each
@@ -453,14 +453,12 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         return self.drafter.propose(seqs, found, record.hidden)
 
     def release(self, request_ids) -> None:
-        request_ids = list(request_ids)
-        self.sampler.release(request_ids)
         if self.drafter is not None:
-            self.drafter.release(request_ids)
+            self.drafter.release(list(request_ids))
 
     def shutdown(self) -> None:
-        """Drop the KV cache, the captured graphs and the generators, so their memory is freed
-        even while something still holds this runner."""
+        """Drop the KV cache and the captured graphs, so their memory is freed even while
+        something still holds this runner."""
         self._release_kv_cache()
         if self.state is not None:
             self.state.release()
@@ -469,6 +467,5 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         self.verify_graphs.clear()
         self.draft_graphs.clear()
         self._last_samplers, self._last_token_ids = [], None
-        self.sampler.generators.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

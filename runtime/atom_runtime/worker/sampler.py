@@ -1,18 +1,23 @@
 """The sampler: penalties, logit bias, allowed tokens, temperature, top-k, top-p and min-p, then a draw — all torch ops on the
 logits' device, so a GPU step needs no host round trip until the sampled ids are read back.
 
-Unseeded rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)) in one batched op;
-seeded rows draw from their request's own generator so a seed gives the same tokens in any batch.
+Unseeded rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)) in one batched op.
+A seeded row's q is a function of its seed and the position of the token it draws alone (`row_seed`),
+not of how many draws came before: a seed gives the same tokens in any batch, after a preemption,
+and with or without speculative decoding (whose verify rows draw with the same q,
+spec_decode/rejection.py).
 """
 
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 
 from atom_runtime.system.device import to_device
 from atom_runtime.text.structured_outputs import fill_bitmasks
@@ -54,7 +59,9 @@ class SamplingTensors:
     # Tokens banned this step per row (EOS and stop ids before min_tokens): (rows, token ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] | None = None  # row -> seeded generator
+    # Seeded rows: row -> the seed of its draw (`row_seed`), and the generator that draws them.
+    seeds: dict[int, int] | None = None
+    generator: torch.Generator | None = None
     max_logprobs: int = -1  # -1: no logprobs wanted in this batch
 
 
@@ -149,11 +156,18 @@ def target_distributions(
     return raw_logprobs, greedy, probs
 
 
+def row_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw of its output token at `position` (0: the first):
+    its draws depend on nothing else, whichever batch, step or verify row makes them."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<qq", seed, position))
+
+
 def exponential_noise(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Exp(1) draws shaped like probs; a seeded row's from its request's generator."""
+    """Exp(1) draws shaped like probs; a seeded row's from the generator set to its row seed (on
+    a GPU the seed is read at the launch: one generator serves every row)."""
     q = torch.empty_like(probs).exponential_()
-    for row, gen in (t.generators or {}).items():
-        q[row].exponential_(generator=gen)
+    for row, seed in (t.seeds or {}).items():
+        q[row].exponential_(generator=t.generator.manual_seed(seed))
     return q
 
 
@@ -175,13 +189,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
 
 class Sampler:
     """One token per sampling sequence of a step, each row drawn with its request's parameters.
-    Owns the per-request generators of seeded requests (kept until `release`), so a seed gives
-    the same tokens whatever batch the request rides in."""
+    Owns the generator of seeded rows (made at the first), reseeded for each draw."""
 
     def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.vocab_size = vocab_size
-        self.generators: dict[str, torch.Generator] = {}
+        self.generator: torch.Generator | None = None
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
@@ -250,12 +263,11 @@ class Sampler:
                     banned_rows.append(row)
                     banned_tokens.append(tok)
             if p.seed is not None and not p.greedy:
-                gen = self.generators.get(seq.request_id)
-                if gen is None:
-                    gen = torch.Generator(dev).manual_seed(p.seed)
-                    self.generators[seq.request_id] = gen
-                t.generators = t.generators or {}
-                t.generators[row] = gen
+                if self.generator is None:
+                    self.generator = torch.Generator(dev)
+                t.generator = self.generator
+                t.seeds = t.seeds or {}
+                t.seeds[row] = row_seed(p.seed, seq.num_output_tokens)
         if bias[0]:
             t.bias_rows = to_device(np.array(bias[0], dtype=np.int64), dev)
             t.bias_tokens = to_device(np.array(bias[1], dtype=np.int64), dev)
@@ -273,11 +285,6 @@ class Sampler:
             t.banned_rows = to_device(np.array(banned_rows, dtype=np.int64), dev)
             t.banned_tokens = to_device(np.array(banned_tokens, dtype=np.int64), dev)
         return t
-
-    def release(self, request_ids) -> None:
-        """Forget the generators of finished requests."""
-        for rid in request_ids:
-            self.generators.pop(rid, None)
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:

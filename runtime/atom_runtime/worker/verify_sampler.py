@@ -100,15 +100,9 @@ def verify(
     layout = verify_rows(drafts, logits.device)
     t = sampler.tensors(rows, eos_token_ids)
     raw_logprobs, greedy, probs = target_distributions(logits, t)
-    uniforms = exponentials = None
-    if probs is not None:
-        uniforms = torch.rand(len(rows), device=logits.device)
-        for row, gen in (t.generators or {}).items():
-            uniforms[row] = torch.rand((), device=logits.device, generator=gen)
-        exponentials = exponential_noise(probs, t)
-    tokens, counts = rejection_sample(
-        layout, greedy, t.temperature == 0, probs, uniforms, exponentials
-    )
+    exponentials = None if probs is None else exponential_noise(probs, t)
+    # Every drafter here proposes deterministically: no uniform draws (rejection.py).
+    tokens, counts = rejection_sample(layout, greedy, t.temperature == 0, probs, None, exponentials)
     out = SamplerOutput(token_ids=tokens, num_tokens=counts)
     if raw_logprobs is not None:
         k1 = tokens.shape[1]

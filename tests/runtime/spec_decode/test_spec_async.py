@@ -92,6 +92,26 @@ def test_ngram_oracle_under_preemption_and_chunked_prefill(tiny_models, pattern)
         llm.shutdown()
 
 
+def test_seeded_sampling_under_preemption_is_the_plain_engines(tiny_models):
+    """Seeded sampled output (n = 2: seeds 5 and 6) through async verify steps, preemption and
+    chunked prefill: the plain synchronous engine's tokens (a seeded draw depends on its seed
+    and position alone)."""
+    params = SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, seed=5, n=2)
+    want = _plain(tiny_models["qwen2"], params, **TIGHT)
+    llm = _async_spec(tiny_models["qwen2"], NGRAM, **TIGHT)
+    try:
+        rotating = lambda step, pos: (step + pos) % 3 == 0  # noqa: E731
+        install(llm, OracleDrafter(_truth(want), K, rotating))
+        got = _ids(llm, params)
+        assert got == [[o.token_ids for o in outs] for outs in want]
+        assert all(a != b for a, b in got)  # the two children differ: it samples
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+        _assert_drained(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_n_stop_strings_max_tokens_and_logprobs(tiny_models):
     model = tiny_models["qwen2"]
     base = _plain(model, GREEDY, **ROOMY)

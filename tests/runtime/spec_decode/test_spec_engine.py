@@ -159,6 +159,36 @@ def test_n_children_speculate_independently(base, spec):
     assert len({tuple(c.token_ids) for c in one.outputs}) > 1
 
 
+@pytest.mark.parametrize("pattern", ["right", "first", "rotating"])
+def test_a_seeded_sampled_request_emits_the_plain_engines_tokens(base, spec, pattern):
+    """A seeded draw depends on the seed and the token's position alone, and a verify row draws
+    its token as the plain sampler would (accepting the draft when they agree): sampled output
+    with a seed is the plain engine's token for token, whatever the drafts, alone or batched."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, ignore_eos=True, seed=7)
+    want = _ids(base, params)
+    assert want == [_ids(base, params, [p])[0] for p in PROMPTS]  # any batch
+    assert want != _ids(base, params.clone(seed=8))  # it does sample
+    truth = {tuple(p): ids for p, ids in zip(PROMPTS, want, strict=True)}
+    wrong = {
+        "right": lambda step, pos: False,
+        "first": lambda step, pos: pos == 0,
+        "rotating": lambda step, pos: pos == step % K,
+    }[pattern]
+    stats = spec.engine.scheduler.spec_stats
+    stats.reset()
+    _, saved = _with_oracle(spec, truth, wrong)
+    try:
+        assert _ids(spec, params) == want
+        assert _ids(spec, params, PROMPTS[1:2])[0] == want[1]
+    finally:
+        install(spec, saved)
+    assert stats.num_draft_tokens > 0
+    if pattern == "right":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    elif pattern == "first":
+        assert stats.num_accepted_tokens == 0
+
+
 def test_structured_outputs_stay_in_their_grammar(base, spec):
     from atom_runtime.sampling_params import StructuredOutputs
 

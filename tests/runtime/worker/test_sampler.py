@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from atom_runtime.sampling_params import SamplingParams
-from atom_runtime.worker.sampler import SamplingTensors, apply_top_k_top_p_min_p, sample
+from atom_runtime.worker.sampler import (
+    SamplingTensors,
+    apply_top_k_top_p_min_p,
+    row_seed,
+    sample,
+)
 
 
 def _tensors(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, **kw) -> SamplingTensors:
@@ -60,19 +65,24 @@ def test_greedy_is_argmax():
 
 
 def test_seeded_rows_are_reproducible_regardless_of_the_batch():
+    """A seeded row's draw is a function of its seed and position: the same in any batch (at
+    any row), in any order of positions, and different across positions and seeds."""
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator()
 
-    def draw(batch_rows: int) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
+    def draw(batch_rows: int, row: int, seed: int, positions) -> list[int]:
         tokens = []
-        for _ in range(5):
+        for pos in positions:
             batch = logits.repeat(batch_rows, 1)
-            out = sample(batch, _tensors(batch_rows, generators={0: gen}))
-            tokens.append(out.token_ids[0].item())
+            t = _tensors(batch_rows, seeds={row: row_seed(seed, pos)}, generator=gen)
+            tokens.append(sample(batch, t).token_ids[row].item())
         return tokens
 
-    assert draw(1) == draw(7)
-    assert len(set(draw(1))) > 1  # it really samples
+    one = draw(1, 0, 1234, range(6))
+    assert one == draw(7, 4, 1234, range(6))
+    assert one[::-1] == draw(3, 1, 1234, reversed(range(6)))
+    assert len(set(one)) > 1  # it really samples
+    assert one != draw(1, 0, 1235, range(6))
 
 
 def test_penalties_lower_seen_tokens():
