@@ -86,6 +86,10 @@ class Sequence:
         # scheduler, taken off again by `take_verified`).
         self.spec_token_ids: list[int] = []
         self.num_spec = 0
+        # The first position whose KV the drafting model lacks though the target has it: KV
+        # pulled from a prefill engine (kv_transfer) holds the target's layers only. A draft
+        # model's next catch-up starts there (spec_decode/model_drafter.py); None: no gap.
+        self.draft_kv_from: int | None = None
         # Penalties read the output tokens themselves, a grammar's mask needs the last token
         # consumed: such a sequence never runs on pending ones (the scheduler skips it while
         # its token is in flight).

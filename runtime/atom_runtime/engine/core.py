@@ -359,6 +359,7 @@ class EngineCore:
             proposed = self.executor.propose(live, step.record)
             for seq, drafts in zip(live, proposed, strict=True):
                 seq.spec_token_ids = drafts
+                seq.draft_kv_from = None  # the catch-up covered it (or, an MTP head, cannot)
 
     # -- introspection ---------------------------------------------------------------------------
 

@@ -6,7 +6,10 @@ its layers beside the target's), so it needs no block manager: every position th
 KV for, the drafter computes too, in the step after; and its k - 1 further inputs go into the
 slots the scheduler reserved past the step's tokens (`SpeculativeConfig.lookahead`), overwritten
 by the real tokens later. A sequence preempted and readmitted starts over (its catch-up begins at
-the target's first position), so the caches stay in step.
+the target's first position), so the caches stay in step. KV pulled from a prefill engine holds
+the target's layers alone (`Sequence.draft_kv_from`): a draft model's first catch-up after the
+pull starts at the first pulled position (a prefill of the draft model over the pulled prompt);
+an MTP head, which reads the target's hidden states there, cannot, and drafts without that KV.
 
 Positions: a draft model reads token j at position j. An MTP head reads (the target's hidden
 state at position j, token j + 1) at position j and predicts token j + 2; its further steps
@@ -134,8 +137,11 @@ class ModelDrafter:
         capacity = min(len(seq.block_table) * self.block_size, self.max_positions)
         if end > capacity:  # the step's lookahead slots did not fit: the next catch-up reads on
             end, ready = capacity, False
-        positions = np.arange(chunk.start, end, dtype=np.int64)
-        tokens = np.frombuffer(seq.token_ids, dtype=np.int32)[chunk.start + shift : end + shift]
+        start = chunk.start
+        if seq.draft_kv_from is not None and not self.needs_hidden_states:
+            start = min(start, seq.draft_kv_from)
+        positions = np.arange(start, end, dtype=np.int64)
+        tokens = np.frombuffer(seq.token_ids, dtype=np.int32)[start + shift : end + shift]
         rows = None
         if self.needs_hidden_states:
             rows = np.arange(chunk.row, chunk.row + len(positions), dtype=np.int64)

@@ -60,7 +60,10 @@ def models(tmp_path_factory):
     """qwen3 (2 KV heads: split over 2 ranks), llama3 (1 KV head: replicated on 2 ranks),
     qwen3_5 (a hybrid: Gated DeltaNet + attention), built once."""
     root = tmp_path_factory.mktemp("pd_models")
-    return {kind: make_tiny_model(root / kind, kind) for kind in ("qwen3", "llama3", "qwen3_5")}
+    built = {kind: make_tiny_model(root / kind, kind) for kind in ("qwen3", "llama3")}
+    # With an MTP head (unused unless speculating).
+    built["qwen3_5"] = make_tiny_model(root / "qwen3_5", "qwen3_5", mtp_layers=1)
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,39 @@ def test_a_hybrid_transfer_across_tp_sizes_falls_back_to_the_same_answer(
     assert tokens == aggregated["qwen3_5"]
     assert reply["tp_size"] == 2 and reply["remote_state_block_ids"]
     assert (stats.pulls_ok, stats.fallbacks, stats.bytes_received) == (0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [("qwen3", "ngram"), ("qwen3", "draft_model"), ("qwen3_5", "mtp")],
+)
+def test_a_speculating_decode_engine_resumes_from_the_pulled_kv(
+    tmp_path, models, aggregated, no_leftover_tp_workers, kind, method
+):
+    """P/D with speculation on the decode engine (the operator renders spec.engine.speculative
+    into the decode role): its greedy tokens are the aggregated engine's. The pulled blocks hold
+    the target's KV alone, so a draft model first catches up over the pulled prompt: with the
+    target as its own draft, its drafts are then accepted (without that catch-up, none were)."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "draft_model":
+        spec["model"] = str(models[kind])
+    launcher = Launcher(tmp_path)
+    try:
+        server = producer_process(launcher, models[kind], PORTABLE, 1)
+        consumer = engine(models[kind], PORTABLE, "kv_consumer", 1, speculative_config=spec)
+        try:
+            reply = remote_prefill(server, models[kind], PROMPT)
+            tokens, _ = remote_decode(consumer, reply, PROMPT, MAX_TOKENS)
+            stats = consumer.engine.kv_transfer.snapshot()
+            spec_stats = consumer.engine.scheduler.spec_stats
+        finally:
+            consumer.shutdown()
+    finally:
+        launcher.close()
+    assert tokens == aggregated[kind]
+    assert (stats.pulls_ok, stats.fallbacks) == (1, 0)
+    if method == "draft_model":
+        drafted, accepted = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
+        assert drafted > 0 and accepted * 2 > drafted, spec_stats
