@@ -1,11 +1,10 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the model and the KV cache tensors, and drives three helpers of its own: the decode CUDA
-graphs (cuda_graphs.py), the sampler (sampler.py) and the
-batch-1 kernel choice made at start-up (kernel_choice.py). It makes no policy decisions (the
-scheduler does). CPU is a first-class device; on a GPU the same runner sizes the cache from
-`gpu_memory_utilization` after a profiling forward (cache_memory.py); step_inputs.py builds each
-step's inputs.
+graphs (cuda_graphs.py), the sampler (sampler.py) and the batch-1 kernel choice made at start-up
+(kernel_choice.py). It makes no policy decisions (the scheduler does). CPU is a first-class
+device; on a GPU the same runner sizes the cache from `gpu_memory_utilization` after a profiling
+forward (cache_memory.py); step_inputs.py builds each step's inputs.
 
 One step is three parts: `prepare_inputs` (batch -> host arrays, `StepInputs`), `forward` (the
 model and the LM head; under tensor parallelism every rank runs it on the same StepInputs) and
