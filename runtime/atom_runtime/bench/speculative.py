@@ -193,9 +193,6 @@ class _FixedDrafter:
     def attention_layers(self):
         return self.inner.attention_layers()
 
-    def release(self, request_ids) -> None:
-        self.inner.release(request_ids)
-
 
 def run_cost_sweep(llm, prompt: list[int], args: argparse.Namespace, result: dict) -> None:
     """W7's step costs: plain, and verify + draft for k = 1..K; per-token latency table."""

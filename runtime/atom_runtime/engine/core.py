@@ -280,7 +280,6 @@ class EngineCore:
         aborted = self.scheduler.abort(ids)
         if self.kv_transfer is not None:
             aborted += self.kv_transfer.abort(ids)
-        self.executor.release(seq.request_id for seq in aborted)
         return [request_update(seq, with_token=False) for seq in aborted]
 
     def has_unfinished_requests(self) -> bool:
@@ -342,8 +341,7 @@ class EngineCore:
     def _complete(self, step: _InFlight) -> StepOutputs:
         """Read a launched step's samples back, hand them to the scheduler and, speculating,
         propose drafts for its sequences before any of them is scheduled again."""
-        outputs, finished = self.scheduler.update_from_output(step.batch, step.wait())
-        self.executor.release(seq.request_id for seq in finished)
+        outputs, _ = self.scheduler.update_from_output(step.batch, step.wait())
         if self.speculative is not None:
             self._propose(step)
         return outputs

@@ -250,9 +250,7 @@ class TransferAgent(HoldKeeper):
         if pull.blocks:
             # The producer's blocks carry the target's layers alone: a drafting model here
             # catches up on them with the sequence's first step.
-            start = first * bs
-            gap = pull.seq.draft_kv_from
-            pull.seq.draft_kv_from = start if gap is None else min(gap, start)
+            pull.seq.draft_kv_from = first * bs
             self.pool.publish_hashes(
                 pull.blocks,
                 pull.hashes[first:],

@@ -94,9 +94,6 @@ class ModelDrafter:
     def attention_layers(self) -> list:
         raise NotImplementedError
 
-    def release(self, request_ids) -> None:
-        """Nothing kept per request: the KV lives in the target's blocks."""
-
     def group(self) -> AbstractContextManager:
         """The group the drafting model runs in: this rank alone under tensor parallelism."""
         return rank_local() if self.outside_group else nullcontext()

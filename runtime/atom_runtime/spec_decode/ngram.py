@@ -58,6 +58,3 @@ class NgramDrafter:
 
     def attention_layers(self) -> list:
         return []
-
-    def release(self, request_ids) -> None:
-        """Nothing kept per request."""

@@ -58,9 +58,6 @@ class Drafter(Protocol):
     def attention_layers(self) -> list:
         """The drafter's paged attention layers (their caches use the target's block ids)."""
 
-    def release(self, request_ids) -> None:
-        """Forget what is kept for finished requests."""
-
 
 def make_drafter(spec, config, model_config, target, dtype: torch.dtype) -> Drafter | None:
     """The drafter `spec` (a SpeculativeConfig, or None: no speculation) asks for, refused by

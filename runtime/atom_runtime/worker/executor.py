@@ -95,9 +95,6 @@ class Executor(Protocol):
         """Speculative decoding: drafts for a step's live sequences, from its `record` (None:
         the last step's)."""
 
-    def release(self, request_ids) -> None:
-        """Forget the per-request state (a drafter's) of finished requests."""
-
     def shutdown(self) -> None:
         """Free the device memory (and stop any worker process); idempotent."""
 
@@ -290,9 +287,6 @@ class TPExecutor:
         """Drafts come from rank 0 alone (a drafting model runs whole there, outside the group);
         the other ranks see them as token ids in the next step's inputs."""
         return self.runner.propose(seqs, record)
-
-    def release(self, request_ids) -> None:
-        self.runner.release(request_ids)
 
     def call_workers(self, method: str, args: list | None = None) -> list[Any]:
         """Run a worker method (worker.WORKER_METHODS) on ranks 1..N-1; their return values in

@@ -451,10 +451,6 @@ class ModelRunner(CacheMemory, StepInputPreparation):
         found = [chunks.get(id(seq)) for seq in seqs]
         return self.drafter.propose(seqs, found, record.hidden)
 
-    def release(self, request_ids) -> None:
-        if self.drafter is not None:
-            self.drafter.release(list(request_ids))
-
     def shutdown(self) -> None:
         """Drop the KV cache and the captured graphs, so their memory is freed even while
         something still holds this runner."""

@@ -43,9 +43,6 @@ class OracleDrafter:
     def attention_layers(self) -> list:
         return []
 
-    def release(self, request_ids) -> None:
-        pass
-
 
 def install(llm, drafter) -> None:
     """Make `llm`'s engine draft with `drafter` (a speculative engine's runner)."""
